@@ -1,0 +1,38 @@
+"""``python -m buffer --run-dir DIR``: the rollout buffer process."""
+
+import asyncio
+import signal
+
+import uvloop
+
+from buffer.ledger import PromptLedger
+from buffer.server import BufferServer
+from verl_async.data import load_prompts
+from verl_async.runtime import die_with_parent, load_context, role_args, setup_logging
+from verl_async.staleness import Admission
+
+
+async def serve(run_dir: str) -> None:
+    ctx = load_context(run_dir)
+    cfg = ctx.cfg
+    admission = Admission(cfg.learner.groups_per_step, cfg.staleness.max)
+    ledger = PromptLedger(
+        load_prompts(cfg.data.path), admission, cfg.trainer.total_steps, cfg.data.shuffle_seed
+    )
+    server = BufferServer(ledger, cfg.staleness.max, ctx.endpoints.buffer)
+
+    asyncio.get_running_loop().add_signal_handler(
+        signal.SIGTERM, lambda: setattr(server, "terminated", True)
+    )
+    await server.serve()
+
+
+def main() -> None:
+    args = role_args("verl-async rollout buffer")
+    die_with_parent()
+    setup_logging("buffer")
+    uvloop.run(serve(args.run_dir))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""The buffer's state, free of sockets: prompt ledger, rollout store, batch assembly.
+
+Every prompt group k moves  issued -> returned -> consumed, each exactly once. Step s
+consumes groups sB .. sB + B - 1 (issue order; see verl_async/staleness.py for why).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from verl_async.data import PromptRecord, epoch_order
+from verl_async.protocol import PromptGroup
+from verl_async.staleness import Admission, check_sample
+
+
+class LedgerError(ValueError):
+    """A message that contradicts the ledger (unknown or duplicate group)."""
+
+
+@dataclass
+class StoredGroup:
+    """A returned group's samples, arrays owned by the buffer."""
+
+    group_id: int
+    prompt_id: int
+    generator_id: int
+    prompt_ids: np.ndarray  # [P] int32
+    responses: list[np.ndarray]  # N x [T_i] int32
+    behav_logprobs: list[np.ndarray]  # N x [T_i] float32
+    token_versions: list[np.ndarray]  # N x [T_i] int32
+    rewards: list[float]  # [N]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r) + len(self.prompt_ids) for r in self.responses)
+
+
+@dataclass
+class StepBatch:
+    """All samples of one step that passed the staleness check, grouped per rank."""
+
+    step: int
+    shards: list[list[StoredGroup]]  # [world_size] groups per rank
+    dropped_stale: int
+    served: set[int] = field(default_factory=set)
+
+
+@dataclass
+class Issued:
+    generator_id: int
+    loaded_version: int
+    at: float
+
+
+class PromptLedger:
+    """Issue order, admission, returns and consumption of prompt groups."""
+
+    def __init__(
+        self, prompts: list[PromptRecord], admission: Admission, total_steps: int, seed: int
+    ) -> None:
+        self.prompts = prompts
+        self.admission = admission
+        self.total_groups = total_steps * admission.groups_per_step
+        self.seed = seed
+        self.next_group = 0
+        self.in_flight: dict[int, Issued] = {}
+        self.returned: dict[int, StoredGroup] = {}
+        self.consumed_steps = 0
+        self._orders: dict[int, list[int]] = {}
+
+    def prompt_of(self, group_id: int) -> tuple[int, int]:
+        """group k -> (epoch, prompt index)."""
+        n = len(self.prompts)
+        epoch = group_id // n
+        if epoch not in self._orders:
+            self._orders = {epoch: epoch_order(n, epoch, self.seed)}
+        return epoch, self._orders[epoch][group_id % n]
+
+    def issue(
+        self, generator_id: int, loaded_version: int, max_groups: int
+    ) -> tuple[list[PromptGroup], bool]:
+        """Up to ``max_groups`` admissible groups; the flag says admission held some back."""
+        out: list[PromptGroup] = []
+        while len(out) < max_groups and self.next_group < self.total_groups:
+            k = self.next_group
+            if not self.admission.admits(k, loaded_version):
+                return out, True
+            epoch, idx = self.prompt_of(k)
+            rec = self.prompts[idx]
+            out.append(
+                PromptGroup(
+                    group_id=k, prompt_id=idx, epoch=epoch, prompt=rec.prompt, answer=rec.answer
+                )
+            )
+            self.in_flight[k] = Issued(generator_id, loaded_version, time.monotonic())
+            self.next_group += 1
+        return out, False
+
+    @property
+    def exhausted(self) -> bool:
+        return self.next_group >= self.total_groups
+
+    def record_return(self, group: StoredGroup) -> None:
+        k = group.group_id
+        if k not in self.in_flight:
+            state = "already returned" if k in self.returned else "never issued"
+            raise LedgerError(f"group {k} was {state}")
+        del self.in_flight[k]
+        self.returned[k] = group
+
+    def missing_for(self, step: int) -> int:
+        return sum(1 for k in self.admission.groups_of_step(step) if k not in self.returned)
+
+    def consume(self, step: int) -> list[StoredGroup]:
+        """Remove and return the groups of ``step``; every one must have been returned."""
+        if step != self.consumed_steps:
+            raise LedgerError(
+                f"step {step} requested, next unconsumed step is {self.consumed_steps}"
+            )
+        groups = [self.returned.pop(k) for k in self.admission.groups_of_step(step)]
+        self.consumed_steps += 1
+        return groups
+
+
+def filter_stale(
+    groups: list[StoredGroup], learner_version: int, max_staleness: int
+) -> tuple[list[StoredGroup], int]:
+    """Safety net: drop samples older than eta; returns (kept groups, samples dropped)."""
+    kept: list[StoredGroup] = []
+    dropped = 0
+    for g in groups:
+        keep = [
+            i
+            for i, versions in enumerate(g.token_versions)
+            if check_sample(
+                learner_version, int(versions.min(initial=learner_version)), max_staleness
+            )
+        ]
+        dropped += len(g.responses) - len(keep)
+        if keep:
+            kept.append(
+                StoredGroup(
+                    g.group_id,
+                    g.prompt_id,
+                    g.generator_id,
+                    g.prompt_ids,
+                    [g.responses[i] for i in keep],
+                    [g.behav_logprobs[i] for i in keep],
+                    [g.token_versions[i] for i in keep],
+                    [g.rewards[i] for i in keep],
+                )
+            )
+    return kept, dropped
+
+
+def shard_groups(groups: list[StoredGroup], world_size: int) -> list[list[StoredGroup]]:
+    """Token-balanced split across ranks, whole groups per rank (advantages stay local).
+
+    Longest-processing-time greedy: heaviest group first onto the lightest rank.
+    """
+    shards: list[list[StoredGroup]] = [[] for _ in range(world_size)]
+    load = [0] * world_size
+    for g in sorted(groups, key=lambda g: g.num_tokens, reverse=True):
+        r = min(range(world_size), key=load.__getitem__)
+        shards[r].append(g)
+        load[r] += g.num_tokens
+    for shard in shards:
+        shard.sort(key=lambda g: g.group_id)
+    return shards
+
+
+class TokenRate:
+    """Generated tokens per second over a sliding window."""
+
+    def __init__(self, window_s: float = 20.0) -> None:
+        self.window_s = window_s
+        self.events: deque[tuple[float, int]] = deque()
+
+    def add(self, tokens: int, now: float | None = None) -> None:
+        self.events.append((time.monotonic() if now is None else now, tokens))
+
+    def rate(self, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        while self.events and now - self.events[0][0] > self.window_s:
+            self.events.popleft()
+        if len(self.events) < 2:
+            return 0.0
+        span = max(now - self.events[0][0], 1e-3)
+        return sum(t for _, t in self.events) / span

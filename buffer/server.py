@@ -1,0 +1,273 @@
+"""The rollout buffer: one process, one ROUTER socket, one asyncio (uvloop) event loop.
+
+Socket pattern. ROUTER bound on ``buffer.host:port`` (loopback by default); every client
+is a DEALER that sends ``Envelope(request_id, body)`` and gets exactly one reply with the
+same request_id. Long polls (``PollVersion``, ``GetBatch``) are parked and answered as
+soon as they can be, or at their deadline, so clients never spin.
+
+Nothing is dropped: ROUTER_MANDATORY makes a send to a vanished peer raise (logged)
+instead of silently discarding; HWMs are 0 (unbounded) because every request is answered
+once and clients keep at most a handful outstanding. A message that does not decode gets
+an ``Error`` reply and a log line; the loop goes on. Shutdown: ``Shutdown`` from the
+learner answers every poll with ``stop`` from then on (generators exit on it); SIGTERM
+from the launcher ends the loop, and the socket closes with linger=0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from buffer.ledger import (
+    LedgerError,
+    PromptLedger,
+    StepBatch,
+    StoredGroup,
+    TokenRate,
+    filter_stale,
+    shard_groups,
+)
+from verl_async import protocol as P
+
+log = logging.getLogger("verl_async.buffer")
+
+
+@dataclass
+class Parked:
+    identity: bytes
+    request_id: int
+    body: P.PollVersion | P.GetBatch
+    deadline: float
+    since: float
+
+
+class BufferServer:
+    def __init__(self, ledger: PromptLedger, max_staleness: int, endpoint: str) -> None:
+        self.ledger = ledger
+        self.max_staleness = max_staleness
+        self.endpoint = endpoint
+        self.update: P.WeightUpdate | None = None
+        self.target_version = 0
+        self.steps: dict[int, StepBatch] = {}
+        self.parked: list[Parked] = []
+        self.rate = TokenRate()
+        self.dropped_stale_total = 0
+        self.admission_blocked = 0
+        self.stopping = False  # Shutdown received: answer everyone with stop
+        self.terminated = False  # SIGTERM: leave the loop
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(endpoint)
+
+    # ------------------------------------------------------------------ main loop
+
+    async def serve(self) -> None:
+        ticker = asyncio.create_task(self._expire_parked())
+        try:
+            while not self.terminated:
+                if await self.sock.poll(100):
+                    await self._dispatch(await self.sock.recv_multipart(copy=False))
+        finally:
+            ticker.cancel()
+            self.sock.close(linger=0)
+            self.ctx.term()
+
+    async def _dispatch(self, parts: list) -> None:
+        identity = parts[0].bytes
+        try:
+            env, frames = P.decode(parts[1:])
+        except P.ProtocolError as exc:
+            log.warning("bad message from %s: %s", identity.hex(), exc)
+            await self._send(identity, 0, P.Error(code="protocol", message=str(exc)))
+            return
+        try:
+            reply, frames_out = self.handle(identity, env.request_id, env.body, frames)
+        except (LedgerError, P.ProtocolError) as exc:
+            log.warning("rejected %s: %s", type(env.body).__name__, exc)
+            reply, frames_out = P.Error(code="rejected", message=str(exc)), None
+        if reply is not None:
+            await self._send(identity, env.request_id, reply, frames_out)
+        await self._serve_parked()
+
+    async def _send(
+        self, identity: bytes, request_id: int, body: P.Body, frames: P.Frames | None = None
+    ) -> None:
+        try:
+            await self.sock.send_multipart(
+                [identity, *P.encode(body, request_id, frames)], copy=False
+            )
+        except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY): nothing to deliver to
+            log.warning("reply to %s lost: %s", identity.hex(), exc)
+
+    # ------------------------------------------------------------------ handlers
+
+    def handle(self, identity: bytes, request_id: int, body: P.Body, frames: list):
+        """Returns (reply, frames) or (None, None) when the request was parked."""
+        match body:
+            case P.GetPrompts():
+                return self._get_prompts(body), None
+            case P.PushRollouts():
+                self._push_rollouts(body.group, frames)
+                return P.Ack(), None
+            case P.PollVersion() | P.GetBatch():
+                ready = self._try_answer(body)
+                if ready is not None:
+                    return ready
+                now = time.monotonic()
+                self.parked.append(Parked(identity, request_id, body, now + body.wait_s, now))
+                return None, None
+            case P.AnnounceWeights():
+                self.update = body.update
+                self.target_version = body.update.version
+                return P.Ack(), None
+            case P.GetStats():
+                return self.stats(), None
+            case P.Shutdown():
+                self.stopping = True
+                return P.Ack(), None
+            case _:
+                return P.Error(
+                    code="unexpected", message=f"{type(body).__name__} is a reply, not a request"
+                ), None
+
+    def _get_prompts(self, req: P.GetPrompts) -> P.Prompts:
+        if self.stopping:
+            return P.Prompts(groups=[], blocked_by_admission=False, exhausted=True)
+        groups, blocked = self.ledger.issue(req.generator_id, req.loaded_version, req.max_groups)
+        self.admission_blocked += int(blocked and not groups)
+        return P.Prompts(
+            groups=groups, blocked_by_admission=blocked, exhausted=self.ledger.exhausted
+        )
+
+    def _push_rollouts(self, g: P.RolloutGroup, frames: list) -> None:
+        lengths = np.asarray(g.lengths, dtype=np.int64)
+        bounds = np.concatenate([[0], np.cumsum(lengths)])
+        resp = P.tensor(g.response_ids, frames)
+        lp = P.tensor(g.behav_logprobs, frames)
+        ver = P.tensor(g.token_versions, frames)
+        if not (len(resp) == len(lp) == len(ver) == bounds[-1]) or len(g.rewards) != len(lengths):
+            raise P.ProtocolError(f"group {g.group_id}: lengths do not match the tensors")
+        split = lambda a: [a[bounds[i] : bounds[i + 1]].copy() for i in range(len(lengths))]  # noqa: E731
+        stored = StoredGroup(
+            g.group_id,
+            g.prompt_id,
+            g.generator_id,
+            P.tensor(g.prompt_ids, frames).copy(),
+            split(resp),
+            split(lp),
+            split(ver),
+            list(g.rewards),
+        )
+        self.ledger.record_return(stored)
+        self.rate.add(int(bounds[-1]))
+
+    def _try_answer(self, body: P.PollVersion | P.GetBatch):
+        if isinstance(body, P.PollVersion):
+            if self.target_version > body.loaded_version or self.stopping:
+                return P.VersionStatus(
+                    target_version=self.target_version, update=self.update, stop=self.stopping
+                ), None
+            return None
+        return self._batch_shard(body)
+
+    def _batch_shard(self, req: P.GetBatch):
+        step = self.steps.get(req.step)
+        if step is None:
+            if self.ledger.missing_for(req.step):
+                return None
+            groups = self.ledger.consume(req.step)
+            kept, dropped = filter_stale(groups, req.learner_version, self.max_staleness)
+            if dropped:
+                log.error(
+                    "dropped %d stale samples at step %d: staleness control is broken",
+                    dropped,
+                    req.step,
+                )
+            self.dropped_stale_total += dropped
+            step = StepBatch(req.step, shard_groups(kept, req.world_size), dropped)
+            self.steps[req.step] = step
+            for old in [s for s in self.steps if s < req.step - 1]:
+                del self.steps[old]
+        step.served.add(req.rank)
+        return self._encode_shard(step, req.rank)
+
+    def _encode_shard(self, step: StepBatch, rank: int):
+        groups = step.shards[rank]
+        samples = [(g, i) for g in groups for i in range(len(g.responses))]
+        frames = P.Frames()
+        cat = lambda arrays, dt: np.concatenate(arrays).astype(dt) if arrays else np.zeros(0, dt)  # noqa: E731
+        body = P.Batch(
+            step=step.step,
+            group_ids=[g.group_id for g in groups],
+            sample_group=[g.group_id for g, _ in samples],
+            prompt_lengths=[len(g.prompt_ids) for g, _ in samples],
+            response_lengths=[len(g.responses[i]) for g, i in samples],
+            rewards=[g.rewards[i] for g, i in samples],
+            prompt_ids=frames.add(cat([g.prompt_ids for g, _ in samples], np.int32)),
+            response_ids=frames.add(cat([g.responses[i] for g, i in samples], np.int32)),
+            behav_logprobs=frames.add(cat([g.behav_logprobs[i] for g, i in samples], np.float32)),
+            token_versions=frames.add(cat([g.token_versions[i] for g, i in samples], np.int32)),
+            dropped_stale=step.dropped_stale,
+            buffer_size=len(self.ledger.returned),
+            gen_tokens_per_s=self.rate.rate(),
+            wait_s=0.0,
+        )
+        return body, frames
+
+    # ------------------------------------------------------------------ long polls
+
+    async def _serve_parked(self) -> None:
+        still: list[Parked] = []
+        for p in self.parked:
+            ready = self._try_answer(p.body)
+            if ready is None:
+                still.append(p)
+                continue
+            reply, frames = ready
+            if isinstance(reply, P.Batch):
+                reply = msgspec.structs.replace(reply, wait_s=time.monotonic() - p.since)
+            await self._send(p.identity, p.request_id, reply, frames)
+        self.parked = still
+
+    async def _expire_parked(self) -> None:
+        while True:
+            await asyncio.sleep(0.05)
+            now = time.monotonic()
+            expired = [p for p in self.parked if p.deadline <= now or self.stopping]
+            if not expired:
+                continue
+            self.parked = [p for p in self.parked if p not in expired]
+            for p in expired:
+                await self._send(p.identity, p.request_id, self._timeout_reply(p.body))
+
+    def _timeout_reply(self, body: P.PollVersion | P.GetBatch) -> P.Body:
+        if isinstance(body, P.PollVersion):
+            return P.VersionStatus(
+                target_version=self.target_version, update=self.update, stop=self.stopping
+            )
+        if self.stopping:
+            return P.Error(code="stopping", message="the buffer is shutting down")
+        return P.NotReady(step=body.step, missing_groups=self.ledger.missing_for(body.step))
+
+    def stats(self) -> P.Stats:
+        lg = self.ledger
+        return P.Stats(
+            issued=lg.next_group,
+            returned=len(lg.returned),
+            consumed=lg.consumed_steps * lg.admission.groups_per_step,
+            stored_groups=len(lg.returned),
+            target_version=self.target_version,
+            dropped_stale=self.dropped_stale_total,
+            admission_blocked=self.admission_blocked,
+        )

@@ -1,0 +1,130 @@
+"""A vLLM AsyncLLM engine wrapped for RL: sampling with per-token versions, weight swaps."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from verl_async.config import RunConfig
+from verl_async.protocol import WeightUpdate
+
+EXTENSION = "generators.vllm_extension.WeightSyncExtension"
+
+
+def start_engine(cfg: RunConfig, model_path: str, seed: int):
+    """AsyncLLM with the weight-sync worker extension; logprobs after temperature/top-p."""
+    from vllm import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    g = cfg.generators
+    args = AsyncEngineArgs(
+        model=model_path,
+        dtype=cfg.model.dtype,
+        seed=seed,
+        max_model_len=g.max_model_len,
+        max_num_seqs=max(g.max_inflight_groups * g.group_size, 8),
+        enforce_eager=True,
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls=EXTENSION,
+        kv_cache_memory_bytes=g.kv_cache_mb << 20,
+        gpu_memory_utilization=g.gpu_memory_utilization,
+        enable_prefix_caching=True,
+    )
+    return AsyncLLM.from_engine_args(args)
+
+
+@dataclass
+class Sample:
+    """One streamed completion; ``versions[i]`` is the weights version that produced token i."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+
+class Engine:
+    """Owns the AsyncLLM and the version of the weights it currently runs."""
+
+    def __init__(self, llm, cfg: RunConfig) -> None:
+        self.llm = llm
+        self.cfg = cfg
+        self.loaded_version = 0
+        self.ids = itertools.count()
+        self.version_changed = asyncio.Event()
+
+    async def join_weight_sync(
+        self, host: str, port: int, world_size: int, rank_offset: int, backend: str
+    ) -> None:
+        w = self.cfg.weights
+        await self.llm.collective_rpc(
+            "verl_join_weight_sync",
+            timeout=w.join_timeout_s,
+            args=(host, port, world_size, rank_offset, backend, w.timeout_s),
+        )
+
+    async def sample(self, prompt_ids: list[int]) -> Sample:
+        """Stream one completion, stamping each token with the version loaded when it arrived.
+
+        A token computed just before a swap but read just after would be stamped new and
+        understate staleness; ``apply_update`` only bumps the version after the swap's RPC
+        round-trips and the engine has resumed, by which time pre-swap outputs have been
+        delivered (pause_generation drains them). Stamps can only err towards older.
+        """
+        from vllm import SamplingParams, TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        g = self.cfg.generators
+        params = SamplingParams(
+            max_tokens=g.max_new_tokens,
+            temperature=g.temperature,
+            logprobs=0,
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        out = Sample()
+        request_id = f"s{next(self.ids)}"
+        async for chunk in self.llm.generate(
+            TokensPrompt(prompt_token_ids=prompt_ids), params, request_id
+        ):
+            comp = chunk.outputs[0]
+            version = self.loaded_version
+            for tok, lp in zip(comp.token_ids, comp.logprobs or [], strict=True):
+                out.token_ids.append(tok)
+                out.logprobs.append(lp[tok].logprob)
+                out.versions.append(version)
+        return out
+
+    async def apply_update(self, update: WeightUpdate) -> float:
+        """Pause (in-flight requests kept), receive the broadcast, reset prefix cache, resume."""
+        t0 = time.perf_counter()
+        await self.llm.pause_generation(mode="keep", clear_cache=False)
+        specs = [[p.name, p.dtype, list(p.shape)] for p in update.params]
+        try:
+            await self.llm.collective_rpc(
+                "verl_receive_weights",
+                timeout=self.cfg.weights.timeout_s,
+                args=(specs, update.bucket_bytes),
+            )
+            await self.llm.reset_prefix_cache()
+        finally:
+            await self.llm.resume_generation()
+        self.loaded_version = update.version
+        self.version_changed.set()
+        self.version_changed = asyncio.Event()
+        return time.perf_counter() - t0
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+
+
+def pack_samples(samples: list[Sample]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]:
+    """Concatenate a group's samples: (tokens [sum T] i32, logprobs f32, versions i32, lengths)."""
+    lengths = [len(s.token_ids) for s in samples]
+    tokens = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in samples), np.int32)
+    logprobs = np.fromiter(itertools.chain.from_iterable(s.logprobs for s in samples), np.float32)
+    versions = np.fromiter(itertools.chain.from_iterable(s.versions for s in samples), np.int32)
+    return tokens, logprobs, versions, lengths

@@ -1,0 +1,164 @@
+"""Generator process: keep a vLLM engine busy with prompt groups and ship rollouts.
+
+    start_engine -> join_weight_sync -> (concurrently)
+        sample loop:   fetch_prompts -> generate_group -> score -> push_rollouts
+        weight loop:   poll_version  -> apply_update (pause, receive, resume)
+
+The engine does continuous batching: up to ``max_inflight_groups * group_size`` requests
+are in flight, and a group's samples are separate requests so they share the prompt's
+prefix cache. The version reported to the buffer is the one *loaded*, never the newest
+published: admission depends on it (verl_async/staleness.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import numpy as np
+
+from generators.engine import Engine, pack_samples, start_engine
+from verl_async import protocol as P
+from verl_async.runtime import RunContext
+from verl_async.tasks import reward_fn
+from verl_async.transport import AsyncBufferClient
+from verl_async.weight_sync import resolve_backend
+
+log = logging.getLogger("verl_async.generator")
+
+
+class Generator:
+    def __init__(self, ctx: RunContext, index: int, engine: Engine, tokenizer) -> None:
+        self.ctx = ctx
+        self.cfg = ctx.cfg
+        self.index = index
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.reward = reward_fn(self.cfg.data.task)
+        self.buffer = AsyncBufferClient(ctx.endpoints.buffer, self.cfg.buffer.request_timeout_s)
+        self.stop = False
+        self.inflight: set[asyncio.Task] = set()
+
+    async def run(self) -> None:
+        weights = asyncio.create_task(self.follow_weights())
+        try:
+            await self.sample_loop()
+        finally:
+            weights.cancel()
+            for task in self.inflight:
+                task.cancel()
+            self.buffer.close()
+
+    # ------------------------------------------------------------------ sampling
+
+    async def sample_loop(self) -> None:
+        exhausted = False
+        while not self.stop:
+            room = self.cfg.generators.max_inflight_groups - len(self.inflight)
+            fetched = 0
+            if room > 0 and not exhausted:
+                reply, _ = await self.buffer.request(
+                    P.GetPrompts(
+                        generator_id=self.index,
+                        loaded_version=self.engine.loaded_version,
+                        max_groups=room,
+                    )
+                )
+                exhausted = reply.exhausted
+                for group in reply.groups:
+                    self._spawn(self.generate_group(group))
+                fetched = len(reply.groups)
+            if fetched == 0:
+                await self._wait_for_room()
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self.inflight.add(task)
+        task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self.inflight.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("group failed: %r", task.exception())
+            self.stop = True
+
+    async def _wait_for_room(self) -> None:
+        """Sleep until a group finishes, the loaded version changes, or 50 ms pass."""
+        waiters = [asyncio.ensure_future(self.engine.version_changed.wait()), *self.inflight]
+        await asyncio.wait(waiters, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
+        waiters[0].cancel()
+
+    async def generate_group(self, group: P.PromptGroup) -> None:
+        t0 = time.perf_counter()
+        prompt_ids = self.tokenizer(group.prompt)["input_ids"]
+        n = self.cfg.generators.group_size
+        samples = await asyncio.gather(*(self.engine.sample(prompt_ids) for _ in range(n)))
+        texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
+        rewards = [self.reward(group.answer, t) for t in texts]
+        await self.push_rollouts(group, prompt_ids, samples, rewards, time.perf_counter() - t0)
+
+    async def push_rollouts(self, group, prompt_ids, samples, rewards, seconds) -> None:
+        tokens, logprobs, versions, lengths = pack_samples(samples)
+        frames = P.Frames()
+        body = P.PushRollouts(
+            group=P.RolloutGroup(
+                group_id=group.group_id,
+                prompt_id=group.prompt_id,
+                generator_id=self.index,
+                prompt_ids=frames.add(np.asarray(prompt_ids, np.int32)),
+                response_ids=frames.add(tokens),
+                behav_logprobs=frames.add(logprobs),
+                token_versions=frames.add(versions),
+                lengths=lengths,
+                rewards=rewards,
+                gen_seconds=seconds,
+            )
+        )
+        await self.buffer.request(body, frames)
+
+    # ------------------------------------------------------------------ weights
+
+    async def follow_weights(self) -> None:
+        """Long-poll the buffer for new versions and swap them in as they are announced."""
+        wait_s = 1.0
+        while not self.stop:
+            status, _ = await self.buffer.request(
+                P.PollVersion(
+                    generator_id=self.index,
+                    loaded_version=self.engine.loaded_version,
+                    wait_s=wait_s,
+                ),
+                extra_wait_s=wait_s,
+            )
+            if status.stop:
+                self.stop = True
+                return
+            if status.update is not None and status.update.version > self.engine.loaded_version:
+                seconds = await self.engine.apply_update(status.update)
+                log.info("loaded version %d in %.3fs", status.update.version, seconds)
+
+
+async def run_generator(ctx: RunContext, index: int) -> None:
+    from transformers import AutoTokenizer
+
+    cfg = ctx.cfg
+    ep = ctx.endpoints
+    llm = start_engine(cfg, ep.model_path, seed=cfg.learner.seed * 1000 + index)
+    engine = Engine(llm, cfg)
+    try:
+        log.info("engine up; joining the weight-sync group")
+        await engine.join_weight_sync(
+            ep.weights_host,
+            ep.weights_port,
+            1 + cfg.generators.count,
+            1 + index,
+            resolve_backend(cfg.weights.backend),
+        )
+        tokenizer = AutoTokenizer.from_pretrained(ep.model_path)
+        await Generator(ctx, index, engine, tokenizer).run()
+    finally:
+        engine.shutdown()
+        # Drop the engine while modules are alive: AsyncLLM.__del__ at interpreter exit
+        # otherwise calls into half-torn-down modules and prints a traceback.
+        del engine, llm

@@ -1,0 +1,57 @@
+"""vLLM worker extension: lets each engine worker join the weight-sync group.
+
+vLLM mixes this class into its worker (``worker_extension_cls``); the generator calls the
+methods through ``AsyncLLM.collective_rpc``. Names carry a ``verl_`` prefix so they never
+clash with the worker's own attributes.
+
+Weights are loaded inside vLLM's layerwise reload (initialize before, finalize after):
+on CPU vLLM repacks weights after loading, and a bare ``model.load_weights`` there either
+fails or silently leaves the packed copy stale.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verl_async.protocol import ParamSpec
+from verl_async.weight_sync import join_group, receive_weights
+
+
+class WeightSyncExtension:
+    def verl_join_weight_sync(
+        self,
+        host: str,
+        port: int,
+        world_size: int,
+        rank_offset: int,
+        backend: str,
+        timeout_s: float,
+    ) -> int:
+        """Join the group as rank ``rank_offset + worker rank``; returns that rank."""
+        rank = rank_offset + self.rank
+        self.verl_group = join_group(host, port, rank, world_size, backend, timeout_s)
+        return rank
+
+    def verl_receive_weights(self, specs: list[list], bucket_bytes: int) -> int:
+        """Receive one update broadcast by the learner and load it; returns bytes received."""
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        model = self.model_runner.model
+        param_specs = [ParamSpec(name, dtype, tuple(shape)) for name, dtype, shape in specs]
+        received = 0
+        initialize_layerwise_reload(model)
+        for bucket in receive_weights(self.verl_group, param_specs, bucket_bytes, self.device):
+            model.load_weights(bucket)
+            received += sum(t.numel() * t.element_size() for _, t in bucket)
+        finalize_layerwise_reload(model, self.model_config)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return received
+
+    def verl_leave_weight_sync(self) -> None:
+        group = getattr(self, "verl_group", None)
+        if group is not None:
+            self.verl_group = None  # dropping the last reference shuts the group down

@@ -1,0 +1,154 @@
+"""Turn a ``Batch`` message into padded tensors, and fetch the next one ahead of time."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from verl_async import protocol as P
+from verl_async.transport import BufferClient
+
+
+@dataclass
+class TrainBatch:
+    """One rank's samples, right-padded. T = longest prompt + response in the batch."""
+
+    step: int
+    input_ids: torch.Tensor  # [N, T] long
+    attention_mask: torch.Tensor  # [N, T] long
+    loss_mask: torch.Tensor  # [N, T-1] float, 1 where target position t+1 is a response token
+    behav_logprobs: torch.Tensor  # [N, T-1] float32, aligned with targets input_ids[:, 1:]
+    token_versions: torch.Tensor  # [N, T-1] long (-1 outside responses)
+    rewards: torch.Tensor  # [N] float32
+    group_index: torch.Tensor  # [N] long
+    response_lengths: torch.Tensor  # [N] long
+    dropped_stale: int
+    buffer_size: int
+    gen_tokens_per_s: float
+    wait_s: float
+
+    def to(self, device: torch.device) -> TrainBatch:
+        moved = {
+            k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+            for k, v in vars(self).items()
+        }
+        return TrainBatch(**moved)
+
+
+def collate(msg: P.Batch, frames: list, pad_id: int, pin: bool = False) -> TrainBatch:
+    prompt = P.tensor(msg.prompt_ids, frames)
+    resp = P.tensor(msg.response_ids, frames)
+    behav = P.tensor(msg.behav_logprobs, frames)
+    vers = P.tensor(msg.token_versions, frames)
+    n = len(msg.response_lengths)
+    total = [p + r for p, r in zip(msg.prompt_lengths, msg.response_lengths, strict=True)]
+    width = max(total, default=1)
+    ids = np.full((n, width), pad_id, np.int64)
+    attn = np.zeros((n, width), np.int64)
+    loss_mask = np.zeros((n, width - 1), np.float32)
+    behav_pad = np.zeros((n, width - 1), np.float32)
+    vers_pad = np.full((n, width - 1), -1, np.int64)
+    po = ro = 0
+    for i, (p, r) in enumerate(zip(msg.prompt_lengths, msg.response_lengths, strict=True)):
+        ids[i, :p] = prompt[po : po + p]
+        ids[i, p : p + r] = resp[ro : ro + r]
+        attn[i, : p + r] = 1
+        # Target of position t is token t+1; response token j sits at p+j, so position p+j-1.
+        loss_mask[i, p - 1 : p - 1 + r] = 1
+        behav_pad[i, p - 1 : p - 1 + r] = behav[ro : ro + r]
+        vers_pad[i, p - 1 : p - 1 + r] = vers[ro : ro + r]
+        po += p
+        ro += r
+    t = lambda a: torch.from_numpy(a).pin_memory() if pin else torch.from_numpy(a)  # noqa: E731
+    return TrainBatch(
+        step=msg.step,
+        input_ids=t(ids),
+        attention_mask=t(attn),
+        loss_mask=t(loss_mask),
+        behav_logprobs=t(behav_pad),
+        token_versions=t(vers_pad),
+        rewards=torch.tensor(msg.rewards, dtype=torch.float32),
+        group_index=torch.tensor(msg.sample_group, dtype=torch.long),
+        response_lengths=torch.tensor(msg.response_lengths, dtype=torch.long),
+        dropped_stale=msg.dropped_stale,
+        buffer_size=msg.buffer_size,
+        gen_tokens_per_s=msg.gen_tokens_per_s,
+        wait_s=msg.wait_s,
+    )
+
+
+def fetch_batch(
+    client: BufferClient,
+    step: int,
+    rank: int,
+    world: int,
+    pad_id: int,
+    pin: bool,
+    deadline_s: float,
+) -> TrainBatch:
+    """Long-poll the buffer until step ``step`` is complete; the learner version at step s is s."""
+    t0 = time.monotonic()
+    poll_s = 2.0
+    while True:
+        reply, frames = client.request(
+            P.GetBatch(step=step, rank=rank, world_size=world, learner_version=step, wait_s=poll_s),
+            extra_wait_s=poll_s,
+        )
+        if isinstance(reply, P.Batch):
+            batch = collate(reply, frames, pad_id, pin)
+            batch.wait_s = time.monotonic() - t0
+            return batch
+        if time.monotonic() - t0 > deadline_s:
+            raise TimeoutError(
+                f"step {step}: {reply.missing_groups} prompt groups still missing after {deadline_s:.0f}s; "
+                "are the generators alive? (see logs/generator*.log)"
+            )
+
+
+class Prefetcher:
+    """Background thread that fetches step s+1 while step s trains (own socket, own thread).
+
+    Pinned host memory on CUDA so the copy to the device overlaps compute.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        timeout_s: float,
+        steps: range,
+        rank: int,
+        world: int,
+        pad_id: int,
+        pin: bool,
+        deadline_s: float,
+    ) -> None:
+        self.q: queue.Queue = queue.Queue(maxsize=1)
+        self.deadline_s = deadline_s
+        self.args = (endpoint, timeout_s, steps, rank, world, pad_id, pin)
+        self.thread = threading.Thread(target=self._run, name="prefetch", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        endpoint, timeout_s, steps, rank, world, pad_id, pin = self.args
+        client = BufferClient(endpoint, timeout_s)
+        try:
+            for step in steps:
+                self.q.put(fetch_batch(client, step, rank, world, pad_id, pin, self.deadline_s))
+        except BaseException as exc:  # handed to the training thread, which raises it
+            self.q.put(exc)
+        finally:
+            client.close()
+
+    def get(self) -> TrainBatch:
+        t0 = time.monotonic()
+        item = self.q.get(timeout=self.deadline_s + 30)
+        if isinstance(item, BaseException):
+            raise item
+        # What the learner actually waited, not how long the batch took to complete.
+        item.wait_s = time.monotonic() - t0
+        return item

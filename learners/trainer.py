@@ -1,0 +1,264 @@
+"""Learner process (one Accelerate job): the RL loop, one short named step at a time.
+
+    for step s:  collect -> compute_advantages -> update -> publish_weights -> log_metrics
+
+The learner version at step s is s: weights are published after every step, so the
+batch of step s is checked against version s for staleness (verl_async/staleness.py).
+Rank 0 owns the weight-sync group; every rank takes part in gathering full tensors
+(FSDP2 DTensors) before rank 0 broadcasts, and gathers never interleave with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from learners.batching import Prefetcher, TrainBatch
+from verl_async import protocol as P
+from verl_async.algorithms import grpo_advantages, kl_k3, policy_loss, token_entropy, token_logprobs
+from verl_async.metrics import MetricsWriter
+from verl_async.runtime import RunContext
+from verl_async.transport import BufferClient
+from verl_async.weight_sync import SyncGroup, join_group, param_specs, resolve_backend, send_weights
+
+log = logging.getLogger("verl_async.learner")
+
+
+@dataclass
+class StepStats:
+    loss: float
+    kl: float
+    entropy: float
+    clip_fraction: float
+    is_weight_mean: float
+    is_weight_max: float
+    is_clipped_fraction: float
+    grad_norm: float
+
+
+class Learner:
+    def __init__(
+        self, ctx: RunContext, accelerator, model, optimizer, group: SyncGroup | None, pad_id: int
+    ) -> None:
+        self.ctx = ctx
+        self.cfg = ctx.cfg
+        self.acc = accelerator
+        self.model = model
+        self.optimizer = optimizer
+        self.group = group
+        self.pad_id = pad_id
+        self.version = 0
+        self.client = BufferClient(ctx.endpoints.buffer, self.cfg.buffer.request_timeout_s)
+        self.metrics = MetricsWriter(ctx.path) if accelerator.is_main_process else None
+        self.t_start = time.monotonic()
+
+    def train(self) -> None:
+        steps = range(self.version, self.cfg.trainer.total_steps)
+        batches = self.open_prefetcher(steps)
+        for step in steps:
+            t0 = time.monotonic()
+            batch = self.collect(batches)
+            advantages = self.compute_advantages(batch)
+            stats = self.update(batch, advantages)
+            sync_s = self.publish_weights()
+            self.log_metrics(step, batch, stats, sync_s, time.monotonic() - t0)
+        self.finish()
+
+    # ------------------------------------------------------------------ steps
+
+    def open_prefetcher(self, steps: range) -> Prefetcher:
+        cfg = self.cfg
+        return Prefetcher(
+            self.ctx.endpoints.buffer,
+            cfg.buffer.request_timeout_s,
+            steps,
+            self.acc.process_index,
+            self.acc.num_processes,
+            self.pad_id,
+            pin=torch.cuda.is_available(),
+            deadline_s=cfg.weights.join_timeout_s,
+        )
+
+    def collect(self, batches: Prefetcher) -> TrainBatch:
+        return batches.get().to(self.acc.device)
+
+    def compute_advantages(self, batch: TrainBatch) -> torch.Tensor:
+        adv = grpo_advantages(
+            batch.rewards.cpu(), batch.group_index.cpu(), self.cfg.algo.normalize_adv_std
+        )
+        return adv.to(self.acc.device)  # [N]
+
+    def update(self, batch: TrainBatch, advantages: torch.Tensor) -> StepStats:
+        """pi_prox recomputation, then ``algo.minibatches`` optimizer steps over the batch."""
+        algo = self.cfg.algo
+        self.model.train()
+        with torch.no_grad():
+            logits = self._logits(batch.input_ids, batch.attention_mask)
+            logp_prox = token_logprobs(logits, batch.input_ids[:, 1:])  # [N, T-1]
+            entropy = token_entropy(logits)
+            del logits
+        mask = batch.loss_mask
+        n_tok = mask.sum().clamp(min=1)
+        totals = dict(loss=0.0, clip=0.0, w_mean=0.0, w_max=0.0, w_clip=0.0, grad=0.0)
+        chunks = torch.arange(len(advantages), device=mask.device).chunk(algo.minibatches)
+        for idx in chunks:
+            logits = self._logits(batch.input_ids[idx], batch.attention_mask[idx])
+            logp = token_logprobs(logits, batch.input_ids[idx, 1:])
+            out = policy_loss(
+                logp,
+                logp_prox[idx],
+                batch.behav_logprobs[idx],
+                advantages[idx, None],
+                mask[idx],
+                algo.correction,
+                algo.clip_eps,
+                algo.is_cap,
+            )
+            self.acc.backward(out.loss)
+            grad = self.acc.clip_grad_norm_(self.model.parameters(), self.cfg.learner.grad_clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            k = 1.0 / len(chunks)
+            totals["loss"] += out.loss.item() * k
+            totals["clip"] += out.clip_fraction.item() * k
+            totals["w_mean"] += out.is_weight_mean.item() * k
+            totals["w_max"] = max(totals["w_max"], out.is_weight_max.item())
+            totals["w_clip"] += out.is_clipped_fraction.item() * k
+            totals["grad"] += float(grad) * k
+        return StepStats(
+            loss=totals["loss"],
+            kl=float((kl_k3(logp_prox, batch.behav_logprobs) * mask).sum() / n_tok),
+            entropy=float((entropy[:, :-1] * mask).sum() / n_tok),
+            clip_fraction=totals["clip"],
+            is_weight_mean=totals["w_mean"],
+            is_weight_max=totals["w_max"],
+            is_clipped_fraction=totals["w_clip"],
+            grad_norm=totals["grad"],
+        )
+
+    def _logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits  # [N, T, V]
+
+    def publish_weights(self) -> float:
+        """Gather full tensors on every rank, then rank 0 announces and broadcasts them."""
+        t0 = time.monotonic()
+        tensors = full_state_dict(self.acc.unwrap_model(self.model))
+        self.version += 1
+        if self.group is not None:
+            specs = param_specs(tensors.items())
+            bucket = self.cfg.weights.bucket_mb << 20
+            update = P.WeightUpdate(version=self.version, params=specs, bucket_bytes=bucket)
+            self.client.request(P.AnnounceWeights(update=update))
+            send_weights(self.group, tensors, specs, bucket)
+        return time.monotonic() - t0
+
+    def log_metrics(
+        self, step: int, batch: TrainBatch, stats: StepStats, sync_s: float, step_s: float
+    ) -> None:
+        if self.metrics is None:
+            return
+        row = step_row(
+            step, self.version, batch, stats, sync_s, step_s, time.monotonic() - self.t_start
+        )
+        self.metrics.write(row)
+        if (step + 1) % self.cfg.trainer.log_every == 0:
+            log.info(
+                "step %d reward %.3f staleness max %d",
+                step,
+                row["reward_mean"],
+                row["staleness_max"],
+            )
+
+    def finish(self) -> None:
+        if self.acc.is_main_process:
+            self.client.request(P.Shutdown())
+        if self.metrics is not None:
+            self.metrics.close()
+        self.client.close()
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded tensors by HF name; DTensor shards are gathered (a collective on every rank)."""
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if hasattr(tensor, "full_tensor"):
+            tensor = tensor.full_tensor()
+        out[name] = tensor.detach()
+    return out
+
+
+def step_row(
+    step: int,
+    version: int,
+    batch: TrainBatch,
+    s: StepStats,
+    sync_s: float,
+    step_s: float,
+    wall_s: float,
+) -> dict:
+    """One metrics.jsonl line. Staleness is measured against the version trained at (= step)."""
+    mask = batch.loss_mask > 0
+    versions = batch.token_versions.masked_fill(~mask, 1 << 30)
+    oldest = versions.min(dim=1).values  # [N]
+    newest = batch.token_versions.max(dim=1).values
+    stale = (step - oldest).float()
+    n_resp = int(mask.sum())
+    return {
+        "step": step,
+        "version": version,
+        "wall_s": round(wall_s, 3),
+        "step_s": round(step_s, 4),
+        "reward_mean": float(batch.rewards.mean()) if len(batch.rewards) else 0.0,
+        "samples": len(batch.rewards),
+        "tokens": int(batch.attention_mask.sum()),
+        "response_tokens": n_resp,
+        "staleness_mean": float(stale.mean()) if len(stale) else 0.0,
+        "staleness_max": int(stale.max()) if len(stale) else 0,
+        "inflight_update_samples": int((newest > oldest).sum()),
+        "dropped_stale": batch.dropped_stale,
+        "gen_tokens_per_s": round(batch.gen_tokens_per_s, 2),
+        "buffer_size": batch.buffer_size,
+        "learner_wait_s": round(batch.wait_s, 4),
+        "weight_sync_s": round(sync_s, 4),
+        "loss": s.loss,
+        "kl": s.kl,
+        "entropy": s.entropy,
+        "clip_fraction": s.clip_fraction,
+        "is_weight_mean": s.is_weight_mean,
+        "is_weight_max": s.is_weight_max,
+        "is_clipped_fraction": s.is_clipped_fraction,
+        "grad_norm": s.grad_norm,
+    }
+
+
+def run_learner(ctx: RunContext) -> None:
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg = ctx.cfg
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    torch.manual_seed(cfg.learner.seed)
+    ep = ctx.endpoints
+    dtype = getattr(torch, cfg.model.dtype)
+    model = AutoModelForCausalLM.from_pretrained(ep.model_path, dtype=dtype)
+    pad_id = AutoTokenizer.from_pretrained(ep.model_path).pad_token_id or 0
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.learner.lr, weight_decay=cfg.learner.weight_decay
+    )
+    model, optimizer = accelerator.prepare(model, optimizer)
+    group = None
+    if accelerator.is_main_process:
+        log.info("waiting for %d generator(s) to join the weight-sync group", cfg.generators.count)
+        group = join_group(
+            ep.weights_host,
+            ep.weights_port,
+            0,
+            1 + cfg.generators.count,
+            resolve_backend(cfg.weights.backend),
+            cfg.weights.join_timeout_s,
+        )
+        log.info("weight-sync group ready")
+    Learner(ctx, accelerator, model, optimizer, group, pad_id).train()

@@ -1,0 +1,212 @@
+"""``verl-async train``: start buffer, generators and learner; watch them; stop them cleanly.
+
+Each role is ``python -m <role> --run-dir DIR`` in its own session (so a Ctrl-C in the
+terminal reaches only the launcher, which then stops the roles in order), with its output
+in ``logs/<role>.log``. Roles also die with the launcher (PR_SET_PDEATHSIG). A role that
+exits non-zero stops the run with a message naming it; nothing is left running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+from verl_async.config import RunConfig, to_yaml
+from verl_async.metrics import read_metrics
+from verl_async.runtime import Endpoints, device_env, free_port, write_endpoints
+
+
+class RoleFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class Role:
+    name: str
+    proc: subprocess.Popen
+    log_path: Path
+
+
+def make_run_dir(cfg: RunConfig, run_dir: str | None) -> Path:
+    if run_dir is None:
+        run_dir = f"runs/{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}"
+    path = Path(run_dir).resolve()
+    if (path / "metrics.jsonl").exists():
+        raise RoleFailed(f"run directory '{path}' already holds a run; choose another --run-dir")
+    (path / "logs").mkdir(parents=True, exist_ok=True)
+    (path / "checkpoints").mkdir(exist_ok=True)
+    return path
+
+
+def prepare(cfg: RunConfig, run_dir: Path) -> Endpoints:
+    """Resolve paths, build the tiny model if asked, write config.yaml and endpoints.json."""
+    import msgspec
+
+    data_path = Path(cfg.data.path)
+    if not data_path.is_absolute():
+        data_path = (Path.cwd() / data_path).resolve()
+    cfg = msgspec.structs.replace(cfg, data=msgspec.structs.replace(cfg.data, path=str(data_path)))
+    if cfg.model.path:
+        model_path = Path(cfg.model.path).resolve()
+        if not (model_path / "config.json").is_file():
+            raise RoleFailed(
+                f"model.path '{model_path}' is not a Hugging Face model directory (no config.json)"
+            )
+    else:
+        from verl_async.tiny_model import build_tiny_model
+
+        model_path = build_tiny_model(run_dir / "model", cfg.model.tiny)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    host = cfg.buffer.host
+    endpoints = Endpoints(
+        buffer=f"tcp://{host}:{cfg.buffer.port or free_port(host)}",
+        weights_host=host,
+        weights_port=cfg.weights.port or free_port(host),
+        model_path=str(model_path),
+    )
+    write_endpoints(run_dir, endpoints)
+    return endpoints
+
+
+def spawn(name: str, module: str, run_dir: Path, device: str | None, extra: list[str] = ()) -> Role:
+    log_path = run_dir / "logs" / f"{name}.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(device_env(device) if device else {})}
+    with open(log_path, "ab") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module, "--run-dir", str(run_dir), *extra],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+    return Role(name, proc, log_path)
+
+
+def start_roles(cfg: RunConfig, run_dir: Path) -> list[Role]:
+    roles = [spawn("buffer", "buffer", run_dir, None)]
+    roles.append(spawn("learner", "learners", run_dir, cfg.placement.learner_devices[0]))
+    devices = cfg.placement.generator_devices
+    for i in range(cfg.generators.count):
+        roles.append(
+            spawn(
+                f"generator{i}",
+                "generators",
+                run_dir,
+                devices[i % len(devices)],
+                ["--index", str(i)],
+            )
+        )
+    return roles
+
+
+def stop_roles(roles: list[Role], grace_s: float = 10.0) -> None:
+    """SIGTERM each role's whole process group (vLLM's engine processes included), then SIGKILL."""
+    for role in roles:
+        _signal_group(role.proc, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for role in roles:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            role.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        _signal_group(role.proc, signal.SIGKILL)  # stragglers, and children of exited roles
+        role.proc.wait()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def watch(roles: list[Role], cfg: RunConfig, run_dir: Path, console) -> None:
+    """Show progress until the learner finishes; raise RoleFailed if any role dies first."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    total = cfg.trainer.total_steps
+    learner = next(r for r in roles if r.name == "learner")
+    columns = (
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[info]}"),
+    )
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("training", total=total, info="starting engines...")
+        while True:
+            for role in roles:
+                code = role.proc.poll()
+                if code is not None and (
+                    code != 0 or role is not learner and learner.proc.poll() is None
+                ):
+                    raise RoleFailed(
+                        f"the {role.name} process exited with code {code} before the run finished; "
+                        f"last lines of {role.log_path}:\n{_tail(role.log_path)}"
+                    )
+            rows = read_metrics(run_dir / "metrics.jsonl")
+            if rows:
+                last = rows[-1]
+                progress.update(
+                    task,
+                    completed=len(rows),
+                    info=(
+                        f"reward {last['reward_mean']:.2f}  staleness≤{last['staleness_max']}  "
+                        f"gen {last['gen_tokens_per_s']:.0f} tok/s  sync {last['weight_sync_s'] * 1000:.0f} ms"
+                    ),
+                )
+            if learner.proc.poll() == 0:
+                return
+            time.sleep(0.5)
+
+
+def wait_for_exit(roles: list[Role], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for role in roles:
+        if role.name == "buffer":
+            continue
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            role.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+
+
+def train(cfg: RunConfig, run_dir_arg: str | None, console) -> Path:
+    run_dir = make_run_dir(cfg, run_dir_arg)
+    console.print(f"run directory: [bold]{run_dir}[/]")
+    prepare(cfg, run_dir)
+    roles = start_roles(cfg, run_dir)
+    try:
+        watch(roles, cfg, run_dir, console)
+        wait_for_exit(roles, timeout_s=30)  # generators see `stop` within a poll and exit
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted: stopping every process...[/]")
+        raise
+    finally:
+        stop_roles(roles)
+    summarize(run_dir, console)
+    return run_dir
+
+
+def summarize(run_dir: Path, console) -> None:
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    if not rows:
+        return
+    k = min(10, len(rows))
+    first = sum(r["reward_mean"] for r in rows[:k]) / k
+    last = sum(r["reward_mean"] for r in rows[-k:]) / k
+    console.print(
+        f"done: {len(rows)} steps in {rows[-1]['wall_s']:.0f}s; reward {first:.3f} (first {k}) -> "
+        f"{last:.3f} (last {k}); max staleness {max(r['staleness_max'] for r in rows)}; "
+        f"dropped_stale {sum(r['dropped_stale'] for r in rows)}; metrics: {run_dir / 'metrics.jsonl'}"
+    )

@@ -1,0 +1,277 @@
+"""Every message that crosses a ZeroMQ socket, in one place.
+
+Wire format of one message (a ZMQ multipart message):
+
+    frame 0      msgpack(Envelope)   protocol version, request id, a tagged-union body
+    frame 1..n   raw tensor bytes    referred to by ``TensorRef(dtype, shape, frame)``
+
+Bodies are frozen ``msgspec.Struct``s tagged by class name. Tensors never go through
+msgpack: the sender hands the tensor's buffer to ``send_multipart(copy=False)`` and the
+receiver wraps the frame with ``numpy.frombuffer`` (zero copy). There is no pickle on
+any path; a frame that does not decode raises ``ProtocolError`` for the server to turn
+into an ``Error`` reply.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+import numpy as np
+
+PROTOCOL_VERSION = 1
+
+_DTYPES = {"float32", "float16", "int32", "int64", "uint8", "bool"}
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid message of this protocol version."""
+
+
+class _Msg(msgspec.Struct, frozen=True, tag=True, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class TensorRef(msgspec.Struct, frozen=True, array_like=True):
+    dtype: str
+    shape: tuple[int, ...]
+    frame: int
+
+
+# ----------------------------------------------------------------------------- payloads
+
+
+class PromptGroup(msgspec.Struct, frozen=True, kw_only=True):
+    """One prompt to be sampled ``group_size`` times; ``group_id`` is k in issue order."""
+
+    group_id: int
+    prompt_id: int
+    epoch: int
+    prompt: str
+    answer: str
+
+
+class RolloutGroup(msgspec.Struct, frozen=True, kw_only=True):
+    """All samples of one prompt group, as produced by one generator.
+
+    Samples are concatenated along the token axis; ``lengths[i]`` is sample i's length.
+    """
+
+    group_id: int
+    prompt_id: int
+    generator_id: int
+    prompt_ids: TensorRef  # [P] int32, identical for every sample of the group
+    response_ids: TensorRef  # [sum(lengths)] int32
+    behav_logprobs: TensorRef  # [sum(lengths)] float32, vLLM processed_logprobs
+    token_versions: TensorRef  # [sum(lengths)] int32, weights version of each token
+    lengths: list[int]
+    rewards: list[float]
+    gen_seconds: float
+
+
+class ParamSpec(msgspec.Struct, frozen=True, array_like=True):
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+class WeightUpdate(msgspec.Struct, frozen=True, kw_only=True):
+    """Announces version ``version``; the bytes follow over the weight-sync group."""
+
+    version: int
+    params: list[ParamSpec]
+    bucket_bytes: int
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+class GetPrompts(_Msg):
+    generator_id: int
+    loaded_version: int
+    max_groups: int
+
+
+class PushRollouts(_Msg):
+    group: RolloutGroup
+
+
+class PollVersion(_Msg):
+    """Long poll: reply when the target version exceeds ``loaded_version`` or at ``wait_s``."""
+
+    generator_id: int
+    loaded_version: int
+    wait_s: float
+
+
+class GetBatch(_Msg):
+    """Long poll for the shard of step ``step`` that belongs to ``rank``."""
+
+    step: int
+    rank: int
+    world_size: int
+    learner_version: int
+    wait_s: float
+
+
+class AnnounceWeights(_Msg):
+    update: WeightUpdate
+
+
+class GetStats(_Msg):
+    pass
+
+
+class Shutdown(_Msg):
+    pass
+
+
+# ----------------------------------------------------------------------------- replies
+
+
+class Prompts(_Msg):
+    groups: list[PromptGroup]
+    blocked_by_admission: bool
+    exhausted: bool
+
+
+class Ack(_Msg):
+    pass
+
+
+class VersionStatus(_Msg):
+    target_version: int
+    update: WeightUpdate | None
+    stop: bool
+
+
+class Batch(_Msg):
+    """One rank's shard of a step: sample-major arrays, concatenated over tokens."""
+
+    step: int
+    group_ids: list[int]
+    sample_group: list[int]  # [N] group id of each sample
+    prompt_lengths: list[int]  # [N]
+    response_lengths: list[int]  # [N]
+    rewards: list[float]  # [N]
+    prompt_ids: TensorRef  # [sum prompt_lengths] int32
+    response_ids: TensorRef  # [sum response_lengths] int32
+    behav_logprobs: TensorRef  # [sum response_lengths] float32
+    token_versions: TensorRef  # [sum response_lengths] int32
+    dropped_stale: int
+    buffer_size: int
+    gen_tokens_per_s: float
+    wait_s: float
+
+
+class NotReady(_Msg):
+    step: int
+    missing_groups: int
+
+
+class Stats(_Msg):
+    issued: int
+    returned: int
+    consumed: int
+    stored_groups: int
+    target_version: int
+    dropped_stale: int
+    admission_blocked: int
+
+
+class Error(_Msg):
+    code: str
+    message: str
+
+
+Body = Union[  # noqa: UP007 (msgspec needs a runtime Union of tagged Structs)
+    GetPrompts,
+    PushRollouts,
+    PollVersion,
+    GetBatch,
+    AnnounceWeights,
+    GetStats,
+    Shutdown,
+    Prompts,
+    Ack,
+    VersionStatus,
+    Batch,
+    NotReady,
+    Stats,
+    Error,
+]
+
+
+class Envelope(msgspec.Struct, frozen=True, array_like=True):
+    version: int
+    request_id: int
+    body: Body
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Envelope)
+
+
+class Frames:
+    """Collects tensors for one outgoing message and hands out ``TensorRef``s."""
+
+    def __init__(self) -> None:
+        self.buffers: list[memoryview] = []
+
+    def add(self, array: np.ndarray) -> TensorRef:
+        array = np.ascontiguousarray(array)
+        if array.dtype.name not in _DTYPES:
+            raise ProtocolError(f"dtype {array.dtype} cannot travel as a frame")
+        self.buffers.append(memoryview(array).cast("B"))
+        return TensorRef(array.dtype.name, tuple(array.shape), len(self.buffers))
+
+
+def encode(body: Body, request_id: int = 0, frames: Frames | None = None) -> list:
+    """Body (+ frames) -> list of buffers for ``send_multipart(copy=False)``."""
+    head = _encoder.encode(Envelope(PROTOCOL_VERSION, request_id, body))
+    return [head, *(frames.buffers if frames else [])]
+
+
+def decode(parts: list) -> tuple[Envelope, list]:
+    """Multipart frames -> (envelope, tensor frames). Raises ProtocolError on bad input."""
+    if not parts:
+        raise ProtocolError("empty message")
+    try:
+        env = _decoder.decode(parts[0])
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        if _peek_version(parts[0]) not in (None, PROTOCOL_VERSION):
+            raise ProtocolError(
+                f"protocol version {_peek_version(parts[0])} is not {PROTOCOL_VERSION}; "
+                "run the same verl-async version on every process"
+            ) from None
+        raise ProtocolError(f"malformed message: {exc}") from None
+    if env.version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {env.version} is not {PROTOCOL_VERSION}")
+    return env, list(parts[1:])
+
+
+def _peek_version(head: bytes | memoryview) -> int | None:
+    try:
+        raw = msgspec.msgpack.decode(head)
+    except msgspec.DecodeError:
+        return None
+    if isinstance(raw, list) and raw and isinstance(raw[0], int):
+        return raw[0]
+    return None
+
+
+def tensor(ref: TensorRef, frames: list) -> np.ndarray:
+    """The array a ``TensorRef`` points at (a view on the received frame, no copy)."""
+    if ref.dtype not in _DTYPES:
+        raise ProtocolError(f"unknown tensor dtype '{ref.dtype}'")
+    if not 1 <= ref.frame <= len(frames):
+        raise ProtocolError(f"tensor frame {ref.frame} missing ({len(frames)} frames)")
+    frame = frames[ref.frame - 1]
+    buf = frame.buffer if hasattr(frame, "buffer") else frame
+    array = np.frombuffer(buf, dtype=ref.dtype)
+    expected = int(np.prod(ref.shape, dtype=np.int64))
+    if array.size != expected:
+        raise ProtocolError(
+            f"tensor frame {ref.frame} holds {array.size} values, shape {ref.shape} needs {expected}"
+        )
+    return array.reshape(ref.shape)

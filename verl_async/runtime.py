@@ -1,0 +1,109 @@
+"""What every role process needs at start-up: the run directory, endpoints, placement.
+
+The launcher writes ``config.yaml`` (resolved) and ``endpoints.json`` into the run directory
+and starts each role as ``python -m <role> --run-dir DIR``; roles read both files, so no
+config field is ever filled in after validation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import socket
+from pathlib import Path
+
+import msgspec
+
+from verl_async.config import RunConfig, load_config
+
+
+class Endpoints(msgspec.Struct, frozen=True, kw_only=True):
+    buffer: str
+    """ZMQ endpoint of the buffer, e.g. tcp://127.0.0.1:5555."""
+    weights_host: str
+    weights_port: int
+    model_path: str
+    """Directory every role loads the initial (version 0) weights from."""
+
+
+class RunContext(msgspec.Struct, frozen=True, kw_only=True):
+    run_dir: str
+    cfg: RunConfig
+    endpoints: Endpoints
+
+    @property
+    def path(self) -> Path:
+        return Path(self.run_dir)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def write_endpoints(run_dir: Path, endpoints: Endpoints) -> None:
+    (run_dir / "endpoints.json").write_bytes(msgspec.json.encode(endpoints))
+
+
+def load_context(run_dir: str | Path) -> RunContext:
+    run_dir = Path(run_dir)
+    cfg = load_config(run_dir / "config.yaml")
+    endpoints = msgspec.json.decode((run_dir / "endpoints.json").read_bytes(), type=Endpoints)
+    return RunContext(run_dir=str(run_dir), cfg=cfg, endpoints=endpoints)
+
+
+def role_args(description: str, with_index: bool = False) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--run-dir", required=True)
+    if with_index:
+        parser.add_argument("--index", type=int, required=True)
+    return parser.parse_args()
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when the launcher dies (no orphans after kill -9)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def setup_logging(role: str) -> logging.Logger:
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    return logging.getLogger(f"verl_async.{role}")
+
+
+def device_env(device: str) -> dict[str, str]:
+    """Environment that places a process on ``device`` ('cpu', 'cpu:N', 'cuda:N')."""
+    if device.startswith("cuda:"):
+        return {"CUDA_VISIBLE_DEVICES": device.split(":")[1]}
+    env = {"CUDA_VISIBLE_DEVICES": ""}
+    if device.startswith("cpu:"):
+        core = device.split(":")[1]
+        env["VERL_ASYNC_CPU_CORES"] = core
+        env["VLLM_CPU_OMP_THREADS_BIND"] = core
+        env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def apply_cpu_pinning() -> None:
+    """Pin this process to the cores the launcher chose (``cpu:N`` placement)."""
+    cores = os.environ.get("VERL_ASYNC_CPU_CORES")
+    if cores is None:
+        return
+    wanted = {int(c) for c in cores.split(",")}
+    available = os.sched_getaffinity(0)
+    if wanted <= available:
+        os.sched_setaffinity(0, wanted)
+        import torch
+
+        torch.set_num_threads(len(wanted))

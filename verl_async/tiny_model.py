@@ -1,0 +1,73 @@
+"""Build the tiny default model locally: a random Llama and a word-level tokenizer.
+
+Nothing is downloaded: the config is initialised at random with a fixed seed and written
+with ``save_pretrained`` next to a ``tokenizers`` WordLevel tokenizer, so transformers and
+vLLM load the directory like any Hugging Face checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from verl_async.config import TinyModelConfig
+from verl_async.tasks.max_digit import VOCAB
+
+_MARKER = "verl_async_tiny.json"
+
+
+def build_tokenizer(out_dir: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
+    )
+    fast.save_pretrained(out_dir)
+
+
+def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig) -> Path:
+    """Write the tiny model to ``out_dir`` unless the same one is already there."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out_dir = Path(out_dir)
+    wanted = json.dumps({"vocab": VOCAB, **_as_dict(cfg)}, sort_keys=True)
+    marker = out_dir / _MARKER
+    if marker.is_file() and marker.read_text() == wanted:
+        return out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = LlamaConfig(
+        vocab_size=len(VOCAB),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.hidden_size // cfg.num_heads,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        bos_token_id=VOCAB.index("<bos>"),
+        eos_token_id=VOCAB.index("<eos>"),
+        pad_token_id=VOCAB.index("<pad>"),
+        torch_dtype="float32",
+    )
+    torch.manual_seed(cfg.seed)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    model.save_pretrained(out_dir)
+    build_tokenizer(out_dir)
+    marker.write_text(wanted)
+    return out_dir
+
+
+def _as_dict(cfg: TinyModelConfig) -> dict:
+    import msgspec
+
+    return msgspec.to_builtins(cfg)

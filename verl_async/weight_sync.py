@@ -1,0 +1,153 @@
+"""The weight-sync group: learner rank 0 broadcasts packed weight buckets to every generator.
+
+One group per run: a TCPStore whose master lives on learner rank 0, and a process group
+built directly over it (ProcessGroupNCCL with CUDA, ProcessGroupGloo otherwise, same code).
+Each vLLM worker joins through the worker extension in ``generators/vllm_extension.py``
+with rank ``1 + rank_offset``. The group never touches torch.distributed's default group,
+so it lives beside vLLM's own and the learner's Accelerate/FSDP group.
+
+One update = one control message over ZeroMQ (``WeightUpdate``: names, dtypes, shapes,
+bucket size), then ``len(plan_buckets(...))`` broadcasts of uint8 buckets. Both sides
+derive the same bucket plan from the control message, so no sizes travel in-band.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch._C._distributed_c10d import (
+    BroadcastOptions,
+    PrefixStore,
+    ProcessGroup,
+    ProcessGroupGloo,
+    TCPStore,
+)
+
+from verl_async.protocol import ParamSpec
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_backend(backend: str) -> str:
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return backend
+
+
+@dataclass
+class SyncGroup:
+    """The process group plus the store it was built over (which must outlive it)."""
+
+    group: ProcessGroup
+    store: TCPStore
+    rank: int
+    world_size: int
+
+
+def join_group(
+    host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float
+) -> SyncGroup:
+    """Create (rank 0) or join the weight-sync group. Blocks until all ranks have joined."""
+    timeout = dt.timedelta(seconds=timeout_s)
+    store = TCPStore(
+        host, port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=True
+    )
+    prefixed = PrefixStore("verl_async/weights", store)
+    if backend == "nccl":
+        from torch._C._distributed_c10d import ProcessGroupNCCL
+
+        options = ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        group = ProcessGroupNCCL(prefixed, rank, world_size, options)
+    elif backend == "gloo":
+        group = ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    else:
+        raise ValueError(f"unknown weight-sync backend '{backend}'")
+    return SyncGroup(group, store, rank, world_size)
+
+
+def dtype_of(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def param_specs(named: Iterable[tuple[str, torch.Tensor]]) -> list[ParamSpec]:
+    return [ParamSpec(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in named]
+
+
+def _nbytes(spec: ParamSpec) -> int:
+    numel = 1
+    for d in spec.shape:
+        numel *= d
+    return numel * dtype_of(spec.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class Bucket:
+    specs: list[ParamSpec]
+    offsets: list[int]  # byte offset of each spec inside the bucket
+    nbytes: int
+
+
+def plan_buckets(specs: list[ParamSpec], bucket_bytes: int) -> list[Bucket]:
+    """Greedy packing in spec order; a tensor larger than a bucket gets a bucket of its own."""
+    buckets: list[Bucket] = []
+    cur: list[ParamSpec] = []
+    offsets: list[int] = []
+    size = 0
+    for spec in specs:
+        n = _nbytes(spec)
+        if cur and size + n > bucket_bytes:
+            buckets.append(Bucket(cur, offsets, size))
+            cur, offsets, size = [], [], 0
+        # Keep every tensor 16-byte aligned inside the bucket so views are cheap.
+        pad = -size % 16
+        size += pad
+        cur.append(spec)
+        offsets.append(size)
+        size += n
+    if cur:
+        buckets.append(Bucket(cur, offsets, size))
+    return buckets
+
+
+def _broadcast(group: SyncGroup, buf: torch.Tensor) -> None:
+    opts = BroadcastOptions()
+    opts.rootRank = 0
+    group.group.broadcast([buf], opts).wait()
+
+
+def send_weights(
+    group: SyncGroup, tensors: dict[str, torch.Tensor], specs: list[ParamSpec], bucket_bytes: int
+) -> int:
+    """Rank 0: broadcast ``tensors`` (full, unsharded) in the packed order of ``specs``."""
+    sent = 0
+    for bucket in plan_buckets(specs, bucket_bytes):
+        first = tensors[bucket.specs[0].name]
+        buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=first.device)
+        for spec, offset in zip(bucket.specs, bucket.offsets, strict=True):
+            flat = tensors[spec.name].detach().contiguous().view(-1).view(torch.uint8)
+            buf[offset : offset + flat.numel()].copy_(flat)
+        _broadcast(group, buf)
+        sent += bucket.nbytes
+    return sent
+
+
+def receive_weights(
+    group: SyncGroup, specs: list[ParamSpec], bucket_bytes: int, device: torch.device
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Rank > 0: yield each received bucket as (name, tensor) views, in send order.
+
+    A fresh buffer per bucket: the consumer may keep references until its layer is complete.
+    """
+    for bucket in plan_buckets(specs, bucket_bytes):
+        buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+        _broadcast(group, buf)
+        out = []
+        for spec, offset in zip(bucket.specs, bucket.offsets, strict=True):
+            n = _nbytes(spec)
+            t = buf[offset : offset + n].view(dtype_of(spec.dtype)).view(spec.shape)
+            out.append((spec.name, t))
+        yield out
