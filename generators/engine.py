@@ -118,7 +118,11 @@ class Engine:
         return time.perf_counter() - t0
 
     def shutdown(self) -> None:
-        self.llm.shutdown()
+        if self.llm is not None:
+            self.llm.shutdown()
+            # Drop it while modules are alive: AsyncLLM.__del__ at interpreter exit would
+            # otherwise call into half-torn-down modules and print a traceback.
+            self.llm = None
 
 
 def pack_samples(samples: list[Sample]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]:

@@ -146,6 +146,7 @@ async def run_generator(ctx: RunContext, index: int) -> None:
     ep = ctx.endpoints
     llm = start_engine(cfg, ep.model_path, seed=cfg.learner.seed * 1000 + index)
     engine = Engine(llm, cfg)
+    del llm  # the Engine owns it from here (and drops it at shutdown)
     try:
         log.info("engine up; joining the weight-sync group")
         await engine.join_weight_sync(
@@ -159,6 +160,3 @@ async def run_generator(ctx: RunContext, index: int) -> None:
         await Generator(ctx, index, engine, tokenizer).run()
     finally:
         engine.shutdown()
-        # Drop the engine while modules are alive: AsyncLLM.__del__ at interpreter exit
-        # otherwise calls into half-torn-down modules and prints a traceback.
-        del engine, llm

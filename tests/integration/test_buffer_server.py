@@ -1,0 +1,79 @@
+"""The real buffer process: malformed input gets an error reply and the server keeps serving."""
+
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import zmq
+
+from verl_async import protocol as P
+from verl_async.config import load_config, to_yaml
+from verl_async.runtime import Endpoints, write_endpoints
+from verl_async.transport import BufferClient, BufferRejected
+
+from .conftest import ROOT
+
+
+@pytest.fixture
+def buffer_proc(tmp_path, free_port):
+    cfg = load_config(
+        ROOT / "configs/tiny.yaml",
+        [
+            f"data.path={ROOT / 'configs/data/max_digit.jsonl'}",
+            "learner.groups_per_step=2",
+            "staleness.max=0",
+        ],
+    )
+    (tmp_path / "config.yaml").write_text(to_yaml(cfg))
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    write_endpoints(
+        tmp_path,
+        Endpoints(buffer=endpoint, weights_host="127.0.0.1", weights_port=1, model_path="unused"),
+    )
+    proc = subprocess.Popen([sys.executable, "-m", "buffer", "--run-dir", str(tmp_path)], cwd=ROOT)
+    yield endpoint, proc
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=20)
+
+
+def test_malformed_messages_get_errors_and_server_keeps_serving(buffer_proc):
+    endpoint, proc = buffer_proc
+    client = BufferClient(endpoint, timeout_s=20)
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(endpoint)
+    for junk in ([b"\xc1garbage"], [b"\x93\x63\x00\xa1x"], [P.encode(P.Shutdown())[0][:-1]]):
+        raw.send_multipart(junk)
+        assert raw.poll(20_000), "no reply to a malformed message"
+        env, _ = P.decode(raw.recv_multipart())
+        assert isinstance(env.body, P.Error)
+    raw.close()
+
+    # A rollout for a group that was never issued is rejected, not stored.
+    frames = P.Frames()
+    z = frames.add(np.zeros(1, np.int32))
+    bogus = P.RolloutGroup(
+        group_id=99,
+        prompt_id=0,
+        generator_id=0,
+        prompt_ids=z,
+        response_ids=z,
+        behav_logprobs=frames.add(np.zeros(1, np.float32)),
+        token_versions=z,
+        lengths=[1],
+        rewards=[0.0],
+        gen_seconds=0.0,
+    )
+    with pytest.raises(BufferRejected, match="never issued"):
+        client.request(P.PushRollouts(group=bogus), frames)
+
+    # Still serving: admission at eta=0, B=2 hands version 0 exactly groups 0 and 1.
+    reply, _ = client.request(P.GetPrompts(generator_id=0, loaded_version=0, max_groups=8))
+    assert [g.group_id for g in reply.groups] == [0, 1]
+    assert reply.blocked_by_admission
+    stats, _ = client.request(P.GetStats())
+    assert stats.issued == 2 and stats.dropped_stale == 0
+    assert proc.poll() is None
+    client.close()

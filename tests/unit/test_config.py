@@ -1,0 +1,53 @@
+import pytest
+
+from verl_async.config import ConfigError, load_config, to_yaml
+
+
+def test_tiny_config_loads(repo_root):
+    cfg = load_config(repo_root / "configs/tiny.yaml")
+    assert cfg.name == "tiny"
+    assert cfg.staleness.max == 2
+    assert cfg.generators.count == 1
+
+
+def test_overrides_apply_with_yaml_values(repo_root):
+    cfg = load_config(
+        repo_root / "configs/tiny.yaml",
+        ["staleness.max=0", "learner.lr=1e-4", "placement.learner_devices=[cpu]"],
+    )
+    assert cfg.staleness.max == 0
+    assert cfg.learner.lr == pytest.approx(1e-4)
+    assert cfg.placement.learner_devices == ["cpu"]
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("algo.nonsense=1", "unknown config key 'algo.nonsense'"),
+        ("nonsense=1", "unknown config key 'nonsense'"),
+        ("learner.lr=abc", "'learner.lr'"),
+        ("staleness.max=-1", "'staleness.max'"),
+        ("algo.correction=magic", "'algo.correction'"),
+        ("placement.generator_devices=[gpu7]", "'placement.generator_devices'"),
+        ("model.tiny.num_heads=8", "'model.tiny.num_heads'"),
+        ("buffer.host=0.0.0.0", "'buffer.host'"),
+        ("no_equals_sign", "dotted.key=value"),
+    ],
+)
+def test_bad_input_is_one_error_naming_the_key(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_resolved_yaml_roundtrips(tmp_path):
+    cfg = load_config(None, ["staleness.max=4"])
+    path = tmp_path / "config.yaml"
+    path.write_text(to_yaml(cfg))
+    assert load_config(path) == cfg

@@ -1,0 +1,88 @@
+import numpy as np
+import pytest
+
+from buffer.ledger import (
+    LedgerError,
+    PromptLedger,
+    StoredGroup,
+    TokenRate,
+    filter_stale,
+    shard_groups,
+)
+from verl_async.data import PromptRecord
+from verl_async.staleness import Admission
+
+
+def _stored(k, versions, n_tokens=3):
+    z = np.zeros(n_tokens, np.int32)
+    return StoredGroup(
+        k,
+        0,
+        0,
+        np.zeros(2, np.int32),
+        [z] * len(versions),
+        [z.astype(np.float32)] * len(versions),
+        [np.full(n_tokens, v, np.int32) for v in versions],
+        [1.0] * len(versions),
+    )
+
+
+def _ledger(b=2, eta=1, steps=3, n=4):
+    return PromptLedger(
+        [PromptRecord(f"p{i}", str(i)) for i in range(n)], Admission(b, eta), steps, seed=0
+    )
+
+
+def test_issue_respects_admission_and_reports_blocking():
+    ledger = _ledger(b=2, eta=1)
+    groups, blocked = ledger.issue(0, loaded_version=0, max_groups=10)
+    assert [g.group_id for g in groups] == [0, 1, 2, 3]  # (0 + 1 + 1) * 2
+    assert blocked
+    more, _ = ledger.issue(0, loaded_version=1, max_groups=10)
+    assert [g.group_id for g in more] == [4, 5]
+    assert ledger.exhausted
+
+
+def test_every_prompt_once_per_epoch_then_reshuffled():
+    ledger = _ledger(b=4, eta=10, steps=2, n=4)
+    groups, _ = ledger.issue(0, 0, 8)
+    first, second = [g.prompt_id for g in groups[:4]], [g.prompt_id for g in groups[4:]]
+    assert sorted(first) == sorted(second) == [0, 1, 2, 3]
+    assert [g.epoch for g in groups] == [0] * 4 + [1] * 4
+
+
+def test_returns_and_consumption_are_exactly_once():
+    ledger = _ledger()
+    ledger.issue(0, 0, 2)
+    ledger.record_return(_stored(0, [0]))
+    with pytest.raises(LedgerError, match="already returned"):
+        ledger.record_return(_stored(0, [0]))
+    with pytest.raises(LedgerError, match="never issued"):
+        ledger.record_return(_stored(5, [0]))
+    assert ledger.missing_for(0) == 1
+    ledger.record_return(_stored(1, [0]))
+    assert [g.group_id for g in ledger.consume(0)] == [0, 1]
+    with pytest.raises(LedgerError):
+        ledger.consume(0)
+
+
+def test_filter_stale_drops_and_counts():
+    kept, dropped = filter_stale([_stored(0, [3, 1, 2])], learner_version=4, max_staleness=2)
+    assert dropped == 1
+    assert [int(v.min()) for v in kept[0].token_versions] == [3, 2]
+
+
+def test_shards_balance_tokens_and_keep_groups_whole():
+    groups = [_stored(k, [0] * 2, n_tokens=t) for k, t in enumerate([10, 9, 8, 2, 2, 1])]
+    shards = shard_groups(groups, 2)
+    loads = [sum(g.num_tokens for g in s) for s in shards]
+    assert sorted(g.group_id for s in shards for g in s) == list(range(6))
+    assert abs(loads[0] - loads[1]) <= 2 * (1 + 2)  # within one smallest group
+
+
+def test_token_rate_window():
+    rate = TokenRate(window_s=10)
+    rate.add(100, now=0.0)
+    rate.add(100, now=1.0)
+    assert rate.rate(now=2.0) == pytest.approx(100.0)
+    assert rate.rate(now=20.0) == 0.0

@@ -1,0 +1,94 @@
+import msgspec
+import numpy as np
+import pytest
+
+from verl_async import protocol as P
+
+
+def _roundtrip(body, frames=None):
+    parts = [bytes(b) for b in P.encode(body, request_id=7, frames=frames)]
+    env, frames_in = P.decode(parts)
+    assert env.request_id == 7
+    assert env.version == P.PROTOCOL_VERSION
+    return env.body, frames_in
+
+
+def test_rollout_group_roundtrip_with_tensor_frames():
+    frames = P.Frames()
+    resp = np.array([4, 5, 6, 7, 2], np.int32)
+    lp = np.array([-0.1, -0.2, -0.3, -0.4, -0.5], np.float32)
+    body = P.PushRollouts(
+        group=P.RolloutGroup(
+            group_id=3,
+            prompt_id=11,
+            generator_id=0,
+            prompt_ids=frames.add(np.array([1, 3, 9], np.int32)),
+            response_ids=frames.add(resp),
+            behav_logprobs=frames.add(lp),
+            token_versions=frames.add(np.array([0, 0, 1, 1, 1], np.int32)),
+            lengths=[2, 3],
+            rewards=[1.0, 0.0],
+            gen_seconds=0.5,
+        )
+    )
+    got, frames_in = _roundtrip(body, frames)
+    assert got == body
+    np.testing.assert_array_equal(P.tensor(got.group.response_ids, frames_in), resp)
+    np.testing.assert_array_equal(P.tensor(got.group.behav_logprobs, frames_in), lp)
+    assert P.tensor(got.group.prompt_ids, frames_in).tolist() == [1, 3, 9]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        P.GetPrompts(generator_id=1, loaded_version=4, max_groups=8),
+        P.PollVersion(generator_id=0, loaded_version=2, wait_s=1.0),
+        P.GetBatch(step=5, rank=0, world_size=2, learner_version=5, wait_s=2.0),
+        P.AnnounceWeights(
+            update=P.WeightUpdate(
+                version=3, params=[P.ParamSpec("w", "float32", (2, 3))], bucket_bytes=64
+            )
+        ),
+        P.VersionStatus(target_version=3, update=None, stop=False),
+        P.Error(code="x", message="y"),
+        P.Shutdown(),
+    ],
+)
+def test_every_message_roundtrips(body):
+    assert _roundtrip(body)[0] == body
+
+
+@pytest.mark.parametrize(
+    "parts",
+    [
+        [],
+        [b"\xff\x00garbage"],
+        [b"not msgpack at all"],
+        [msgspec.msgpack.encode([1, 0, {"type": "NoSuchMessage"}])],
+        [msgspec.msgpack.encode([1, 0, {"type": "GetPrompts", "generator_id": "zero"}])],
+    ],
+)
+def test_malformed_input_raises_protocol_error(parts):
+    with pytest.raises(P.ProtocolError):
+        P.decode(parts)
+
+
+def test_wrong_protocol_version_is_named():
+    head = msgspec.msgpack.encode([99, 0, {"type": "Shutdown"}])
+    with pytest.raises(P.ProtocolError, match="protocol version 99"):
+        P.decode([head])
+
+
+def test_tensor_ref_checks_frame_and_size():
+    frames = [np.arange(4, dtype=np.int32).tobytes()]
+    with pytest.raises(P.ProtocolError, match="missing"):
+        P.tensor(P.TensorRef("int32", (4,), 2), frames)
+    with pytest.raises(P.ProtocolError, match="holds 4 values"):
+        P.tensor(P.TensorRef("int32", (5,), 1), frames)
+    with pytest.raises(P.ProtocolError, match="dtype"):
+        P.tensor(P.TensorRef("object", (4,), 1), frames)
+
+
+def test_no_pickle_dtype_can_be_framed():
+    with pytest.raises(P.ProtocolError):
+        P.Frames().add(np.array([object()], dtype=object))
