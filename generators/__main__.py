@@ -1,21 +1,12 @@
 """``python -m generators --run-dir DIR --index I``: one generator process."""
 
-from verl_async.runtime import (
-    apply_cpu_pinning,
-    die_with_parent,
-    load_context,
-    role_args,
-    setup_logging,
-)
+import uvloop
+
+from verl_async.runtime import load_context, start_role
 
 
 def main() -> None:
-    args = role_args("verl-async generator", with_index=True)
-    die_with_parent()
-    setup_logging(f"generator{args.index}")
-    apply_cpu_pinning()
-    import uvloop
-
+    args = start_role("generator", "verl-async generator", with_index=True)
     from generators.main import run_generator
 
     uvloop.run(run_generator(load_context(args.run_dir), args.index))

@@ -1,19 +1,10 @@
 """``python -m learners --run-dir DIR``: the learner (rank of an Accelerate job)."""
 
-from verl_async.runtime import (
-    apply_cpu_pinning,
-    die_with_parent,
-    load_context,
-    role_args,
-    setup_logging,
-)
+from verl_async.runtime import load_context, start_role
 
 
 def main() -> None:
-    args = role_args("verl-async learner")
-    die_with_parent()
-    setup_logging("learner")
-    apply_cpu_pinning()
+    args = start_role("learner", "verl-async learner")
     from learners.trainer import run_learner
 
     run_learner(load_context(args.run_dir))

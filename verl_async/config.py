@@ -91,8 +91,8 @@ class GeneratorConfig(_Section):
 
 
 class LearnerConfig(_Section):
-    num_processes: PosInt = 1
-    """Learner ranks (one Accelerate job; FSDP2 when > 1 on GPU)."""
+    num_processes: Annotated[int, msgspec.Meta(ge=1, le=1)] = 1
+    """Learner ranks. Only 1 for now: the launcher does not start multi-rank jobs yet."""
     lr: PosFloat = 1e-3
     """AdamW learning rate."""
     weight_decay: Annotated[float, msgspec.Meta(ge=0)] = 0.0

@@ -107,3 +107,12 @@ def apply_cpu_pinning() -> None:
         import torch
 
         torch.set_num_threads(len(wanted))
+
+
+def start_role(name: str, description: str, with_index: bool = False) -> argparse.Namespace:
+    """Common prologue of a role process: arguments, parent-death signal, logging, pinning."""
+    args = role_args(description, with_index)
+    die_with_parent()
+    setup_logging(f"{name}{args.index}" if with_index else name)
+    apply_cpu_pinning()
+    return args

@@ -92,3 +92,17 @@ def test_tensor_ref_checks_frame_and_size():
 def test_no_pickle_dtype_can_be_framed():
     with pytest.raises(P.ProtocolError):
         P.Frames().add(np.array([object()], dtype=object))
+
+
+def test_collate_aligns_response_logprobs_with_targets():
+    from learners.batching import collate
+    from tests.gpu.test_learner_cuda import _batch_message
+
+    body, frames = _batch_message()
+    b = collate(body, frames, pad_id=0)
+    assert b.input_ids.tolist() == [[1, 3, 9, 13, 2], [1, 3, 8, 7, 0]]
+    # target position t predicts token t+1: responses start at position prompt_len - 1 = 2
+    assert b.loss_mask.tolist() == [[0, 0, 1, 1], [0, 0, 1, 0]]
+    assert b.behav_logprobs[0, 2:].tolist() == [-1.0, -2.0]
+    assert b.behav_logprobs[1, 2].item() == -1.5
+    assert b.attention_mask.tolist() == [[1] * 5, [1, 1, 1, 1, 0]]
