@@ -93,7 +93,7 @@ class GeneratorConfig(_Section):
 class LearnerConfig(_Section):
     num_processes: Annotated[int, msgspec.Meta(ge=1, le=1)] = 1
     """Learner ranks. Only 1 for now: the launcher does not start multi-rank jobs yet."""
-    lr: PosFloat = 1e-3
+    lr: PosFloat = 5e-4
     """AdamW learning rate."""
     weight_decay: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     """AdamW weight decay."""
@@ -148,7 +148,7 @@ class PlacementConfig(_Section):
 
 
 class TrainerConfig(_Section):
-    total_steps: PosInt = 300
+    total_steps: PosInt = 400
     """Learner steps (= weight publications) in the run."""
     log_every: PosInt = 1
     """Progress line every N steps (metrics.jsonl gets every step)."""
