@@ -8,7 +8,7 @@ import uvloop
 from buffer.ledger import PromptLedger
 from buffer.server import BufferServer
 from verl_async.data import load_prompts
-from verl_async.runtime import die_with_parent, load_context, role_args, setup_logging
+from verl_async.runtime import load_context, start_role
 from verl_async.staleness import Admission
 
 
@@ -28,9 +28,7 @@ async def serve(run_dir: str) -> None:
 
 
 def main() -> None:
-    args = role_args("verl-async rollout buffer")
-    die_with_parent()
-    setup_logging("buffer")
+    args = start_role("buffer", "verl-async rollout buffer")
     uvloop.run(serve(args.run_dir))
 
 

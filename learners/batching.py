@@ -100,9 +100,7 @@ def fetch_batch(
             extra_wait_s=poll_s,
         )
         if isinstance(reply, P.Batch):
-            batch = collate(reply, frames, pad_id, pin)
-            batch.wait_s = time.monotonic() - t0
-            return batch
+            return collate(reply, frames, pad_id, pin)
         if time.monotonic() - t0 > deadline_s:
             raise TimeoutError(
                 f"step {step}: {reply.missing_groups} prompt groups still missing after {deadline_s:.0f}s; "
