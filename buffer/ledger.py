@@ -53,7 +53,6 @@ class StepBatch:
 class Issued:
     generator_id: int
     loaded_version: int
-    at: float
 
 
 class PromptLedger:
@@ -96,7 +95,7 @@ class PromptLedger:
                     group_id=k, prompt_id=idx, epoch=epoch, prompt=rec.prompt, answer=rec.answer
                 )
             )
-            self.in_flight[k] = Issued(generator_id, loaded_version, time.monotonic())
+            self.in_flight[k] = Issued(generator_id, loaded_version)
             self.next_group += 1
         return out, False
 
@@ -111,6 +110,9 @@ class PromptLedger:
             raise LedgerError(f"group {k} was {state}")
         del self.in_flight[k]
         self.returned[k] = group
+
+    def in_flight_of(self, generator_id: int) -> int:
+        return sum(1 for i in self.in_flight.values() if i.generator_id == generator_id)
 
     def missing_for(self, step: int) -> int:
         return sum(1 for k in self.admission.groups_of_step(step) if k not in self.returned)
@@ -171,6 +173,44 @@ def shard_groups(groups: list[StoredGroup], world_size: int) -> list[list[Stored
     for shard in shards:
         shard.sort(key=lambda g: g.group_id)
     return shards
+
+
+class AdmissionClock:
+    """Seconds generators spent held back by admission, summed over generators.
+
+    A generator is *blocked* from a GetPrompts that admission refused outright until its
+    next GetPrompts that gets work; it is *idle* for the part of that time during which it
+    had no group in flight either (its engine had nothing to do). Running intervals count
+    up to ``now``, so totals read mid-interval are exact.
+    """
+
+    def __init__(self) -> None:
+        self.blocked_since: dict[int, float] = {}
+        self.idle_since: dict[int, float] = {}
+        self.blocked_total = 0.0
+        self.idle_total = 0.0
+
+    def observe(self, generator_id: int, refused: bool, in_flight: int, now: float) -> None:
+        """After a GetPrompts: ``refused`` = admission gave nothing; ``in_flight`` = groups it holds."""
+        if refused:
+            self.blocked_since.setdefault(generator_id, now)
+            if in_flight == 0:
+                self.idle_since.setdefault(generator_id, now)
+            else:
+                self._close(self.idle_since, generator_id, now, "idle_total")
+            return
+        self._close(self.blocked_since, generator_id, now, "blocked_total")
+        self._close(self.idle_since, generator_id, now, "idle_total")
+
+    def _close(self, open_: dict[int, float], generator_id: int, now: float, total: str) -> None:
+        if generator_id in open_:
+            setattr(self, total, getattr(self, total) + now - open_.pop(generator_id))
+
+    def totals(self, now: float) -> tuple[float, float]:
+        """(blocked seconds, idle seconds) so far."""
+        blocked = self.blocked_total + sum(now - t for t in self.blocked_since.values())
+        idle = self.idle_total + sum(now - t for t in self.idle_since.values())
+        return blocked, idle
 
 
 class TokenRate:

@@ -26,6 +26,7 @@ import zmq
 import zmq.asyncio
 
 from buffer.ledger import (
+    AdmissionClock,
     LedgerError,
     PromptLedger,
     StepBatch,
@@ -60,6 +61,7 @@ class BufferServer:
         self.rate = TokenRate()
         self.dropped_stale_total = 0
         self.admission_blocked = 0
+        self.clock = AdmissionClock()
         self.stopping = False  # Shutdown received: answer everyone with stop
         self.terminated = False  # SIGTERM: leave the loop
         self.ctx = zmq.asyncio.Context()
@@ -145,7 +147,11 @@ class BufferServer:
         if self.stopping:
             return P.Prompts(groups=[], blocked_by_admission=False, exhausted=True)
         groups, blocked = self.ledger.issue(req.generator_id, req.loaded_version, req.max_groups)
-        self.admission_blocked += int(blocked and not groups)
+        refused = blocked and not groups
+        self.admission_blocked += int(refused)
+        self.clock.observe(
+            req.generator_id, refused, self.ledger.in_flight_of(req.generator_id), time.monotonic()
+        )
         return P.Prompts(
             groups=groups, blocked_by_admission=blocked, exhausted=self.ledger.exhausted
         )
@@ -207,6 +213,7 @@ class BufferServer:
         samples = [(g, i) for g in groups for i in range(len(g.responses))]
         frames = P.Frames()
         cat = lambda arrays, dt: np.concatenate(arrays).astype(dt) if arrays else np.zeros(0, dt)  # noqa: E731
+        blocked_s, idle_s = self.clock.totals(time.monotonic())
         body = P.Batch(
             step=step.step,
             group_ids=[g.group_id for g in groups],
@@ -222,6 +229,8 @@ class BufferServer:
             buffer_size=len(self.ledger.returned),
             gen_tokens_per_s=self.rate.rate(),
             wait_s=0.0,
+            gen_blocked_s=blocked_s,
+            gen_idle_s=idle_s,
         )
         return body, frames
 

@@ -55,6 +55,9 @@ class Engine:
         self.loaded_version = 0
         self.ids = itertools.count()
         self.version_changed = asyncio.Event()
+        self.running = asyncio.Event()  # cleared while a swap is in progress
+        self.running.set()
+        self.resubmitted = 0  # requests aborted by a swap and continued from their prefix
 
     async def join_weight_sync(
         self, host: str, port: int, world_size: int, rank_offset: int, backend: str
@@ -73,35 +76,45 @@ class Engine:
         understate staleness; ``apply_update`` only bumps the version after the swap's RPC
         round-trips and the engine has resumed, by which time pre-swap outputs have been
         delivered (pause_generation drains them). Stamps can only err towards older.
+
+        In ``abort`` mode a swap ends the request early (finish reason "abort"); it is then
+        resubmitted as prompt + tokens so far with the remaining token budget, so the prefix
+        is re-read by the new weights and only the continuation is sampled from them.
         """
         from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         g = self.cfg.generators
-        params = SamplingParams(
-            max_tokens=g.max_new_tokens,
-            temperature=g.temperature,
-            logprobs=0,
-            detokenize=False,
-            output_kind=RequestOutputKind.DELTA,
-        )
         out = Sample()
-        request_id = f"s{next(self.ids)}"
-        async for chunk in self.llm.generate(
-            TokensPrompt(prompt_token_ids=prompt_ids), params, request_id
-        ):
-            comp = chunk.outputs[0]
-            version = self.loaded_version
-            for tok, lp in zip(comp.token_ids, comp.logprobs or [], strict=True):
-                out.token_ids.append(tok)
-                out.logprobs.append(lp[tok].logprob)
-                out.versions.append(version)
-        return out
+        while True:
+            params = SamplingParams(
+                max_tokens=g.max_new_tokens - len(out.token_ids),
+                temperature=g.temperature,
+                logprobs=0,
+                detokenize=False,
+                output_kind=RequestOutputKind.DELTA,
+            )
+            prompt = TokensPrompt(prompt_token_ids=prompt_ids + out.token_ids)
+            finish_reason = None
+            async for chunk in self.llm.generate(prompt, params, f"s{next(self.ids)}"):
+                comp = chunk.outputs[0]
+                version = self.loaded_version
+                for tok, lp in zip(comp.token_ids, comp.logprobs or [], strict=True):
+                    out.token_ids.append(tok)
+                    out.logprobs.append(lp[tok].logprob)
+                    out.versions.append(version)
+                finish_reason = comp.finish_reason
+            if finish_reason != "abort" or len(out.token_ids) >= g.max_new_tokens:
+                return out
+            # Aborted by a swap: continue once the new weights are in.
+            await self.running.wait()
+            self.resubmitted += 1
 
     async def apply_update(self, update: WeightUpdate) -> float:
-        """Pause (in-flight requests kept), receive the broadcast, reset prefix cache, resume."""
+        """Pause (``weights.mode``: keep or abort in-flight requests), receive, reset, resume."""
         t0 = time.perf_counter()
-        await self.llm.pause_generation(mode="keep", clear_cache=False)
+        self.running.clear()
+        await self.llm.pause_generation(mode=self.cfg.weights.mode, clear_cache=False)
         specs = [[p.name, p.dtype, list(p.shape)] for p in update.params]
         try:
             await self.llm.collective_rpc(
@@ -112,6 +125,7 @@ class Engine:
             await self.llm.reset_prefix_cache()
         finally:
             await self.llm.resume_generation()
+            self.running.set()
         self.loaded_version = update.version
         self.version_changed.set()
         self.version_changed = asyncio.Event()

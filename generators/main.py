@@ -38,10 +38,12 @@ class Generator:
         self.reward = reward_fn(self.cfg.data.task)
         self.buffer = AsyncBufferClient(ctx.endpoints.buffer, self.cfg.buffer.request_timeout_s)
         self.stop = False
+        self.failure: BaseException | None = None  # first error of a group or the weight loop
         self.inflight: set[asyncio.Task] = set()
 
     async def run(self) -> None:
         weights = asyncio.create_task(self.follow_weights())
+        weights.add_done_callback(self._finished)
         try:
             await self.sample_loop()
         finally:
@@ -49,6 +51,8 @@ class Generator:
             for task in self.inflight:
                 task.cancel()
             self.buffer.close()
+        if self.failure is not None:
+            raise self.failure
 
     # ------------------------------------------------------------------ sampling
 
@@ -80,7 +84,8 @@ class Generator:
     def _finished(self, task: asyncio.Task) -> None:
         self.inflight.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            log.error("group failed: %r", task.exception())
+            log.error("%s failed: %r", task.get_coro().__name__, task.exception())
+            self.failure = self.failure or task.exception()
             self.stop = True
 
     async def _wait_for_room(self) -> None:
@@ -136,7 +141,13 @@ class Generator:
                 return
             if status.update is not None and status.update.version > self.engine.loaded_version:
                 seconds = await self.engine.apply_update(status.update)
-                log.info("loaded version %d in %.3fs", status.update.version, seconds)
+                log.info(
+                    "loaded version %d in %.3fs (%s mode; resubmitted %d requests so far)",
+                    status.update.version,
+                    seconds,
+                    self.cfg.weights.mode,
+                    self.engine.resubmitted,
+                )
 
 
 async def run_generator(ctx: RunContext, index: int) -> None:

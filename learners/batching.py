@@ -31,6 +31,8 @@ class TrainBatch:
     buffer_size: int
     gen_tokens_per_s: float
     wait_s: float
+    gen_blocked_s: float  # cumulative over the run, all generators (AdmissionClock)
+    gen_idle_s: float
 
     def to(self, device: torch.device) -> TrainBatch:
         moved = {
@@ -79,6 +81,8 @@ def collate(msg: P.Batch, frames: list, pad_id: int, pin: bool = False) -> Train
         buffer_size=msg.buffer_size,
         gen_tokens_per_s=msg.gen_tokens_per_s,
         wait_s=msg.wait_s,
+        gen_blocked_s=msg.gen_blocked_s,
+        gen_idle_s=msg.gen_idle_s,
     )
 
 

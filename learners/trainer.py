@@ -54,6 +54,7 @@ class Learner:
         self.client = BufferClient(ctx.endpoints.buffer, self.cfg.buffer.request_timeout_s)
         self.metrics = MetricsWriter(ctx.path) if accelerator.is_main_process else None
         self.t_start = time.monotonic()
+        self.gen_clock = (0.0, 0.0)  # (blocked, idle) generator seconds at the previous batch
 
     def train(self) -> None:
         steps = range(self.version, self.cfg.trainer.total_steps)
@@ -116,6 +117,7 @@ class Learner:
                 algo.correction,
                 algo.clip_eps,
                 algo.is_cap,
+                algo.clip_eps_high,
             )
             self.acc.backward(out.loss)
             grad = self.acc.clip_grad_norm_(self.model.parameters(), self.cfg.learner.grad_clip)
@@ -161,8 +163,19 @@ class Learner:
         if self.metrics is None:
             return
         row = step_row(
-            step, self.version, batch, stats, sync_s, step_s, time.monotonic() - self.t_start
+            step,
+            self.version,
+            self.cfg.staleness.max,
+            batch,
+            stats,
+            sync_s,
+            step_s,
+            time.monotonic() - self.t_start,
         )
+        # Admission's hold on the generators since the previous batch (summed over generators).
+        row["gen_blocked_s"] = round(batch.gen_blocked_s - self.gen_clock[0], 4)
+        row["gen_idle_s"] = round(batch.gen_idle_s - self.gen_clock[1], 4)
+        self.gen_clock = (batch.gen_blocked_s, batch.gen_idle_s)
         self.metrics.write(row)
         if (step + 1) % self.cfg.trainer.log_every == 0:
             log.info(
@@ -193,19 +206,26 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def step_row(
     step: int,
     version: int,
+    max_staleness: int,
     batch: TrainBatch,
     s: StepStats,
     sync_s: float,
     step_s: float,
     wall_s: float,
 ) -> dict:
-    """One metrics.jsonl line. Staleness is measured against the version trained at (= step)."""
+    """One metrics.jsonl line. Staleness is measured against the version trained at (= step).
+
+    ``staleness_hist[k]`` counts the samples of staleness k, for k = 0 .. max(eta, max seen);
+    ``inflight_update_samples`` counts samples whose tokens span more than one version.
+    """
     mask = batch.loss_mask > 0
     versions = batch.token_versions.masked_fill(~mask, 1 << 30)
     oldest = versions.min(dim=1).values  # [N]
     newest = batch.token_versions.max(dim=1).values
     stale = (step - oldest).float()
     n_resp = int(mask.sum())
+    seen = int(stale.max()) if len(stale) else 0
+    hist = torch.bincount(stale.long().clamp(min=0), minlength=max(max_staleness, seen) + 1)
     return {
         "step": step,
         "version": version,
@@ -217,6 +237,7 @@ def step_row(
         "response_tokens": n_resp,
         "staleness_mean": float(stale.mean()) if len(stale) else 0.0,
         "staleness_max": int(stale.max()) if len(stale) else 0,
+        "staleness_hist": hist.tolist(),
         "inflight_update_samples": int((newest > oldest).sum()),
         "dropped_stale": batch.dropped_stale,
         "gen_tokens_per_s": round(batch.gen_tokens_per_s, 2),

@@ -5,7 +5,7 @@ Three policies meet in a loss (DESIGN.md):
   pi_prox   the learner's recomputation with the weights before this batch's updates,
   pi_theta  the weights being optimised.
 
-Per response token, with A the sample's advantage and clip(x) = clip(x, 1 - eps, 1 + eps):
+Per response token, with A the sample's advantage and clip(x) = clip(x, 1 - eps, 1 + eps_high):
 
   none       r = pi_theta / pi_behav;           loss = -min(r A, clip(r) A)
   tis        u = pi_theta / pi_prox, w = min(pi_prox / pi_behav, cap)
@@ -67,8 +67,13 @@ def policy_loss(
     correction: str,
     clip_eps: float,
     is_cap: float,
+    clip_eps_high: float | None = None,
 ) -> LossOutput:
-    """PPO-clip loss; every tensor is [N, T] (advantages broadcast per token), mask is 0/1."""
+    """PPO-clip loss; every tensor is [N, T] (advantages broadcast per token), mask is 0/1.
+
+    The ratio is clipped to [1 - clip_eps, 1 + clip_eps_high] (clip_eps_high defaults to
+    clip_eps; a larger one is DAPO's clip-higher).
+    """
     mask = mask.to(logp.dtype)
     n_tokens = mask.sum().clamp(min=1)
     if correction == "none":
@@ -83,7 +88,8 @@ def policy_loss(
     else:
         raise ValueError(f"unknown correction '{correction}' (none, tis, decoupled)")
     unclipped = ratio * advantages
-    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    clipped = ratio.clamp(1 - clip_eps, 1 + high) * advantages
     per_token = -weight * torch.minimum(unclipped, clipped)
     loss = (per_token * mask).sum() / n_tokens
     with torch.no_grad():

@@ -111,7 +111,9 @@ class AlgoConfig(_Section):
     correction: Literal["none", "tis", "decoupled"] = "decoupled"
     """Off-policy correction: none (pi/pi_behav), tis (truncated pi_prox/pi_behav), decoupled (AReaL)."""
     clip_eps: Annotated[float, msgspec.Meta(gt=0, lt=1)] = 0.2
-    """PPO ratio clip epsilon."""
+    """PPO ratio clip epsilon: the ratio is clipped to [1 - clip_eps, 1 + clip_eps_high]."""
+    clip_eps_high: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    """Upper clip epsilon (DAPO's clip-higher); empty means equal to clip_eps."""
     is_cap: Annotated[float, msgspec.Meta(ge=1)] = 2.0
     """Cap of the behaviour importance weight pi_prox/pi_behav (tis: truncated; decoupled: masked above)."""
     minibatches: PosInt = 2
@@ -128,8 +130,11 @@ class StalenessConfig(_Section):
 class WeightsConfig(_Section):
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Weight-sync backend: auto = nccl with CUDA, gloo otherwise."""
-    mode: Literal["keep"] = "keep"
-    """In-flight requests at a swap: keep (pause with requests kept, swap, resume; tokens carry per-token versions)."""
+    mode: Literal["keep", "abort"] = "keep"
+    """In-flight requests at a swap. keep: pause with requests and their KV cache kept, swap,
+    resume (a prefix computed by the old weights is attended to by the new ones). abort: abort
+    them and resubmit prompt + tokens so far, so the new weights re-read the prefix (costs a
+    re-prefill). Either way every token carries the version that sampled it."""
     bucket_mb: PosInt = 64
     """Weights are broadcast in packed buckets of this size."""
     timeout_s: PosFloat = 120.0

@@ -162,6 +162,8 @@ class Batch(_Msg):
     buffer_size: int
     gen_tokens_per_s: float
     wait_s: float
+    gen_blocked_s: float = 0.0  # generators' seconds refused by admission so far (all generators)
+    gen_idle_s: float = 0.0  # the part of it with nothing in flight (engine idle)
 
 
 class NotReady(_Msg):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,8 +19,11 @@ def _rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("eta", [0, 2])
-def test_train_runs_and_respects_the_staleness_bound(tmp_path, eta):
+@pytest.mark.parametrize(
+    ("eta", "mode"),
+    [(0, "keep"), (2, "keep"), (4, "abort")],
+)
+def test_train_runs_and_respects_the_staleness_bound(tmp_path, eta, mode):
     run_dir = tmp_path / f"eta{eta}"
     steps = 12
     res = run_cli(
@@ -30,6 +34,9 @@ def test_train_runs_and_respects_the_staleness_bound(tmp_path, eta):
             str(run_dir),
             f"trainer.total_steps={steps}",
             f"staleness.max={eta}",
+            f"weights.mode={mode}",
+            # Room for (eta + 1) steps of groups, so admission, not capacity, is the limit.
+            f"generators.max_inflight_groups={max(8 * (eta + 1), 16)}",
         ],
         timeout=400,
     )
@@ -43,13 +50,22 @@ def test_train_runs_and_respects_the_staleness_bound(tmp_path, eta):
         assert row["dropped_stale"] == 0
         assert row["samples"] == 8 * 8 and row["tokens"] > 0
         assert row["weight_sync_s"] > 0
+        assert sum(row["staleness_hist"]) == row["samples"]
+        assert len(row["staleness_hist"]) == eta + 1
+        assert row["gen_blocked_s"] >= row["gen_idle_s"] >= 0
     if eta == 0:
         assert all(r["staleness_max"] == 0 for r in rows)
         assert all(r["inflight_update_samples"] == 0 for r in rows)
+        # Synchronous: the generator sits idle while the learner trains.
+        assert sum(r["gen_idle_s"] for r in rows) > 0
     else:
         assert any(r["staleness_max"] > 0 for r in rows), (
             "the asynchronous path was never exercised"
         )
+        assert any(r["inflight_update_samples"] > 0 for r in rows), "no in-flight update seen"
+    if mode == "abort":
+        log = (run_dir / "logs/generator0.log").read_text()
+        assert re.search(r"resubmitted [1-9]", log), "no request was aborted and resubmitted"
     assert (run_dir / "config.yaml").read_text().count(f"max: {eta}") == 1
     assert not processes_mentioning(str(run_dir)), "processes outlived the run"
 

@@ -52,6 +52,17 @@ def test_policy_loss_hand_computed(p, prox, behav, adv, correction, cap, expecte
     assert out.loss.item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
 
 
+def test_clip_higher_widens_only_the_upper_bound():
+    t = lambda x: torch.tensor([[math.log(x)]])  # noqa: E731
+    args = (t(0.5), t(0.4), t(0.4), torch.tensor([[1.0]]), torch.ones(1, 1), "decoupled", 0.2, 2.0)
+    # u = 1.25: clipped to 1.2 symmetric, unclipped (1.25) under clip_eps_high = 0.28
+    assert policy_loss(*args).loss.item() == pytest.approx(-1.2)
+    assert policy_loss(*args, clip_eps_high=0.28).loss.item() == pytest.approx(-1.25)
+    # u = .5/.8 = .625 with A < 0: the lower bound .8 still binds -> -min(-.625, -.8) = .8
+    low = (t(0.5), t(0.8), t(0.8), torch.tensor([[-1.0]]), torch.ones(1, 1), "decoupled", 0.2, 2.0)
+    assert policy_loss(*low, clip_eps_high=0.28).loss.item() == pytest.approx(0.8)
+
+
 def test_loss_is_token_mean_over_mask_and_reports_clipping():
     logp = torch.log(torch.tensor([[0.5, 0.5, 0.9]]))
     behav = torch.log(torch.tensor([[0.25, 0.5, 0.1]]))

@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 
 from buffer.ledger import (
+    AdmissionClock,
     LedgerError,
     PromptLedger,
     StoredGroup,
@@ -86,3 +87,16 @@ def test_token_rate_window():
     rate.add(100, now=1.0)
     assert rate.rate(now=2.0) == pytest.approx(100.0)
     assert rate.rate(now=20.0) == 0.0
+
+
+def test_admission_clock_counts_refusals_until_work_and_idle_only_with_nothing_in_flight():
+    clock = AdmissionClock()
+    clock.observe(0, refused=True, in_flight=2, now=10.0)  # blocked, still busy
+    clock.observe(0, refused=True, in_flight=0, now=11.0)  # its last group returned: idle
+    clock.observe(1, refused=True, in_flight=0, now=11.5)  # a second generator, idle at once
+    assert clock.totals(now=12.0) == pytest.approx((2.0 + 0.5, 1.0 + 0.5))  # running intervals
+    clock.observe(0, refused=False, in_flight=0, now=13.0)  # got work: both intervals close
+    clock.observe(0, refused=True, in_flight=0, now=13.0)  # refused again later: new interval
+    clock.observe(1, refused=False, in_flight=0, now=14.0)
+    assert clock.totals(now=14.0) == pytest.approx((3.0 + 1.0 + 2.5, 2.0 + 1.0 + 2.5))
+    assert clock.blocked_since == {0: 13.0}
