@@ -71,27 +71,43 @@ class BufferServer:
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(endpoint)
+        self.raw = zmq.Socket.shadow(self.sock.underlying)  # blocking-free sends and drains
 
     # ------------------------------------------------------------------ main loop
 
     async def serve(self) -> None:
+        """Wait for input with asyncio; then drain every ready message without awaiting.
+
+        The asyncio socket is only used to sleep until the socket is readable. Receives
+        (non-blocking) and sends (HWM 0: they never block) go through a plain shadow of
+        the same socket, so a burst of small messages costs no event-loop round trip each.
+        """
         ticker = asyncio.create_task(self._expire_parked())
         try:
             while not self.terminated:
                 if await self.sock.poll(100):
-                    await self._dispatch(await self.sock.recv_multipart(copy=False))
+                    self._drain()
         finally:
             ticker.cancel()
             self.sock.close(linger=0)
             self.ctx.term()
 
-    async def _dispatch(self, parts: list) -> None:
+    def _drain(self, max_messages: int = 1024) -> None:
+        for _ in range(max_messages):
+            try:
+                parts = self.raw.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            self._dispatch(parts)
+        self._serve_parked()
+
+    def _dispatch(self, parts: list) -> None:
         identity = parts[0].bytes
         try:
             env, frames = P.decode(parts[1:])
         except P.ProtocolError as exc:
             log.warning("bad message from %s: %s", identity.hex(), exc)
-            await self._send(identity, 0, P.Error(code="protocol", message=str(exc)))
+            self._send(identity, 0, P.Error(code="protocol", message=str(exc)))
             return
         try:
             reply, frames_out = self.handle(identity, env.request_id, env.body, frames)
@@ -99,16 +115,13 @@ class BufferServer:
             log.warning("rejected %s: %s", type(env.body).__name__, exc)
             reply, frames_out = P.Error(code="rejected", message=str(exc)), None
         if reply is not None:
-            await self._send(identity, env.request_id, reply, frames_out)
-        await self._serve_parked()
+            self._send(identity, env.request_id, reply, frames_out)
 
-    async def _send(
+    def _send(
         self, identity: bytes, request_id: int, body: P.Body, frames: P.Frames | None = None
     ) -> None:
         try:
-            await self.sock.send_multipart(
-                [identity, *P.encode(body, request_id, frames)], copy=False
-            )
+            self.raw.send_multipart([identity, *P.encode(body, request_id, frames)], copy=False)
         except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY): nothing to deliver to
             log.warning("reply to %s lost: %s", identity.hex(), exc)
 
@@ -164,12 +177,13 @@ class BufferServer:
         ver = P.tensor(g.token_versions, frames)
         if not (len(resp) == len(lp) == len(ver) == bounds[-1]) or len(g.rewards) != len(lengths):
             raise P.ProtocolError(f"group {g.group_id}: lengths do not match the tensors")
-        split = lambda a: [a[bounds[i] : bounds[i + 1]].copy() for i in range(len(lengths))]  # noqa: E731
+        # Views on the received frames (numpy keeps each frame alive): no copy on the way in.
+        split = lambda a: [a[bounds[i] : bounds[i + 1]] for i in range(len(lengths))]  # noqa: E731
         stored = StoredGroup(
             g.group_id,
             g.prompt_id,
             g.generator_id,
-            P.tensor(g.prompt_ids, frames).copy(),
+            P.tensor(g.prompt_ids, frames),
             split(resp),
             split(lp),
             split(ver),
@@ -212,7 +226,7 @@ class BufferServer:
         groups = step.shards[rank]
         samples = [(g, i) for g in groups for i in range(len(g.responses))]
         frames = P.Frames()
-        cat = lambda arrays, dt: np.concatenate(arrays).astype(dt) if arrays else np.zeros(0, dt)  # noqa: E731
+        cat = lambda arrays, dt: np.concatenate(arrays, dtype=dt) if arrays else np.zeros(0, dt)  # noqa: E731
         blocked_s, idle_s = self.clock.totals(time.monotonic())
         body = P.Batch(
             step=step.step,
@@ -236,7 +250,7 @@ class BufferServer:
 
     # ------------------------------------------------------------------ long polls
 
-    async def _serve_parked(self) -> None:
+    def _serve_parked(self) -> None:
         still: list[Parked] = []
         for p in self.parked:
             ready = self._try_answer(p.body)
@@ -246,7 +260,7 @@ class BufferServer:
             reply, frames = ready
             if isinstance(reply, P.Batch):
                 reply = msgspec.structs.replace(reply, wait_s=time.monotonic() - p.since)
-            await self._send(p.identity, p.request_id, reply, frames)
+            self._send(p.identity, p.request_id, reply, frames)
         self.parked = still
 
     async def _expire_parked(self) -> None:
@@ -258,7 +272,10 @@ class BufferServer:
                 continue
             self.parked = [p for p in self.parked if p not in expired]
             for p in expired:
-                await self._send(p.identity, p.request_id, self._timeout_reply(p.body))
+                self._send(p.identity, p.request_id, self._timeout_reply(p.body))
+            # Sends can consume the edge of ZMQ's edge-triggered fd: serve what arrived.
+            if self.raw.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self._drain()
 
     def _timeout_reply(self, body: P.PollVersion | P.GetBatch) -> P.Body:
         if isinstance(body, P.PollVersion):

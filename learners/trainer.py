@@ -39,6 +39,64 @@ class StepStats:
     grad_norm: float
 
 
+def logits_of(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=input_ids, attention_mask=attention_mask).logits  # [N, T, V]
+
+
+def policy_update(
+    model, optimizer, batch: TrainBatch, advantages: torch.Tensor, algo, backward, clip_grad
+) -> StepStats:
+    """pi_prox recomputation, then ``algo.minibatches`` optimizer steps over the batch.
+
+    ``backward(loss)`` and ``clip_grad() -> norm`` come from the caller (Accelerate in the
+    learner; plain torch under FSDP2 in benchmarks/gpu.py), so both run this exact code.
+    """
+    with torch.no_grad():
+        logits = logits_of(model, batch.input_ids, batch.attention_mask)
+        logp_prox = token_logprobs(logits, batch.input_ids[:, 1:])  # [N, T-1]
+        entropy = token_entropy(logits)
+        del logits
+    mask = batch.loss_mask
+    n_tok = mask.sum().clamp(min=1)
+    totals = dict(loss=0.0, clip=0.0, w_mean=0.0, w_max=0.0, w_clip=0.0, grad=0.0)
+    chunks = torch.arange(len(advantages), device=mask.device).chunk(algo.minibatches)
+    for idx in chunks:
+        logits = logits_of(model, batch.input_ids[idx], batch.attention_mask[idx])
+        logp = token_logprobs(logits, batch.input_ids[idx, 1:])
+        out = policy_loss(
+            logp,
+            logp_prox[idx],
+            batch.behav_logprobs[idx],
+            advantages[idx, None],
+            mask[idx],
+            algo.correction,
+            algo.clip_eps,
+            algo.is_cap,
+            algo.clip_eps_high,
+        )
+        backward(out.loss)
+        grad = clip_grad()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        k = 1.0 / len(chunks)
+        totals["loss"] += out.loss.item() * k
+        totals["clip"] += out.clip_fraction.item() * k
+        totals["w_mean"] += out.is_weight_mean.item() * k
+        totals["w_max"] = max(totals["w_max"], out.is_weight_max.item())
+        totals["w_clip"] += out.is_clipped_fraction.item() * k
+        totals["grad"] += float(grad) * k
+    return StepStats(
+        loss=totals["loss"],
+        kl=float((kl_k3(logp_prox, batch.behav_logprobs) * mask).sum() / n_tok),
+        entropy=float((entropy[:, :-1] * mask).sum() / n_tok),
+        clip_fraction=totals["clip"],
+        is_weight_mean=totals["w_mean"],
+        is_weight_max=totals["w_max"],
+        is_clipped_fraction=totals["w_clip"],
+        grad_norm=totals["grad"],
+    )
+
+
 class Learner:
     def __init__(
         self, ctx: RunContext, accelerator, model, optimizer, group: SyncGroup | None, pad_id: int
@@ -58,6 +116,7 @@ class Learner:
 
     def train(self) -> None:
         steps = range(self.version, self.cfg.trainer.total_steps)
+        prefill_s = self.wait_for_prefill()
         batches = self.open_prefetcher(steps)
         for step in steps:
             t0 = time.monotonic()
@@ -65,10 +124,30 @@ class Learner:
             advantages = self.compute_advantages(batch)
             stats = self.update(batch, advantages)
             sync_s = self.publish_weights()
-            self.log_metrics(step, batch, stats, sync_s, time.monotonic() - t0)
+            self.log_metrics(step, batch, stats, sync_s, time.monotonic() - t0, prefill_s)
+            prefill_s = None
         self.finish()
 
     # ------------------------------------------------------------------ steps
+
+    def wait_for_prefill(self) -> float | None:
+        """``trainer.prefill_steps`` > 0: wait until the buffer holds that many steps of groups.
+
+        Returns the seconds the fill took (generation alone, the learner idle), or None.
+        """
+        want = self.cfg.trainer.prefill_steps * self.cfg.learner.groups_per_step
+        if want == 0:
+            return None
+        t0 = time.monotonic()
+        deadline = t0 + self.cfg.weights.join_timeout_s
+        while (returned := self.client.request(P.GetStats())[0].returned) < want:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"buffer pre-fill stuck at {returned}/{want} groups")
+            time.sleep(0.02)
+        seconds = time.monotonic() - t0
+        log.info("buffer pre-filled with %d groups in %.2fs", want, seconds)
+        self.t_start = time.monotonic()
+        return seconds
 
     def open_prefetcher(self, steps: range) -> Prefetcher:
         cfg = self.cfg
@@ -93,56 +172,18 @@ class Learner:
         return adv.to(self.acc.device)  # [N]
 
     def update(self, batch: TrainBatch, advantages: torch.Tensor) -> StepStats:
-        """pi_prox recomputation, then ``algo.minibatches`` optimizer steps over the batch."""
-        algo = self.cfg.algo
         self.model.train()
-        with torch.no_grad():
-            logits = self._logits(batch.input_ids, batch.attention_mask)
-            logp_prox = token_logprobs(logits, batch.input_ids[:, 1:])  # [N, T-1]
-            entropy = token_entropy(logits)
-            del logits
-        mask = batch.loss_mask
-        n_tok = mask.sum().clamp(min=1)
-        totals = dict(loss=0.0, clip=0.0, w_mean=0.0, w_max=0.0, w_clip=0.0, grad=0.0)
-        chunks = torch.arange(len(advantages), device=mask.device).chunk(algo.minibatches)
-        for idx in chunks:
-            logits = self._logits(batch.input_ids[idx], batch.attention_mask[idx])
-            logp = token_logprobs(logits, batch.input_ids[idx, 1:])
-            out = policy_loss(
-                logp,
-                logp_prox[idx],
-                batch.behav_logprobs[idx],
-                advantages[idx, None],
-                mask[idx],
-                algo.correction,
-                algo.clip_eps,
-                algo.is_cap,
-                algo.clip_eps_high,
-            )
-            self.acc.backward(out.loss)
-            grad = self.acc.clip_grad_norm_(self.model.parameters(), self.cfg.learner.grad_clip)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            k = 1.0 / len(chunks)
-            totals["loss"] += out.loss.item() * k
-            totals["clip"] += out.clip_fraction.item() * k
-            totals["w_mean"] += out.is_weight_mean.item() * k
-            totals["w_max"] = max(totals["w_max"], out.is_weight_max.item())
-            totals["w_clip"] += out.is_clipped_fraction.item() * k
-            totals["grad"] += float(grad) * k
-        return StepStats(
-            loss=totals["loss"],
-            kl=float((kl_k3(logp_prox, batch.behav_logprobs) * mask).sum() / n_tok),
-            entropy=float((entropy[:, :-1] * mask).sum() / n_tok),
-            clip_fraction=totals["clip"],
-            is_weight_mean=totals["w_mean"],
-            is_weight_max=totals["w_max"],
-            is_clipped_fraction=totals["w_clip"],
-            grad_norm=totals["grad"],
+        return policy_update(
+            self.model,
+            self.optimizer,
+            batch,
+            advantages,
+            self.cfg.algo,
+            backward=self.acc.backward,
+            clip_grad=lambda: self.acc.clip_grad_norm_(
+                self.model.parameters(), self.cfg.learner.grad_clip
+            ),
         )
-
-    def _logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits  # [N, T, V]
 
     def publish_weights(self) -> float:
         """Gather full tensors on every rank, then rank 0 announces and broadcasts them."""
@@ -158,7 +199,13 @@ class Learner:
         return time.monotonic() - t0
 
     def log_metrics(
-        self, step: int, batch: TrainBatch, stats: StepStats, sync_s: float, step_s: float
+        self,
+        step: int,
+        batch: TrainBatch,
+        stats: StepStats,
+        sync_s: float,
+        step_s: float,
+        prefill_s: float | None = None,
     ) -> None:
         if self.metrics is None:
             return
@@ -176,6 +223,8 @@ class Learner:
         row["gen_blocked_s"] = round(batch.gen_blocked_s - self.gen_clock[0], 4)
         row["gen_idle_s"] = round(batch.gen_idle_s - self.gen_clock[1], 4)
         self.gen_clock = (batch.gen_blocked_s, batch.gen_idle_s)
+        if prefill_s is not None:
+            row["prefill_s"] = round(prefill_s, 4)
         self.metrics.write(row)
         if (step + 1) % self.cfg.trainer.log_every == 0:
             log.info(

@@ -14,6 +14,7 @@ into an ``Error`` reply.
 
 from __future__ import annotations
 
+import math
 from typing import Union
 
 import msgspec
@@ -271,7 +272,7 @@ def tensor(ref: TensorRef, frames: list) -> np.ndarray:
     frame = frames[ref.frame - 1]
     buf = frame.buffer if hasattr(frame, "buffer") else frame
     array = np.frombuffer(buf, dtype=ref.dtype)
-    expected = int(np.prod(ref.shape, dtype=np.int64))
+    expected = math.prod(ref.shape)
     if array.size != expected:
         raise ProtocolError(
             f"tensor frame {ref.frame} holds {array.size} values, shape {ref.shape} needs {expected}"

@@ -73,7 +73,13 @@ class BufferClient:
 
 
 class AsyncBufferClient:
-    """asyncio client: one socket, one reader task, one future per request."""
+    """asyncio client: one socket, one reader task, one future per request.
+
+    asyncio is used only to sleep until a reply is readable; sends (HWM 0: they never
+    block) and the draining of every ready reply go through a plain shadow of the socket,
+    which saves an event-loop round trip per message. The reader also wakes every second,
+    so even a missed wake-up costs latency, never a hang.
+    """
 
     def __init__(self, endpoint: str, timeout_s: float) -> None:
         self.endpoint = endpoint
@@ -82,23 +88,36 @@ class AsyncBufferClient:
         self.sock = self.ctx.socket(zmq.DEALER)
         _configure(self.sock)
         self.sock.connect(endpoint)
+        self.raw = zmq.Socket.shadow(self.sock.underlying)
         self.ids = itertools.count(1)
         self.pending: dict[int, asyncio.Future] = {}
         self.reader: asyncio.Task | None = None
 
     async def _read(self) -> None:
         while True:
-            parts = await self.sock.recv_multipart(copy=False)
+            await self.sock.poll(1000)
+            self._drain()
+
+    def _drain(self) -> None:
+        while True:
             try:
-                env, frames = P.decode(parts)
-            except P.ProtocolError as exc:  # the buffer never sends these; fail every waiter
-                for fut in self.pending.values():
+                parts = self.raw.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._deliver(parts)
+
+    def _deliver(self, parts: list) -> None:
+        try:
+            env, frames = P.decode(parts)
+        except P.ProtocolError as exc:  # the buffer never sends these; fail every waiter
+            for fut in self.pending.values():
+                if not fut.done():
                     fut.set_exception(exc)
-                self.pending.clear()
-                continue
-            fut = self.pending.pop(env.request_id, None)
-            if fut is not None and not fut.done():
-                fut.set_result((env.body, frames))
+            self.pending.clear()
+            return
+        fut = self.pending.pop(env.request_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result((env.body, frames))
 
     async def request(
         self, body: P.Body, frames: P.Frames | None = None, extra_wait_s: float = 0.0
@@ -108,7 +127,11 @@ class AsyncBufferClient:
         rid = next(self.ids)
         fut = asyncio.get_running_loop().create_future()
         self.pending[rid] = fut
-        await self.sock.send_multipart(P.encode(body, rid, frames), copy=False)
+        self.raw.send_multipart(P.encode(body, rid, frames), copy=False)
+        # ZMQ's file descriptor is edge-triggered and a send can consume the edge of a reply
+        # that arrived meanwhile; the waiting reader would miss it, so look now.
+        if self.raw.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._drain()
         try:
             reply, frames_in = await asyncio.wait_for(fut, self.timeout_s + extra_wait_s)
         except TimeoutError:

@@ -1,0 +1,66 @@
+"""Helpers shared by the benchmark scripts: run a real training job, read and smooth metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_train(config: Path, run_dir: Path, overrides: list[str]) -> tuple[list[dict], float]:
+    """``verl-async train CONFIG --run-dir RUN_DIR overrides...``; returns (metrics rows, seconds)."""
+    cmd = [sys.executable, "-m", "verl_async.cli", "train", str(config), "--run-dir", str(run_dir)]
+    t0 = time.monotonic()
+    res = subprocess.run(
+        [*cmd, *overrides],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    seconds = time.monotonic() - t0
+    if res.returncode != 0:
+        raise SystemExit(
+            f"run {run_dir.name} failed ({' '.join(overrides)}):\n{res.stderr[-3000:]}"
+        )
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    return rows, seconds
+
+
+def rolling(values: list[float], window: int) -> list[float]:
+    """Trailing mean over up to ``window`` values."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else 0.0
+
+
+def machine() -> str:
+    """'N cores, X GiB RAM, <GPU or no GPU>' for the benchmark tables."""
+    cores = os.cpu_count()
+    try:
+        kib = int(Path("/proc/meminfo").read_text().split()[1])
+        ram = f"{kib / 2**20:.0f} GiB RAM"
+    except (OSError, ValueError, IndexError):
+        ram = "RAM unknown"
+    try:
+        import torch
+
+        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    except ImportError:
+        gpu = "no GPU"
+    return f"{cores} cores ({platform.machine()}), {ram}, {gpu}"

@@ -1,0 +1,218 @@
+"""Learner step throughput under FSDP2 on CUDA, and the gather + broadcast of its weights.
+
+    python benchmarks/gpu.py                                 # one GPU
+    torchrun --nproc-per-node N benchmarks/gpu.py            # N GPUs, one FSDP2 job
+    python benchmarks/gpu.py --device cpu --layers 2 --hidden 128 --vocab 64 --seq-len 32
+                                                             # code-path check on CPU (gloo)
+
+The step is the learner's own code: a ``Batch`` message is collated into pinned host
+memory, copied to the device, and trained with ``learners.trainer.policy_update`` (pi_prox
+recomputation, then ``algo.minibatches`` decoupled-PPO steps) on a Llama whose decoder
+layers and root are wrapped with FSDP2 ``fully_shard`` (the wrapping Accelerate's FSDP2
+plugin applies). Weights are bf16 on CUDA, float32 on CPU.
+
+Publication is timed as the learner does it: ``full_state_dict`` (``full_tensor()`` on
+every rank) and ``send_weights`` from rank 0 in packed buckets over a weight-sync group.
+No vLLM runs here, so that group has the learner alone (world size 1): the figure is the
+gather + packing + collective launch cost, not a transfer to generators.
+
+Only CUDA runs are benchmark figures; ``--device cpu`` exists so the script cannot rot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, machine  # noqa: E402
+
+
+def init_distributed(device: str) -> tuple[int, int, torch.device]:
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world == 1:
+        from verl_async.runtime import free_port
+
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port("127.0.0.1")))
+    if device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        dev = torch.device("cuda", local)
+    else:
+        dev = torch.device("cpu")
+    dist.init_process_group(
+        "nccl" if device == "cuda" else "gloo", rank=rank, world_size=world, device_id=None
+    )
+    return rank, world, dev
+
+
+def build_model(args, dev: torch.device, dtype: torch.dtype):
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64 if args.hidden >= 64 else 1,
+        num_key_value_heads=max(args.hidden // 64 // 4, 1) if args.hidden >= 256 else 1,
+        max_position_embeddings=max(args.seq_len, 128),
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = LlamaForCausalLM(config).to(dtype)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def batch_message(args, rank: int):
+    """A ``Batch`` like the buffer sends: half prompt, half response, groups of 8."""
+    from verl_async import protocol as P
+
+    rng = np.random.default_rng(rank)
+    n, half = args.samples, args.seq_len // 2
+    frames = P.Frames()
+    body = P.Batch(
+        step=0,
+        group_ids=list(range(n // 8)),
+        sample_group=[i // 8 for i in range(n)],
+        prompt_lengths=[half] * n,
+        response_lengths=[half] * n,
+        rewards=rng.integers(0, 2, n).astype(float).tolist(),
+        prompt_ids=frames.add(rng.integers(0, args.vocab, n * half, dtype=np.int32)),
+        response_ids=frames.add(rng.integers(0, args.vocab, n * half, dtype=np.int32)),
+        behav_logprobs=frames.add(np.full(n * half, -np.log(args.vocab), np.float32)),
+        token_versions=frames.add(np.zeros(n * half, np.int32)),
+        dropped_stale=0,
+        buffer_size=0,
+        gen_tokens_per_s=0.0,
+        wait_s=0.0,
+    )
+    return body, [bytes(b) for b in frames.buffers]
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--intermediate", type=int, default=4096)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--samples", type=int, default=64, help="sequences per rank per step")
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=5, help="timed steps (after 2 warm-up steps)")
+    ap.add_argument("--bucket-mb", type=int, default=64)
+    ap.add_argument("--out", type=Path, default=ROOT / "runs/gpu")
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("summary: skipped, no CUDA device (use --device cpu for a code-path check)")
+        return 0
+
+    from learners.batching import collate
+    from learners.trainer import full_state_dict, policy_update
+    from verl_async.algorithms import grpo_advantages
+    from verl_async.config import AlgoConfig
+    from verl_async.runtime import free_port
+    from verl_async.weight_sync import join_group, param_specs, send_weights
+
+    rank, world, dev = init_distributed(args.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    model = build_model(args, dev, dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    algo = AlgoConfig(correction="decoupled", minibatches=2)
+    body, frames = batch_message(args, rank)
+
+    def clip_grad() -> float:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    step_times, tokens = [], 0
+    for i in range(2 + args.steps):
+        sync(dev)
+        t0 = time.perf_counter()
+        batch = collate(body, frames, pad_id=0, pin=dev.type == "cuda").to(dev)
+        adv = grpo_advantages(batch.rewards.cpu(), batch.group_index.cpu()).to(dev)
+        model.train()
+        policy_update(model, optimizer, batch, adv, algo, torch.Tensor.backward, clip_grad)
+        sync(dev)
+        if i >= 2:
+            step_times.append(time.perf_counter() - t0)
+        tokens = int(batch.attention_mask.sum()) * world
+
+    group = None
+    if rank == 0:
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        group = join_group("127.0.0.1", free_port("127.0.0.1"), 0, 1, backend, 60)
+    publish_times, nbytes = [], 0
+    for _ in range(1 + args.steps):
+        sync(dev)
+        t0 = time.perf_counter()
+        tensors = full_state_dict(model)
+        if group is not None:
+            specs = param_specs(tensors.items())
+            nbytes = send_weights(group, tensors, specs, args.bucket_mb << 20)
+        sync(dev)
+        publish_times.append(time.perf_counter() - t0)
+        del tensors
+    publish_times = publish_times[1:]  # the first one allocates the buckets
+
+    if rank == 0:
+        step_s = statistics.median(step_times)
+        pub_s = statistics.median(publish_times)
+        params = sum(p.numel() for p in model.parameters())  # global sizes (DTensor)
+        peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else 0.0
+        result = {
+            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+            "world_size": world,
+            "params": params,
+            "dtype": str(dtype),
+            "tokens_per_step": tokens,
+            "step_s": step_times,
+            "publish_s": publish_times,
+            "publish_bytes": nbytes,
+            "peak_gib": peak,
+        }
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gpu.json").write_text(json.dumps(result, indent=1))
+        print(f"machine: {machine()}; ranks: {world}; device: {result['device']}")
+        print(
+            f"model: {params / 1e6:.0f}M parameters, {dtype}; {tokens} tokens per step "
+            f"({args.samples} x {args.seq_len} per rank)"
+        )
+        print("| | median s | rate |")
+        print("|---|---|---|")
+        print(f"| learner step (FSDP2) | {step_s:.3f} | {tokens / step_s:,.0f} tokens/s |")
+        print(
+            f"| gather shards + broadcast ({nbytes / 2**20:.0f} MiB) | {pub_s:.3f} "
+            f"| {nbytes / pub_s / 1e9:.2f} GB/s |"
+        )
+        print(
+            f"summary: {tokens / step_s:,.0f} tokens/s per step on {world} x {result['device']}; "
+            f"publish {pub_s * 1000:.0f} ms ({pub_s / step_s:.1%} of a step); peak {peak:.1f} GiB"
+        )
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

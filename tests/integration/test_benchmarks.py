@@ -1,0 +1,109 @@
+"""Each benchmark script runs end to end at tiny sizes and writes its documented output.
+
+No timing is asserted (this machine is shared and noisy): only that the script finishes,
+prints its table and a summary line, and that its JSON holds the fields BENCHMARKS.md uses.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import ROOT
+
+
+def _run(script: str, args: list[str], timeout: float = 400) -> str:
+    res = subprocess.run(
+        [sys.executable, f"benchmarks/{script}", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    lines = res.stdout.strip().splitlines()
+    assert lines[-1].startswith("summary: "), res.stdout[-2000:]
+    return res.stdout
+
+
+def test_transport(tmp_path):
+    out = _run(
+        "transport.py", ["--sizes", "8192,65536", "--counts", "64,16", "--out", str(tmp_path)]
+    )
+    rows = json.loads((tmp_path / "transport.json").read_text())
+    assert [r["size"] for r in rows] == [8192, 65536]
+    for r in rows:
+        assert r["ours_rollouts_per_s"] > 0 and r["raw_msgs_per_s"] > 0 and r["ratio"] > 0
+    assert "| 8 KiB | 64 |" in out
+
+
+def test_weight_sync(tmp_path):
+    out = _run(
+        "weight_sync.py",
+        ["--layers", "1", "--hidden", "128", "--intermediate", "256", "--repeats", "1"]
+        + ["--bucket-mb", "1", "--out", str(tmp_path)],
+    )
+    result = json.loads((tmp_path / "weight_sync.json").read_text())
+    assert len(result["ours_s"]) == len(result["raw_s"]) == 1
+    assert result["logprob_gap_after_push"] < 1e-3  # the push took effect
+    assert "raw broadcast" in out
+
+
+def test_pipeline(tmp_path):
+    out = _run(
+        "pipeline.py",
+        [
+            "--steps",
+            "4",
+            "--stage-steps",
+            "2",
+            "--out",
+            str(tmp_path),
+            "--plot",
+            str(tmp_path / "p.png"),
+        ],
+    )
+    result = json.loads((tmp_path / "pipeline.json").read_text())
+    assert result["stages"]["generation_samples_per_s"] > 0
+    assert result["stages"]["training_samples_per_s"] > 0
+    assert result["sync"]["staleness_max"] == 0 and result["async"]["staleness_max"] <= 2
+    assert result["sync"]["samples"] == result["async"]["samples"] == 4 * 64
+    assert (tmp_path / "p.png").stat().st_size > 0
+    assert "overlap efficiency" in out
+
+
+def test_staleness_sweep(tmp_path):
+    _run(
+        "staleness_sweep.py",
+        ["--etas", "0,1", "--corrections", "tis", "--steps", "3", "--out", str(tmp_path)]
+        + ["--plot", str(tmp_path / "s.png")],
+    )
+    cells = json.loads((tmp_path / "sweep.json").read_text())
+    assert [(c["eta"], c["correction"]) for c in cells] == [(0, "tis"), (1, "tis")]
+    assert all(c["staleness_max"] <= c["eta"] and c["dropped_stale"] == 0 for c in cells)
+    assert all(c["samples"] == 3 * 64 for c in cells)
+    assert (tmp_path / "s.png").stat().st_size > 0
+
+
+def test_gpu_script_code_path_on_cpu(tmp_path):
+    """The CUDA benchmark's code (FSDP2 step, gather, bucketed send) on CPU with gloo."""
+    _run(
+        "gpu.py",
+        ["--device", "cpu", "--layers", "1", "--hidden", "128", "--intermediate", "256"]
+        + ["--vocab", "64", "--seq-len", "16", "--samples", "8", "--steps", "1"]
+        + ["--out", str(tmp_path)],
+    )
+    result = json.loads((tmp_path / "gpu.json").read_text())
+    assert result["tokens_per_step"] == 8 * 16 and result["publish_bytes"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not __import__("torch").cuda.is_available(), reason="needs CUDA (benchmarks/gpu.py)"
+)
+def test_gpu_script_on_cuda(tmp_path):
+    _run("gpu.py", ["--layers", "2", "--hidden", "256", "--steps", "1", "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "gpu.json").read_text())["device"] != "cpu"
