@@ -1,0 +1,167 @@
+"""Checkpoint directories and their manifests: the commit point of a checkpoint.
+
+Layout (DESIGN.md, run-directory contract)::
+
+    <run_dir>/checkpoints/step_NNNNNNNN/
+        ...                  files written by the learner and the buffer, in any order
+        manifest.json        written last: step, version, every file with size and sha256
+
+A checkpoint exists only once its ``manifest.json`` does. The manifest is written to a
+temporary name, flushed to disk and renamed into place (``os.replace`` is atomic on POSIX),
+so a crash leaves either no manifest or a complete one. ``verify`` re-hashes every file:
+a truncated or altered file is reported, and ``newest_valid`` then falls back to the next
+older checkpoint with a log line saying why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import msgspec
+
+log = logging.getLogger("verl_async.checkpoint")
+
+MANIFEST = "manifest.json"
+_PREFIX = "step_"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used, with the reason."""
+
+
+class FileEntry(msgspec.Struct, frozen=True):
+    bytes: int
+    sha256: str
+
+
+class Manifest(msgspec.Struct, frozen=True, kw_only=True):
+    step: int  # learner steps completed when the snapshot was taken
+    version: int  # weights version at that point
+    created_unix: float
+    files: dict[str, FileEntry]  # path relative to the checkpoint directory
+    meta: dict[str, int | float | str] = {}
+
+
+def checkpoints_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def step_dir(run_dir: str | Path, step: int) -> Path:
+    return checkpoints_root(run_dir) / f"{_PREFIX}{step:08d}"
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _payload_files(ckpt: Path) -> list[Path]:
+    return sorted(
+        p
+        for p in ckpt.rglob("*")
+        if p.is_file() and p.name != MANIFEST and not p.name.endswith(".tmp")
+    )
+
+
+def commit(ckpt: Path, step: int, version: int, meta: dict | None = None) -> Manifest:
+    """Hash every file under ``ckpt`` and write the manifest last, atomically."""
+    files = {}
+    for path in _payload_files(ckpt):
+        with open(path, "rb") as f:  # the writers closed their files; make them durable
+            os.fsync(f.fileno())
+        files[str(path.relative_to(ckpt))] = FileEntry(path.stat().st_size, sha256_file(path))
+    manifest = Manifest(
+        step=step, version=version, created_unix=time.time(), files=files, meta=meta or {}
+    )
+    tmp = ckpt / (MANIFEST + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(msgspec.json.format(msgspec.json.encode(manifest)))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, ckpt / MANIFEST)
+    _fsync_dir(ckpt)
+    return manifest
+
+
+def read_manifest(ckpt: Path) -> Manifest:
+    path = ckpt / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(f"{ckpt.name}: no {MANIFEST} (the write never committed)")
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=Manifest)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise CheckpointError(f"{ckpt.name}: unreadable {MANIFEST}: {exc}") from None
+
+
+def verify(ckpt: Path) -> list[str]:
+    """Problems with ``ckpt`` (empty when every listed file has its size and sha256)."""
+    try:
+        manifest = read_manifest(ckpt)
+    except CheckpointError as exc:
+        return [str(exc)]
+    problems = []
+    for rel, entry in manifest.files.items():
+        path = ckpt / rel
+        if not path.is_file():
+            problems.append(f"{rel}: missing")
+        elif path.stat().st_size != entry.bytes:
+            problems.append(f"{rel}: {path.stat().st_size} bytes, manifest says {entry.bytes}")
+        elif sha256_file(path) != entry.sha256:
+            problems.append(f"{rel}: sha256 differs from the manifest (file altered)")
+    return problems
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Checkpoint directories, oldest first (committed or not)."""
+    root = checkpoints_root(run_dir)
+    if not root.is_dir():
+        return []
+    dirs = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX)]
+    return sorted(dirs, key=lambda p: int(p.name[len(_PREFIX) :]))
+
+
+def newest_valid(run_dir: str | Path) -> tuple[Path, Manifest] | None:
+    """The newest checkpoint that verifies; each one skipped on the way is logged with why."""
+    for ckpt in reversed(list_checkpoints(run_dir)):
+        problems = verify(ckpt)
+        if not problems:
+            return ckpt, read_manifest(ckpt)
+        log.warning(
+            "checkpoint %s fails verification (%s); falling back to an older one",
+            ckpt.name,
+            "; ".join(problems[:3]),
+        )
+    return None
+
+
+def prune(run_dir: str | Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest ``keep_last`` committed checkpoints, and uncommitted
+    directories older than the newest committed one (abandoned writes). Returns what went."""
+    dirs = list_checkpoints(run_dir)
+    committed = [d for d in dirs if (d / MANIFEST).is_file()]
+    keep = set(committed[-keep_last:]) if keep_last > 0 else set(committed)
+    newest = committed[-1] if committed else None
+    removed = []
+    for d in dirs:
+        is_committed = d in committed
+        abandoned = not is_committed and newest is not None and d < newest
+        if (is_committed and d not in keep) or abandoned:
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
