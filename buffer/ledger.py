@@ -103,13 +103,19 @@ class PromptLedger:
     def exhausted(self) -> bool:
         return self.next_group >= self.total_groups
 
+    def check_returnable(self, group_ids: list[int]) -> None:
+        """Raise LedgerError unless every id is in flight, once."""
+        if len(set(group_ids)) != len(group_ids):
+            raise LedgerError(f"a message returns the same group twice: {sorted(group_ids)}")
+        for k in group_ids:
+            if k not in self.in_flight:
+                state = "already returned" if k in self.returned else "never issued"
+                raise LedgerError(f"group {k} was {state}")
+
     def record_return(self, group: StoredGroup) -> None:
-        k = group.group_id
-        if k not in self.in_flight:
-            state = "already returned" if k in self.returned else "never issued"
-            raise LedgerError(f"group {k} was {state}")
-        del self.in_flight[k]
-        self.returned[k] = group
+        self.check_returnable([group.group_id])
+        del self.in_flight[group.group_id]
+        self.returned[group.group_id] = group
 
     def in_flight_of(self, generator_id: int) -> int:
         return sum(1 for i in self.in_flight.values() if i.generator_id == generator_id)

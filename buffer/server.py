@@ -16,6 +16,7 @@ from the launcher ends the loop, and the socket closes with linger=0.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -133,7 +134,7 @@ class BufferServer:
             case P.GetPrompts():
                 return self._get_prompts(body), None
             case P.PushRollouts():
-                self._push_rollouts(body.group, frames)
+                self._push_rollouts(body.groups, frames)
                 return P.Ack(), None
             case P.PollVersion() | P.GetBatch():
                 ready = self._try_answer(body)
@@ -169,17 +170,27 @@ class BufferServer:
             groups=groups, blocked_by_admission=blocked, exhausted=self.ledger.exhausted
         )
 
-    def _push_rollouts(self, g: P.RolloutGroup, frames: list) -> None:
-        lengths = np.asarray(g.lengths, dtype=np.int64)
-        bounds = np.concatenate([[0], np.cumsum(lengths)])
+    def _push_rollouts(self, groups: list[P.RolloutGroup], frames: list) -> None:
+        """Validate every group first, then record them all (a bad message records nothing)."""
+        stored = [self._unpack_group(g, frames) for g in groups]
+        self.ledger.check_returnable([g.group_id for g in stored])
+        for g in stored:
+            self.ledger.record_return(g)
+            self.rate.add(sum(len(r) for r in g.responses))
+
+    @staticmethod
+    def _unpack_group(g: P.RolloutGroup, frames: list) -> StoredGroup:
+        bounds = [0, *itertools.accumulate(g.lengths)]
         resp = P.tensor(g.response_ids, frames)
         lp = P.tensor(g.behav_logprobs, frames)
         ver = P.tensor(g.token_versions, frames)
-        if not (len(resp) == len(lp) == len(ver) == bounds[-1]) or len(g.rewards) != len(lengths):
+        if not (len(resp) == len(lp) == len(ver) == bounds[-1]) or len(g.rewards) != len(g.lengths):
             raise P.ProtocolError(f"group {g.group_id}: lengths do not match the tensors")
+        if min(g.lengths, default=0) < 0:
+            raise P.ProtocolError(f"group {g.group_id}: negative sample length")
         # Views on the received frames (numpy keeps each frame alive): no copy on the way in.
-        split = lambda a: [a[bounds[i] : bounds[i + 1]] for i in range(len(lengths))]  # noqa: E731
-        stored = StoredGroup(
+        split = lambda a: [a[bounds[i] : bounds[i + 1]] for i in range(len(g.lengths))]  # noqa: E731
+        return StoredGroup(
             g.group_id,
             g.prompt_id,
             g.generator_id,
@@ -189,8 +200,6 @@ class BufferServer:
             split(ver),
             list(g.rewards),
         )
-        self.ledger.record_return(stored)
-        self.rate.add(int(bounds[-1]))
 
     def _try_answer(self, body: P.PollVersion | P.GetBatch):
         if isinstance(body, P.PollVersion):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -26,6 +27,67 @@ from verl_async.transport import AsyncBufferClient
 from verl_async.weight_sync import resolve_backend
 
 log = logging.getLogger("verl_async.generator")
+
+
+@dataclass
+class Finished:
+    """A sampled and scored group waiting to be pushed."""
+
+    group: P.PromptGroup
+    prompt_ids: list[int]
+    packed: tuple  # pack_samples(...): tokens, logprobs, versions, lengths
+    rewards: list[float]
+    seconds: float
+    acknowledged: asyncio.Event
+
+    def message(self, generator_id: int, frames: P.Frames) -> P.RolloutGroup:
+        tokens, logprobs, versions, lengths = self.packed
+        return P.RolloutGroup(
+            group_id=self.group.group_id,
+            prompt_id=self.group.prompt_id,
+            generator_id=generator_id,
+            prompt_ids=frames.add(np.asarray(self.prompt_ids, np.int32)),
+            response_ids=frames.add(tokens),
+            behav_logprobs=frames.add(logprobs),
+            token_versions=frames.add(versions),
+            lengths=lengths,
+            rewards=self.rewards,
+            gen_seconds=self.seconds,
+        )
+
+
+class RolloutPusher:
+    """Coalescing pushes: one PushRollouts in flight; groups finished meanwhile ride along.
+
+    No added latency when idle (a lone group goes at once), fewer and larger messages when
+    busy. ``push`` returns when the buffer has acknowledged the group; a failed push raises
+    in the flusher task, which ``on_error`` reports.
+    """
+
+    def __init__(self, client: AsyncBufferClient, generator_id: int, on_error=None) -> None:
+        self.client = client
+        self.generator_id = generator_id
+        self.on_error = on_error
+        self.outbox: list[Finished] = []
+        self.flusher: asyncio.Task | None = None
+
+    async def push(self, group, prompt_ids, packed, rewards, seconds) -> None:
+        done = asyncio.Event()
+        self.outbox.append(Finished(group, prompt_ids, packed, rewards, seconds, done))
+        if self.flusher is None or self.flusher.done():
+            self.flusher = asyncio.create_task(self._flush())
+            if self.on_error is not None:
+                self.flusher.add_done_callback(self.on_error)
+        await done.wait()
+
+    async def _flush(self) -> None:
+        while self.outbox:
+            batch, self.outbox = self.outbox, []
+            frames = P.Frames()
+            groups = [f.message(self.generator_id, frames) for f in batch]
+            await self.client.request(P.PushRollouts(groups=groups), frames)
+            for f in batch:
+                f.acknowledged.set()
 
 
 class Generator:
@@ -40,6 +102,7 @@ class Generator:
         self.stop = False
         self.failure: BaseException | None = None  # first error of a group or the weight loop
         self.inflight: set[asyncio.Task] = set()
+        self.pusher = RolloutPusher(self.buffer, index, on_error=self._finished)
 
     async def run(self) -> None:
         weights = asyncio.create_task(self.follow_weights())
@@ -104,23 +167,7 @@ class Generator:
         await self.push_rollouts(group, prompt_ids, samples, rewards, time.perf_counter() - t0)
 
     async def push_rollouts(self, group, prompt_ids, samples, rewards, seconds) -> None:
-        tokens, logprobs, versions, lengths = pack_samples(samples)
-        frames = P.Frames()
-        body = P.PushRollouts(
-            group=P.RolloutGroup(
-                group_id=group.group_id,
-                prompt_id=group.prompt_id,
-                generator_id=self.index,
-                prompt_ids=frames.add(np.asarray(prompt_ids, np.int32)),
-                response_ids=frames.add(tokens),
-                behav_logprobs=frames.add(logprobs),
-                token_versions=frames.add(versions),
-                lengths=lengths,
-                rewards=rewards,
-                gen_seconds=seconds,
-            )
-        )
-        await self.buffer.request(body, frames)
+        await self.pusher.push(group, prompt_ids, pack_samples(samples), rewards, seconds)
 
     # ------------------------------------------------------------------ weights
 

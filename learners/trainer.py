@@ -11,6 +11,7 @@ Rank 0 owns the weight-sync group; every rank takes part in gathering full tenso
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -22,7 +23,15 @@ from verl_async.algorithms import grpo_advantages, kl_k3, policy_loss, token_ent
 from verl_async.metrics import MetricsWriter
 from verl_async.runtime import RunContext
 from verl_async.transport import BufferClient
-from verl_async.weight_sync import SyncGroup, join_group, param_specs, resolve_backend, send_weights
+from verl_async.weight_sync import (
+    SyncGroup,
+    broadcast_packed,
+    join_group,
+    pack_weights,
+    param_specs,
+    resolve_backend,
+    send_weights,
+)
 
 log = logging.getLogger("verl_async.learner")
 
@@ -97,6 +106,49 @@ def policy_update(
     )
 
 
+class BackgroundBroadcast:
+    """At most one weight broadcast in flight on a thread; its error surfaces at ``wait``.
+
+    The learner packs a copy of the new weights, announces them and starts this; the next
+    step trains while generators pause and receive. Before announcing the next version the
+    learner waits for this one, so generators never skip a version.
+    """
+
+    def __init__(self, group: SyncGroup, timeout_s: float) -> None:
+        self.group = group
+        self.timeout_s = timeout_s
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.seconds = 0.0  # duration of the last finished broadcast
+
+    def start(self, buffers: list[torch.Tensor]) -> None:
+        self.wait()
+        self.thread = threading.Thread(
+            target=self._run, args=(buffers,), name="weight-broadcast", daemon=True
+        )
+        self.thread.start()
+
+    def _run(self, buffers: list[torch.Tensor]) -> None:
+        t0 = time.monotonic()
+        try:
+            broadcast_packed(self.group, buffers)
+        except BaseException as exc:  # re-raised in the training thread by wait()
+            self.error = exc
+        self.seconds = time.monotonic() - t0
+
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.thread.join(self.timeout_s)
+            if self.thread.is_alive():
+                raise TimeoutError(
+                    f"weight broadcast not finished after weights.timeout_s={self.timeout_s:.0f}s; "
+                    "is every generator alive? (see logs/generator*.log)"
+                )
+            self.thread = None
+        if self.error is not None:
+            raise self.error
+
+
 class Learner:
     def __init__(
         self, ctx: RunContext, accelerator, model, optimizer, group: SyncGroup | None, pad_id: int
@@ -109,6 +161,9 @@ class Learner:
         self.group = group
         self.pad_id = pad_id
         self.version = 0
+        self.broadcast = (
+            BackgroundBroadcast(group, self.cfg.weights.timeout_s) if group is not None else None
+        )
         self.client = BufferClient(ctx.endpoints.buffer, self.cfg.buffer.request_timeout_s)
         self.metrics = MetricsWriter(ctx.path) if accelerator.is_main_process else None
         self.t_start = time.monotonic()
@@ -194,8 +249,14 @@ class Learner:
             specs = param_specs(tensors.items())
             bucket = self.cfg.weights.bucket_mb << 20
             update = P.WeightUpdate(version=self.version, params=specs, bucket_bytes=bucket)
-            self.client.request(P.AnnounceWeights(update=update))
-            send_weights(self.group, tensors, specs, bucket)
+            if self.cfg.weights.overlap:
+                self.broadcast.wait()  # the previous version has reached every generator
+                buffers = pack_weights(tensors, specs, bucket)
+                self.client.request(P.AnnounceWeights(update=update))
+                self.broadcast.start(buffers)
+            else:
+                self.client.request(P.AnnounceWeights(update=update))
+                send_weights(self.group, tensors, specs, bucket)
         return time.monotonic() - t0
 
     def log_metrics(
@@ -223,6 +284,8 @@ class Learner:
         row["gen_blocked_s"] = round(batch.gen_blocked_s - self.gen_clock[0], 4)
         row["gen_idle_s"] = round(batch.gen_idle_s - self.gen_clock[1], 4)
         self.gen_clock = (batch.gen_blocked_s, batch.gen_idle_s)
+        if self.broadcast is not None and self.cfg.weights.overlap:
+            row["weight_broadcast_s"] = round(self.broadcast.seconds, 4)  # last finished one
         if prefill_s is not None:
             row["prefill_s"] = round(prefill_s, 4)
         self.metrics.write(row)
@@ -235,6 +298,8 @@ class Learner:
             )
 
     def finish(self) -> None:
+        if self.broadcast is not None:
+            self.broadcast.wait()
         if self.acc.is_main_process:
             self.client.request(P.Shutdown())
         if self.metrics is not None:

@@ -137,6 +137,9 @@ class WeightsConfig(_Section):
     re-prefill). Either way every token carries the version that sampled it."""
     bucket_mb: PosInt = 64
     """Weights are broadcast in packed buckets of this size."""
+    overlap: bool = True
+    """Broadcast in a background thread while the next step trains (holds one packed copy
+    of the weights); false broadcasts bucket by bucket inside the step (one bucket)."""
     timeout_s: PosFloat = 120.0
     """No side waits longer than this for one weight update."""
     join_timeout_s: PosFloat = 600.0

@@ -122,7 +122,8 @@ def _broadcast(group: SyncGroup, buf: torch.Tensor) -> None:
 def send_weights(
     group: SyncGroup, tensors: dict[str, torch.Tensor], specs: list[ParamSpec], bucket_bytes: int
 ) -> int:
-    """Rank 0: broadcast ``tensors`` (full, unsharded) in the packed order of ``specs``."""
+    """Rank 0: broadcast ``tensors`` (full, unsharded) in the packed order of ``specs``,
+    one bucket at a time (memory: one bucket). See pack_weights for the overlapped form."""
     sent = 0
     for bucket in plan_buckets(specs, bucket_bytes):
         first = tensors[bucket.specs[0].name]
@@ -133,6 +134,29 @@ def send_weights(
         _broadcast(group, buf)
         sent += bucket.nbytes
     return sent
+
+
+def pack_weights(
+    tensors: dict[str, torch.Tensor], specs: list[ParamSpec], bucket_bytes: int
+) -> list[torch.Tensor]:
+    """A packed copy of ``tensors`` in bucket order: the training step may overwrite the
+    originals while the copy is broadcast in the background (costs one model of memory)."""
+    out = []
+    for bucket in plan_buckets(specs, bucket_bytes):
+        first = tensors[bucket.specs[0].name]
+        buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=first.device)
+        for spec, offset in zip(bucket.specs, bucket.offsets, strict=True):
+            flat = tensors[spec.name].detach().contiguous().view(-1).view(torch.uint8)
+            buf[offset : offset + flat.numel()].copy_(flat)
+        out.append(buf)
+    return out
+
+
+def broadcast_packed(group: SyncGroup, buffers: list[torch.Tensor]) -> int:
+    """Rank 0: broadcast buckets made by ``pack_weights``; returns bytes sent."""
+    for buf in buffers:
+        _broadcast(group, buf)
+    return sum(b.numel() for b in buffers)
 
 
 def receive_weights(

@@ -4,6 +4,7 @@ import signal
 import subprocess
 import sys
 
+import msgspec
 import numpy as np
 import pytest
 import zmq
@@ -67,13 +68,24 @@ def test_malformed_messages_get_errors_and_server_keeps_serving(buffer_proc):
         gen_seconds=0.0,
     )
     with pytest.raises(BufferRejected, match="never issued"):
-        client.request(P.PushRollouts(group=bogus), frames)
+        client.request(P.PushRollouts(groups=[bogus]), frames)
 
     # Still serving: admission at eta=0, B=2 hands version 0 exactly groups 0 and 1.
     reply, _ = client.request(P.GetPrompts(generator_id=0, loaded_version=0, max_groups=8))
     assert [g.group_id for g in reply.groups] == [0, 1]
     assert reply.blocked_by_admission
+
+    # All or nothing: a message with a good group and a bad one records neither.
+    good = msgspec.structs.replace(bogus, group_id=0)
+    with pytest.raises(BufferRejected, match="group 99 was never issued"):
+        client.request(P.PushRollouts(groups=[good, bogus]), frames)
     stats, _ = client.request(P.GetStats())
-    assert stats.issued == 2 and stats.dropped_stale == 0
+    assert stats.returned == 0
+    with pytest.raises(BufferRejected, match="same group twice"):
+        client.request(P.PushRollouts(groups=[good, good]), frames)
+    ack, _ = client.request(P.PushRollouts(groups=[good]), frames)
+    assert isinstance(ack, P.Ack)
+    stats, _ = client.request(P.GetStats())
+    assert stats.issued == 2 and stats.returned == 1 and stats.dropped_stale == 0
     assert proc.poll() is None
     client.close()

@@ -18,24 +18,27 @@ def test_rollout_group_roundtrip_with_tensor_frames():
     resp = np.array([4, 5, 6, 7, 2], np.int32)
     lp = np.array([-0.1, -0.2, -0.3, -0.4, -0.5], np.float32)
     body = P.PushRollouts(
-        group=P.RolloutGroup(
-            group_id=3,
-            prompt_id=11,
-            generator_id=0,
-            prompt_ids=frames.add(np.array([1, 3, 9], np.int32)),
-            response_ids=frames.add(resp),
-            behav_logprobs=frames.add(lp),
-            token_versions=frames.add(np.array([0, 0, 1, 1, 1], np.int32)),
-            lengths=[2, 3],
-            rewards=[1.0, 0.0],
-            gen_seconds=0.5,
-        )
+        groups=[
+            P.RolloutGroup(
+                group_id=3,
+                prompt_id=11,
+                generator_id=0,
+                prompt_ids=frames.add(np.array([1, 3, 9], np.int32)),
+                response_ids=frames.add(resp),
+                behav_logprobs=frames.add(lp),
+                token_versions=frames.add(np.array([0, 0, 1, 1, 1], np.int32)),
+                lengths=[2, 3],
+                rewards=[1.0, 0.0],
+                gen_seconds=0.5,
+            )
+        ]
     )
     got, frames_in = _roundtrip(body, frames)
     assert got == body
-    np.testing.assert_array_equal(P.tensor(got.group.response_ids, frames_in), resp)
-    np.testing.assert_array_equal(P.tensor(got.group.behav_logprobs, frames_in), lp)
-    assert P.tensor(got.group.prompt_ids, frames_in).tolist() == [1, 3, 9]
+    group = got.groups[0]
+    np.testing.assert_array_equal(P.tensor(group.response_ids, frames_in), resp)
+    np.testing.assert_array_equal(P.tensor(group.behav_logprobs, frames_in), lp)
+    assert P.tensor(group.prompt_ids, frames_in).tolist() == [1, 3, 9]
 
 
 @pytest.mark.parametrize(
@@ -83,10 +86,27 @@ def test_tensor_ref_checks_frame_and_size():
     frames = [np.arange(4, dtype=np.int32).tobytes()]
     with pytest.raises(P.ProtocolError, match="missing"):
         P.tensor(P.TensorRef("int32", (4,), 2), frames)
-    with pytest.raises(P.ProtocolError, match="holds 4 values"):
+    with pytest.raises(P.ProtocolError, match="holds 16 bytes"):
         P.tensor(P.TensorRef("int32", (5,), 1), frames)
+    with pytest.raises(P.ProtocolError, match="at offset 8 needs 24"):
+        P.tensor(P.TensorRef("int32", (4,), 1, 8), frames)
     with pytest.raises(P.ProtocolError, match="dtype"):
         P.tensor(P.TensorRef("object", (4,), 1), frames)
+
+
+def test_small_tensors_share_one_aligned_frame_and_large_ones_travel_alone():
+    frames = P.Frames()
+    a = np.arange(3, dtype=np.int32)  # 12 bytes
+    b = np.linspace(0, 1, 5, dtype=np.float32)  # 20 bytes
+    big = np.arange(P.Frames.SMALL // 4, dtype=np.int32)  # exactly SMALL bytes
+    c = np.array([[7, 8]], dtype=np.int64)
+    refs = [frames.add(x) for x in (a, b, big, c)]
+    assert [r.frame for r in refs] == [1, 1, 2, 1]
+    assert [r.offset for r in refs] == [0, 16, 0, 48]  # 16-byte aligned
+    parts = [bytes(x) for x in frames.buffers]
+    assert len(parts) == 2 and len(parts[0]) == 64 and len(parts[1]) == P.Frames.SMALL
+    for ref, x in zip(refs, (a, b, big, c), strict=True):
+        np.testing.assert_array_equal(P.tensor(ref, parts), x)
 
 
 def test_no_pickle_dtype_can_be_framed():
