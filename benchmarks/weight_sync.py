@@ -78,20 +78,6 @@ def hf_logprobs(model, ids) -> torch.Tensor:
     return torch.stack([logp[i - 1, ids[i]] for i in range(1, len(ids))])
 
 
-async def vllm_logprobs(engine, ids) -> torch.Tensor:
-    from vllm import SamplingParams, TokensPrompt
-
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
-    final = None
-    async for out in engine.llm.generate(
-        TokensPrompt(prompt_token_ids=ids), params, f"probe{next(engine.ids)}"
-    ):
-        final = out
-    return torch.tensor(
-        [d[ids[i]].logprob for i, d in enumerate(final.prompt_logprobs) if d is not None]
-    )
-
-
 async def ours(model_path: Path, args, bucket_bytes: int) -> tuple[list[float], float, int]:
     from transformers import AutoModelForCausalLM
 
@@ -134,7 +120,8 @@ async def ours(model_path: Path, args, bucket_bytes: int) -> tuple[list[float], 
             )
             sender.start()
             await engine.apply_update(update)
-            got = await vllm_logprobs(engine, PROBE)  # first request served by the new weights
+            # The first request served by the new weights.
+            got = torch.tensor(await engine.prompt_logprobs(PROBE))
             times.append(time.perf_counter() - t0)
             sender.join(60)
             if version == 1:

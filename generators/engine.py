@@ -110,6 +110,21 @@ class Engine:
             await self.running.wait()
             self.resubmitted += 1
 
+    async def prompt_logprobs(self, ids: list[int]) -> list[float]:
+        """Logprob of each token of ``ids`` given its prefix (ids[1:]), under the loaded weights.
+
+        The check that a weight push took effect: compare with the learner's own logprobs.
+        """
+        from vllm import SamplingParams, TokensPrompt
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        final = None
+        async for out in self.llm.generate(
+            TokensPrompt(prompt_token_ids=ids), params, f"probe{next(self.ids)}"
+        ):
+            final = out
+        return [d[ids[i]].logprob for i, d in enumerate(final.prompt_logprobs) if d is not None]
+
     async def apply_update(self, update: WeightUpdate) -> float:
         """Pause (``weights.mode``: keep or abort in-flight requests), receive, reset, resume."""
         t0 = time.perf_counter()

@@ -119,6 +119,15 @@ def _broadcast(group: SyncGroup, buf: torch.Tensor) -> None:
     group.group.broadcast([buf], opts).wait()
 
 
+def _pack_bucket(bucket: Bucket, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    first = tensors[bucket.specs[0].name]
+    buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=first.device)
+    for spec, offset in zip(bucket.specs, bucket.offsets, strict=True):
+        flat = tensors[spec.name].detach().contiguous().view(-1).view(torch.uint8)
+        buf[offset : offset + flat.numel()].copy_(flat)
+    return buf
+
+
 def send_weights(
     group: SyncGroup, tensors: dict[str, torch.Tensor], specs: list[ParamSpec], bucket_bytes: int
 ) -> int:
@@ -126,12 +135,7 @@ def send_weights(
     one bucket at a time (memory: one bucket). See pack_weights for the overlapped form."""
     sent = 0
     for bucket in plan_buckets(specs, bucket_bytes):
-        first = tensors[bucket.specs[0].name]
-        buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=first.device)
-        for spec, offset in zip(bucket.specs, bucket.offsets, strict=True):
-            flat = tensors[spec.name].detach().contiguous().view(-1).view(torch.uint8)
-            buf[offset : offset + flat.numel()].copy_(flat)
-        _broadcast(group, buf)
+        _broadcast(group, _pack_bucket(bucket, tensors))
         sent += bucket.nbytes
     return sent
 
@@ -141,15 +145,7 @@ def pack_weights(
 ) -> list[torch.Tensor]:
     """A packed copy of ``tensors`` in bucket order: the training step may overwrite the
     originals while the copy is broadcast in the background (costs one model of memory)."""
-    out = []
-    for bucket in plan_buckets(specs, bucket_bytes):
-        first = tensors[bucket.specs[0].name]
-        buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=first.device)
-        for spec, offset in zip(bucket.specs, bucket.offsets, strict=True):
-            flat = tensors[spec.name].detach().contiguous().view(-1).view(torch.uint8)
-            buf[offset : offset + flat.numel()].copy_(flat)
-        out.append(buf)
-    return out
+    return [_pack_bucket(b, tensors) for b in plan_buckets(specs, bucket_bytes)]
 
 
 def broadcast_packed(group: SyncGroup, buffers: list[torch.Tensor]) -> int:

@@ -22,17 +22,7 @@ def hf_logprobs(model, ids):
 
 
 async def vllm_logprobs(engine: Engine, ids):
-    from vllm import SamplingParams, TokensPrompt
-
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
-    final = None
-    async for out in engine.llm.generate(
-        TokensPrompt(prompt_token_ids=ids), params, f"probe{next(engine.ids)}"
-    ):
-        final = out
-    return torch.tensor(
-        [d[ids[i]].logprob for i, d in enumerate(final.prompt_logprobs) if d is not None]
-    )
+    return torch.tensor(await engine.prompt_logprobs(ids))
 
 
 async def scenario(tiny_model, port):
