@@ -21,12 +21,16 @@ def start_engine(cfg: RunConfig, model_path: str, seed: int):
     from vllm.v1.engine.async_llm import AsyncLLM
 
     g = cfg.generators
+    num_seqs = max(g.max_inflight_groups * g.group_size, 8)
+    # vLLM requires max_num_batched_tokens >= max_num_seqs; keep its own default otherwise.
+    budget = {"max_num_batched_tokens": num_seqs} if num_seqs > 2048 else {}
     args = AsyncEngineArgs(
         model=model_path,
         dtype=cfg.model.dtype,
         seed=seed,
         max_model_len=g.max_model_len,
-        max_num_seqs=max(g.max_inflight_groups * g.group_size, 8),
+        max_num_seqs=num_seqs,
+        **budget,
         enforce_eager=True,
         logprobs_mode="processed_logprobs",
         worker_extension_cls=EXTENSION,
