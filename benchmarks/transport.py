@@ -163,17 +163,35 @@ def produce_raw(endpoint: str, size: int, count: int, go) -> None:
     ctx.term()
 
 
-def raw_zmq(size: int, count: int, args) -> tuple[float, int]:
+def forwarder(front: str, back: str) -> None:
+    """The cheapest possible store-and-forward hop: libzmq's own proxy, no Python per message."""
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.bind(front)
+    push.bind(back)
+    zmq.proxy(pull, push)
+
+
+def raw_zmq(size: int, count: int, args, forwarded: bool = False) -> tuple[float, int]:
+    """Seconds and tensor bytes for raw PUSH/PULL of the same messages; ``forwarded`` puts
+    a ``zmq.proxy`` process in between (one extra hop, as our buffer adds)."""
+    from verl_async.runtime import free_port
+
+    mpctx = mp.get_context("spawn")
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PULL)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-    mpctx = mp.get_context("spawn")
+    proxy = None
+    if forwarded:
+        front = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
+        back = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
+        proxy = mpctx.Process(target=forwarder, args=(front, back), daemon=True)
+        proxy.start()
+        sock.connect(back)
+    else:
+        front = f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
     go = mpctx.Event()
     shares = [count // args.producers + (i < count % args.producers) for i in range(args.producers)]
-    producers = [
-        mpctx.Process(target=produce_raw, args=(f"tcp://127.0.0.1:{port}", size, n, go))
-        for n in shares
-    ]
+    producers = [mpctx.Process(target=produce_raw, args=(front, size, n, go)) for n in shares]
     try:
         for p in producers:
             p.start()
@@ -188,47 +206,8 @@ def raw_zmq(size: int, count: int, args) -> tuple[float, int]:
     finally:
         for p in producers:
             p.join(30)
-        sock.close(linger=0)
-        ctx.term()
-
-
-def forwarder(front: str, back: str) -> None:
-    """The cheapest possible store-and-forward hop: libzmq's own proxy, no Python per message."""
-    ctx = zmq.Context()
-    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    pull.bind(front)
-    push.bind(back)
-    zmq.proxy(pull, push)
-
-
-def raw_zmq_forwarded(size: int, count: int, args) -> float:
-    """The same messages through a zmq.proxy process: one extra hop, as our buffer adds."""
-    from verl_async.runtime import free_port
-
-    front = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
-    back = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
-    mpctx = mp.get_context("spawn")
-    proxy = mpctx.Process(target=forwarder, args=(front, back), daemon=True)
-    proxy.start()
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.PULL)
-    sock.connect(back)
-    go = mpctx.Event()
-    shares = [count // args.producers + (i < count % args.producers) for i in range(args.producers)]
-    producers = [mpctx.Process(target=produce_raw, args=(front, size, n, go)) for n in shares]
-    try:
-        for p in producers:
-            p.start()
-        time.sleep(1.0)
-        t0 = time.perf_counter()
-        go.set()
-        for _ in range(count):
-            sock.recv_multipart(copy=False)
-        return time.perf_counter() - t0
-    finally:
-        for p in producers:
-            p.join(30)
-        proxy.kill()
+        if proxy is not None:
+            proxy.kill()
         sock.close(linger=0)
         ctx.term()
 
@@ -250,7 +229,7 @@ class Row:
 def measure(size: int, count: int, args) -> Row:
     count -= count % GROUPS_PER_STEP
     raw_s, raw_bytes = raw_zmq(size, count, args)
-    forwarded_s = raw_zmq_forwarded(size, count, args)
+    forwarded_s, _ = raw_zmq(size, count, args, forwarded=True)
     ours_s, ours_bytes = through_buffer(size, count, args)
     if ours_bytes != raw_bytes:
         raise RuntimeError(f"bytes differ: ours {ours_bytes}, raw {raw_bytes}")

@@ -203,20 +203,22 @@ class AdmissionClock:
             if in_flight == 0:
                 self.idle_since.setdefault(generator_id, now)
             else:
-                self._close(self.idle_since, generator_id, now, "idle_total")
+                self.idle_total += _close(self.idle_since, generator_id, now)
             return
-        self._close(self.blocked_since, generator_id, now, "blocked_total")
-        self._close(self.idle_since, generator_id, now, "idle_total")
-
-    def _close(self, open_: dict[int, float], generator_id: int, now: float, total: str) -> None:
-        if generator_id in open_:
-            setattr(self, total, getattr(self, total) + now - open_.pop(generator_id))
+        self.blocked_total += _close(self.blocked_since, generator_id, now)
+        self.idle_total += _close(self.idle_since, generator_id, now)
 
     def totals(self, now: float) -> tuple[float, float]:
         """(blocked seconds, idle seconds) so far."""
         blocked = self.blocked_total + sum(now - t for t in self.blocked_since.values())
         idle = self.idle_total + sum(now - t for t in self.idle_since.values())
         return blocked, idle
+
+
+def _close(open_since: dict[int, float], generator_id: int, now: float) -> float:
+    """End the generator's open interval, if it has one; returns its length (0 if none)."""
+    start = open_since.pop(generator_id, None)
+    return 0.0 if start is None else now - start
 
 
 class TokenRate:

@@ -161,8 +161,10 @@ class Learner:
         self.group = group
         self.pad_id = pad_id
         self.version = 0
-        self.broadcast = (
-            BackgroundBroadcast(group, self.cfg.weights.timeout_s) if group is not None else None
+        self.broadcast = (  # None: no group, or broadcasts inside the step
+            BackgroundBroadcast(group, self.cfg.weights.timeout_s)
+            if group is not None and self.cfg.weights.overlap
+            else None
         )
         self.client = BufferClient(ctx.endpoints.buffer, self.cfg.buffer.request_timeout_s)
         self.metrics = MetricsWriter(ctx.path) if accelerator.is_main_process else None
@@ -249,7 +251,7 @@ class Learner:
             specs = param_specs(tensors.items())
             bucket = self.cfg.weights.bucket_mb << 20
             update = P.WeightUpdate(version=self.version, params=specs, bucket_bytes=bucket)
-            if self.cfg.weights.overlap:
+            if self.broadcast is not None:
                 self.broadcast.wait()  # the previous version has reached every generator
                 buffers = pack_weights(tensors, specs, bucket)
                 self.client.request(P.AnnounceWeights(update=update))
@@ -284,7 +286,7 @@ class Learner:
         row["gen_blocked_s"] = round(batch.gen_blocked_s - self.gen_clock[0], 4)
         row["gen_idle_s"] = round(batch.gen_idle_s - self.gen_clock[1], 4)
         self.gen_clock = (batch.gen_blocked_s, batch.gen_idle_s)
-        if self.broadcast is not None and self.cfg.weights.overlap:
+        if self.broadcast is not None:
             row["weight_broadcast_s"] = round(self.broadcast.seconds, 4)  # last finished one
         if prefill_s is not None:
             row["prefill_s"] = round(prefill_s, 4)
@@ -350,7 +352,7 @@ def step_row(
         "tokens": int(batch.attention_mask.sum()),
         "response_tokens": n_resp,
         "staleness_mean": float(stale.mean()) if len(stale) else 0.0,
-        "staleness_max": int(stale.max()) if len(stale) else 0,
+        "staleness_max": seen,
         "staleness_hist": hist.tolist(),
         "inflight_update_samples": int((newest > oldest).sum()),
         "dropped_stale": batch.dropped_stale,

@@ -238,7 +238,7 @@ class Frames:
     SMALL = 1 << 16
 
     def __init__(self) -> None:
-        self._large: list[memoryview | None] = []  # None marks the packed frame's slot
+        self._frames: list[memoryview | None] = []  # None marks the packed frame's slot
         self._packed: bytearray | None = None
         self._packed_frame = 0
 
@@ -249,12 +249,12 @@ class Frames:
         if name is None:
             raise ProtocolError(f"dtype {array.dtype} cannot travel as a frame")
         if array.nbytes >= self.SMALL:
-            self._large.append(memoryview(array).cast("B"))
-            return TensorRef(name, array.shape, len(self._large))
+            self._frames.append(memoryview(array).cast("B"))
+            return TensorRef(name, array.shape, len(self._frames))
         if self._packed is None:
             self._packed = bytearray()
-            self._large.append(None)
-            self._packed_frame = len(self._large)
+            self._frames.append(None)
+            self._packed_frame = len(self._frames)
         offset = -(-len(self._packed) // 16) * 16
         self._packed.extend(bytes(offset - len(self._packed)))
         self._packed.extend(memoryview(array).cast("B"))
@@ -263,7 +263,7 @@ class Frames:
     @property
     def buffers(self) -> list:
         """The frames in order, ready for ``send_multipart(copy=False)``."""
-        return [self._packed if b is None else b for b in self._large]
+        return [self._packed if b is None else b for b in self._frames]
 
 
 def encode(body: Body, request_id: int = 0, frames: Frames | None = None) -> list:
@@ -308,6 +308,8 @@ def tensor(ref: TensorRef, frames: list) -> np.ndarray:
         raise ProtocolError(f"tensor frame {ref.frame} missing ({len(frames)} frames)")
     frame = frames[ref.frame - 1]
     buf = memoryview(frame.buffer if hasattr(frame, "buffer") else frame).cast("B")
+    if any(d < 0 for d in ref.shape):
+        raise ProtocolError(f"tensor shape {ref.shape} has a negative dimension")
     count = math.prod(ref.shape)
     nbytes = count * _ITEMSIZE[ref.dtype]
     if ref.offset < 0 or ref.offset + nbytes > len(buf):

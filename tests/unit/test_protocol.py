@@ -88,6 +88,8 @@ def test_tensor_ref_checks_frame_and_size():
         P.tensor(P.TensorRef("int32", (4,), 2), frames)
     with pytest.raises(P.ProtocolError, match="holds 16 bytes"):
         P.tensor(P.TensorRef("int32", (5,), 1), frames)
+    with pytest.raises(P.ProtocolError, match="negative dimension"):
+        P.tensor(P.TensorRef("int32", (-1,), 1), frames)
     with pytest.raises(P.ProtocolError, match="at offset 8 needs 24"):
         P.tensor(P.TensorRef("int32", (4,), 1, 8), frames)
     with pytest.raises(P.ProtocolError, match="dtype"):
