@@ -2,6 +2,7 @@
 
 import asyncio
 import signal
+from pathlib import Path
 
 import uvloop
 
@@ -20,6 +21,8 @@ async def serve(run_dir: str) -> None:
         load_prompts(cfg.data.path), admission, cfg.trainer.total_steps, cfg.data.shuffle_seed
     )
     server = BufferServer(ledger, cfg.staleness.max, ctx.endpoints.buffer)
+    if ctx.endpoints.resume_from:
+        server.restore(Path(ctx.endpoints.resume_from) / "buffer")
 
     asyncio.get_running_loop().add_signal_handler(
         signal.SIGTERM, lambda: setattr(server, "terminated", True)

@@ -46,6 +46,7 @@ class StepBatch:
     step: int
     shards: list[list[StoredGroup]]  # [world_size] groups per rank
     dropped_stale: int
+    consumed: list[StoredGroup]  # the step's groups as returned (before the staleness check)
     served: set[int] = field(default_factory=set)
 
 
@@ -66,6 +67,8 @@ class PromptLedger:
         self.total_groups = total_steps * admission.groups_per_step
         self.seed = seed
         self.next_group = 0
+        self.reissue: deque[int] = deque()  # issued before a restore, never returned
+        self.min_version = 0  # after a restore: the restored version (no older weights)
         self.in_flight: dict[int, Issued] = {}
         self.returned: dict[int, StoredGroup] = {}
         self.consumed_steps = 0
@@ -82,11 +85,15 @@ class PromptLedger:
     def issue(
         self, generator_id: int, loaded_version: int, max_groups: int
     ) -> tuple[list[PromptGroup], bool]:
-        """Up to ``max_groups`` admissible groups; the flag says admission held some back."""
+        """Up to ``max_groups`` admissible groups; the flag says admission held some back.
+
+        Groups to re-issue after a restore go first. A generator still running weights
+        older than the restored version gets nothing until it has loaded them.
+        """
         out: list[PromptGroup] = []
-        while len(out) < max_groups and self.next_group < self.total_groups:
-            k = self.next_group
-            if not self.admission.admits(k, loaded_version):
+        while len(out) < max_groups and not self.exhausted:
+            k = self.reissue[0] if self.reissue else self.next_group
+            if loaded_version < self.min_version or not self.admission.admits(k, loaded_version):
                 return out, True
             epoch, idx = self.prompt_of(k)
             rec = self.prompts[idx]
@@ -96,12 +103,15 @@ class PromptLedger:
                 )
             )
             self.in_flight[k] = Issued(generator_id, loaded_version)
-            self.next_group += 1
+            if self.reissue:
+                self.reissue.popleft()
+            else:
+                self.next_group += 1
         return out, False
 
     @property
     def exhausted(self) -> bool:
-        return self.next_group >= self.total_groups
+        return not self.reissue and self.next_group >= self.total_groups
 
     def check_returnable(self, group_ids: list[int]) -> None:
         """Raise LedgerError unless every id is in flight, once."""
@@ -132,6 +142,49 @@ class PromptLedger:
         groups = [self.returned.pop(k) for k in self.admission.groups_of_step(step)]
         self.consumed_steps += 1
         return groups
+
+    def snapshot(
+        self, step: int, handed_out: dict[int, list[StoredGroup]]
+    ) -> tuple[list[StoredGroup], list[int]]:
+        """State as of step ``step``: (stored groups, groups to re-issue).
+
+        ``handed_out[t]`` holds the groups already consumed for step t; those of steps
+        >= ``step`` are stored again (a learner restored at ``step`` never trained on them).
+        """
+        if not step <= self.consumed_steps:
+            raise LedgerError(
+                f"snapshot at step {step}, but only {self.consumed_steps} steps were consumed"
+            )
+        stored = list(self.returned.values())
+        for t in range(step, self.consumed_steps):
+            if t not in handed_out:
+                raise LedgerError(f"snapshot at step {step}: the groups of step {t} are gone")
+            stored.extend(handed_out[t])
+        stored.sort(key=lambda g: g.group_id)
+        return stored, sorted([*self.reissue, *self.in_flight])
+
+    def restore(
+        self,
+        step: int,
+        version: int,
+        next_group: int,
+        stored: list[StoredGroup],
+        reissue: list[int],
+    ) -> None:
+        """Continue from a snapshot; every group of steps >= ``step`` is stored or re-issued."""
+        expected = set(range(step * self.admission.groups_per_step, next_group))
+        held = [g.group_id for g in stored] + list(reissue)
+        if len(set(held)) != len(held) or set(held) != expected:
+            raise LedgerError(
+                f"snapshot is inconsistent: groups {step * self.admission.groups_per_step}.."
+                f"{next_group - 1} should each be stored or re-issued exactly once"
+            )
+        self.consumed_steps = step
+        self.next_group = next_group
+        self.returned = {g.group_id: g for g in stored}
+        self.reissue = deque(sorted(reissue))
+        self.in_flight = {}
+        self.min_version = version
 
 
 def filter_stale(

@@ -20,6 +20,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -35,6 +36,16 @@ from buffer.ledger import (
     TokenRate,
     filter_stale,
     shard_groups,
+)
+from buffer.snapshot import (
+    LEDGER_FILE,
+    ROLLOUTS_FILE,
+    LedgerState,
+    SnapshotError,
+    decode_state,
+    encode_state,
+    rollouts_from_arrow,
+    rollouts_to_arrow,
 )
 from verl_async import protocol as P
 
@@ -149,6 +160,8 @@ class BufferServer:
                 return P.Ack(), None
             case P.GetStats():
                 return self.stats(), None
+            case P.SnapshotBuffer():
+                return self.snapshot(body.step, body.version)
             case P.Shutdown():
                 self.stopping = True
                 return P.Ack(), None
@@ -224,7 +237,7 @@ class BufferServer:
                     req.step,
                 )
             self.dropped_stale_total += dropped
-            step = StepBatch(req.step, shard_groups(kept, req.world_size), dropped)
+            step = StepBatch(req.step, shard_groups(kept, req.world_size), dropped, groups)
             self.steps[req.step] = step
             for old in [s for s in self.steps if s < req.step - 1]:
                 del self.steps[old]
@@ -240,6 +253,7 @@ class BufferServer:
         body = P.Batch(
             step=step.step,
             group_ids=[g.group_id for g in groups],
+            group_prompts=[g.prompt_id for g in groups],
             sample_group=[g.group_id for g, _ in samples],
             prompt_lengths=[len(g.prompt_ids) for g, _ in samples],
             response_lengths=[len(g.responses[i]) for g, i in samples],
@@ -294,6 +308,82 @@ class BufferServer:
         if self.stopping:
             return P.Error(code="stopping", message="the buffer is shutting down")
         return P.NotReady(step=body.step, missing_groups=self.ledger.missing_for(body.step))
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def snapshot(self, step: int, version: int) -> tuple[P.BufferState, P.Frames]:
+        """The checkpoint barrier (buffer/snapshot.py): the state as of ``step``, as files.
+
+        Taken in the event loop between two messages, so it is one consistent cut; the
+        bytes go back to the learner, whose writer persists them with its own files.
+        """
+        lg = self.ledger
+        handed_out = {t: batch.consumed for t, batch in self.steps.items()}
+        stored, reissue = lg.snapshot(step, handed_out)
+        blocked_s, idle_s = self.clock.totals(time.monotonic())
+        state = LedgerState(
+            step=step,
+            version=version,
+            next_group=lg.next_group,
+            reissue=reissue,
+            stored_groups=len(stored),
+            num_prompts=len(lg.prompts),
+            shuffle_seed=lg.seed,
+            groups_per_step=lg.admission.groups_per_step,
+            max_staleness=self.max_staleness,
+            dropped_stale=self.dropped_stale_total,
+            admission_blocked=self.admission_blocked,
+            gen_blocked_s=blocked_s,
+            gen_idle_s=idle_s,
+        )
+        frames = P.Frames()
+        as_bytes = lambda data: np.frombuffer(data, np.uint8)  # noqa: E731
+        files = {
+            LEDGER_FILE: frames.add(as_bytes(encode_state(state))),
+            ROLLOUTS_FILE: frames.add(as_bytes(rollouts_to_arrow(stored))),
+        }
+        log.info(
+            "snapshot at step %d: %d groups stored, %d to re-issue, next group %d",
+            step,
+            len(stored),
+            len(reissue),
+            lg.next_group,
+        )
+        return P.BufferState(step=step, files=files), frames
+
+    def restore(self, ckpt_dir: Path) -> None:
+        """Continue from the buffer files of a checkpoint (before serving anyone)."""
+        state = decode_state((ckpt_dir / LEDGER_FILE).read_bytes())
+        lg = self.ledger
+        for key, theirs, ours in (
+            ("data.path (number of prompts)", state.num_prompts, len(lg.prompts)),
+            ("data.shuffle_seed", state.shuffle_seed, lg.seed),
+            ("learner.groups_per_step", state.groups_per_step, lg.admission.groups_per_step),
+        ):
+            if theirs != ours:
+                raise SnapshotError(
+                    f"cannot resume: the checkpoint was taken with {key} = {theirs}, "
+                    f"this run has {ours}"
+                )
+        stored = rollouts_from_arrow((ckpt_dir / ROLLOUTS_FILE).read_bytes())
+        if len(stored) != state.stored_groups:
+            raise SnapshotError(
+                f"{ROLLOUTS_FILE} holds {len(stored)} groups, {LEDGER_FILE} says {state.stored_groups}"
+            )
+        lg.restore(state.step, state.version, state.next_group, stored, state.reissue)
+        self.target_version = state.version
+        self.dropped_stale_total = state.dropped_stale
+        self.admission_blocked = state.admission_blocked
+        self.clock.blocked_total = state.gen_blocked_s
+        self.clock.idle_total = state.gen_idle_s
+        log.info(
+            "restored step %d, version %d: %d groups stored, %d to re-issue, next group %d",
+            state.step,
+            state.version,
+            len(stored),
+            len(state.reissue),
+            state.next_group,
+        )
 
     def stats(self) -> P.Stats:
         lg = self.ledger

@@ -5,6 +5,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +34,9 @@ class TrainBatch:
     wait_s: float
     gen_blocked_s: float  # cumulative over the run, all generators (AdmissionClock)
     gen_idle_s: float
+    group_ids: list[int]  # the step's groups (audit trail: trained.jsonl)
+    group_prompts: list[int]  # prompt index of each group
+    sample_digests: list[int]  # crc32 of each sample's (group, index), tokens, logprobs, versions
 
     def to(self, device: torch.device) -> TrainBatch:
         moved = {
@@ -56,7 +60,15 @@ def collate(msg: P.Batch, frames: list, pad_id: int, pin: bool = False) -> Train
     behav_pad = np.zeros((n, width - 1), np.float32)
     vers_pad = np.full((n, width - 1), -1, np.int64)
     po = ro = 0
+    digests = []
+    index_in_group: dict[int, int] = {}
     for i, (p, r) in enumerate(zip(msg.prompt_lengths, msg.response_lengths, strict=True)):
+        # A rollout is (group id, sample index); the digest also covers what it holds.
+        j = index_in_group[msg.sample_group[i]] = index_in_group.get(msg.sample_group[i], -1) + 1
+        digest = zlib.crc32(f"{msg.sample_group[i]}.{j}".encode())
+        for part in (resp[ro : ro + r], behav[ro : ro + r], vers[ro : ro + r]):
+            digest = zlib.crc32(part.tobytes(), digest)
+        digests.append(digest)
         ids[i, :p] = prompt[po : po + p]
         ids[i, p : p + r] = resp[ro : ro + r]
         attn[i, : p + r] = 1
@@ -83,6 +95,9 @@ def collate(msg: P.Batch, frames: list, pad_id: int, pin: bool = False) -> Train
         wait_s=msg.wait_s,
         gen_blocked_s=msg.gen_blocked_s,
         gen_idle_s=msg.gen_idle_s,
+        group_ids=list(msg.group_ids),
+        group_prompts=list(msg.group_prompts),
+        sample_digests=digests,
     )
 
 

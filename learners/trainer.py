@@ -1,6 +1,8 @@
 """Learner process (one Accelerate job): the RL loop, one short named step at a time.
 
-    for step s:  collect -> compute_advantages -> update -> publish_weights -> log_metrics
+    restore (when resuming) -> republish the restored weights
+    for step s:  collect -> compute_advantages -> update -> publish_weights
+                 -> checkpoint (every checkpoint.every_steps) -> log_metrics
 
 The learner version at step s is s: weights are published after every step, so the
 batch of step s is checked against version s for staleness (verl_async/staleness.py).
@@ -10,13 +12,17 @@ Rank 0 owns the weight-sync group; every rank takes part in gathering full tenso
 
 from __future__ import annotations
 
+import json
 import logging
+import signal
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from learners import checkpointing
 from learners.batching import Prefetcher, TrainBatch
 from verl_async import protocol as P
 from verl_async.algorithms import grpo_advantages, kl_k3, policy_loss, token_entropy, token_logprobs
@@ -151,38 +157,69 @@ class BackgroundBroadcast:
 
 class Learner:
     def __init__(
-        self, ctx: RunContext, accelerator, model, optimizer, group: SyncGroup | None, pad_id: int
+        self,
+        ctx: RunContext,
+        accelerator,
+        model,
+        optimizer,
+        group: SyncGroup | None,
+        pad_id: int,
+        scheduler=None,
     ) -> None:
         self.ctx = ctx
         self.cfg = ctx.cfg
         self.acc = accelerator
         self.model = model
         self.optimizer = optimizer
+        self.scheduler = scheduler
         self.group = group
         self.pad_id = pad_id
         self.version = 0
+        self.steps_done = 0
         self.broadcast = (  # None: no group, or broadcasts inside the step
             BackgroundBroadcast(group, self.cfg.weights.timeout_s)
             if group is not None and self.cfg.weights.overlap
             else None
         )
         self.client = BufferClient(ctx.endpoints.buffer, self.cfg.buffer.request_timeout_s)
-        self.metrics = MetricsWriter(ctx.path) if accelerator.is_main_process else None
+        main = accelerator.is_main_process
+        self.metrics = MetricsWriter(ctx.path) if main else None
+        self.trail = open(ctx.path / "trained.jsonl", "a", buffering=1) if main else None  # noqa: SIM115 (closed in finish())
         self.t_start = time.monotonic()
         self.gen_clock = (0.0, 0.0)  # (blocked, idle) generator seconds at the previous batch
+        ck = self.cfg.checkpoint
+        self.checkpointer = (
+            checkpointing.Checkpointer(
+                ctx.path, ck.keep_last, ck.write_timeout_s, {"model_path": ctx.endpoints.model_path}
+            )
+            if main and ck.every_steps
+            else None
+        )
 
     def train(self) -> None:
-        steps = range(self.version, self.cfg.trainer.total_steps)
-        prefill_s = self.wait_for_prefill()
+        resumed = self.restore()
+        if resumed:
+            self.publish_weights(new_version=False)  # before anyone waits for a rollout
+        steps = range(self.steps_done, self.cfg.trainer.total_steps)
+        prefill_s = None if resumed else self.wait_for_prefill()
         batches = self.open_prefetcher(steps)
-        for step in steps:
-            t0 = time.monotonic()
-            batch = self.collect(batches)
-            advantages = self.compute_advantages(batch)
-            stats = self.update(batch, advantages)
-            sync_s = self.publish_weights()
-            self.log_metrics(step, batch, stats, sync_s, time.monotonic() - t0, prefill_s)
-            prefill_s = None
+        try:
+            for step in steps:
+                t0 = time.monotonic()
+                batch = self.collect(batches)
+                advantages = self.compute_advantages(batch)
+                stats = self.update(batch, advantages)
+                sync_s = self.publish_weights()
+                self.steps_done = step + 1
+                ckpt_s = self.checkpoint()
+                step_s = time.monotonic() - t0
+                self.log_metrics(step, batch, stats, sync_s, step_s, prefill_s, ckpt_s)
+                prefill_s = None
+        except KeyboardInterrupt:  # SIGTERM from the launcher (Ctrl-C) lands here too
+            log.warning("interrupted after %d steps", self.steps_done)
+            if self.checkpointer is not None:
+                self.checkpointer.close(grace_s=self.cfg.checkpoint.write_timeout_s)
+            raise
         self.finish()
 
     # ------------------------------------------------------------------ steps
@@ -230,7 +267,7 @@ class Learner:
 
     def update(self, batch: TrainBatch, advantages: torch.Tensor) -> StepStats:
         self.model.train()
-        return policy_update(
+        stats = policy_update(
             self.model,
             self.optimizer,
             batch,
@@ -241,12 +278,19 @@ class Learner:
                 self.model.parameters(), self.cfg.learner.grad_clip
             ),
         )
+        if self.scheduler is not None:
+            self.scheduler.step()
+        return stats
 
-    def publish_weights(self) -> float:
-        """Gather full tensors on every rank, then rank 0 announces and broadcasts them."""
+    def publish_weights(self, new_version: bool = True) -> float:
+        """Gather full tensors on every rank, then rank 0 announces and broadcasts them.
+
+        ``new_version=False`` re-sends the current version (after a restore: generators
+        start from the initial weights and must load the checkpoint's).
+        """
         t0 = time.monotonic()
         tensors = full_state_dict(self.acc.unwrap_model(self.model))
-        self.version += 1
+        self.version += int(new_version)
         if self.group is not None:
             specs = param_specs(tensors.items())
             bucket = self.cfg.weights.bucket_mb << 20
@@ -261,6 +305,56 @@ class Learner:
                 send_weights(self.group, tensors, specs, bucket)
         return time.monotonic() - t0
 
+    # ------------------------------------------------------------------ checkpoints
+
+    def checkpoint(self) -> float | None:
+        """At the barrier after every ``checkpoint.every_steps``-th step: snapshot learner and
+        buffer state into host memory and hand it to the background writer. Returns the
+        seconds the step spent on it (None when no checkpoint was due)."""
+        every = self.cfg.checkpoint.every_steps
+        if self.checkpointer is None or self.steps_done % every:
+            return None
+        t0 = time.monotonic()
+        self.checkpointer.wait()  # the previous write (usually long done)
+        model = checkpointing.host_copy(full_state_dict(self.acc.unwrap_model(self.model)))
+        state = checkpointing.host_copy(
+            {
+                "scheduler": self.scheduler.state_dict() if self.scheduler else None,
+                "rng": checkpointing.rng_state(),
+            }
+        )
+        optimizer = checkpointing.host_copy(self.optimizer.state_dict())
+        reply, frames = self.client.request(
+            P.SnapshotBuffer(step=self.steps_done, version=self.version)
+        )
+        files = {name: P.tensor(ref, frames).tobytes() for name, ref in reply.files.items()}
+        info = {
+            "wall_s": time.monotonic() - self.t_start,
+            "gen_blocked_s": self.gen_clock[0],
+            "gen_idle_s": self.gen_clock[1],
+        }
+        self.checkpointer.save(
+            checkpointing.Snapshot(
+                self.steps_done, self.version, model, optimizer, state, info, files
+            )
+        )
+        return time.monotonic() - t0
+
+    def restore(self) -> bool:
+        """Load the checkpoint the launcher chose (``endpoints.resume_from``), if any."""
+        if not self.ctx.endpoints.resume_from:
+            return False
+        ckpt = Path(self.ctx.endpoints.resume_from)
+        info = checkpointing.load(
+            ckpt, self.acc.unwrap_model(self.model), self.optimizer, self.scheduler
+        )
+        self.steps_done = info["step"]
+        self.version = info["version"]
+        self.t_start = time.monotonic() - info["wall_s"]
+        self.gen_clock = (info["gen_blocked_s"], info["gen_idle_s"])
+        log.info("resumed from %s: step %d, version %d", ckpt.name, self.steps_done, self.version)
+        return True
+
     def log_metrics(
         self,
         step: int,
@@ -269,6 +363,7 @@ class Learner:
         sync_s: float,
         step_s: float,
         prefill_s: float | None = None,
+        checkpoint_s: float | None = None,
     ) -> None:
         if self.metrics is None:
             return
@@ -290,7 +385,19 @@ class Learner:
             row["weight_broadcast_s"] = round(self.broadcast.seconds, 4)  # last finished one
         if prefill_s is not None:
             row["prefill_s"] = round(prefill_s, 4)
+        if checkpoint_s is not None:
+            row["checkpoint_s"] = round(checkpoint_s, 4)
+        if self.scheduler is not None:
+            row["lr"] = self.scheduler.get_last_lr()[0]
         self.metrics.write(row)
+        # The audit trail: which groups (prompt index) and samples (digest) this step used.
+        trail = {
+            "step": step,
+            "version": self.version,
+            "groups": [list(p) for p in zip(batch.group_ids, batch.group_prompts, strict=True)],
+            "samples": batch.sample_digests,
+        }
+        self.trail.write(json.dumps(trail) + "\n")
         if (step + 1) % self.cfg.trainer.log_every == 0:
             log.info(
                 "step %d reward %.3f staleness max %d",
@@ -302,10 +409,13 @@ class Learner:
     def finish(self) -> None:
         if self.broadcast is not None:
             self.broadcast.wait()
+        if self.checkpointer is not None:
+            self.checkpointer.wait()  # the last checkpoint is committed before we say done
         if self.acc.is_main_process:
             self.client.request(P.Shutdown())
         if self.metrics is not None:
             self.metrics.close()
+            self.trail.close()
         self.client.close()
 
 
@@ -385,6 +495,10 @@ def run_learner(ctx: RunContext) -> None:
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.learner.lr, weight_decay=cfg.learner.weight_decay
     )
+    warmup = cfg.learner.warmup_steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
+    )
     model, optimizer = accelerator.prepare(model, optimizer)
     group = None
     if accelerator.is_main_process:
@@ -398,4 +512,11 @@ def run_learner(ctx: RunContext) -> None:
             cfg.weights.join_timeout_s,
         )
         log.info("weight-sync group ready")
-    Learner(ctx, accelerator, model, optimizer, group, pad_id).train()
+    # SIGTERM (the launcher's stop, e.g. on Ctrl-C) unwinds the loop like Ctrl-C would, so
+    # an in-progress checkpoint write is finished (or abandoned uncommitted) before exit.
+    signal.signal(signal.SIGTERM, _interrupt)
+    Learner(ctx, accelerator, model, optimizer, group, pad_id, scheduler).train()
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt

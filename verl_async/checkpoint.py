@@ -136,17 +136,18 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted(dirs, key=lambda p: int(p.name[len(_PREFIX) :]))
 
 
-def newest_valid(run_dir: str | Path) -> tuple[Path, Manifest] | None:
-    """The newest checkpoint that verifies; each one skipped on the way is logged with why."""
+def newest_valid(run_dir: str | Path, report=None) -> tuple[Path, Manifest] | None:
+    """The newest checkpoint that verifies; each one skipped on the way is reported with why
+    (``report(message)``; default: a warning in the log)."""
     for ckpt in reversed(list_checkpoints(run_dir)):
         problems = verify(ckpt)
         if not problems:
             return ckpt, read_manifest(ckpt)
-        log.warning(
-            "checkpoint %s fails verification (%s); falling back to an older one",
-            ckpt.name,
-            "; ".join(problems[:3]),
+        message = (
+            f"checkpoint {ckpt.name} fails verification ({'; '.join(problems[:3])}); "
+            "falling back to an older one"
         )
+        (report or log.warning)(message)
     return None
 
 

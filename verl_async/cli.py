@@ -1,4 +1,10 @@
-"""Command line: ``verl-async train CONFIG [dotted.key=value ...] [--run-dir DIR]``.
+"""Command line.
+
+    verl-async train CONFIG [dotted.key=value ...] [--run-dir DIR] [--resume DIR]
+    verl-async config CONFIG [dotted.key=value ...]
+    verl-async ckpt list RUN_DIR
+    verl-async ckpt verify RUN_DIR [--step N]
+    verl-async export RUN_DIR [--step N] OUT_DIR
 
 Parses and validates the config before anything imports torch or vLLM, so mistakes are
 reported in a fraction of a second and ``--help`` is instant.
@@ -21,17 +27,47 @@ def build_parser() -> argparse.ArgumentParser:
         "overrides", nargs="*", help="dotted.key=value overrides, e.g. staleness.max=0"
     )
     train.add_argument("--run-dir", help="run directory (default runs/<name>-<timestamp>)")
+    train.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue the run in RUN_DIR from its newest checkpoint that verifies",
+    )
     show = sub.add_parser("config", help="print the resolved config (YAML) without running")
     show.add_argument("config")
     show.add_argument("overrides", nargs="*")
+    ckpt = sub.add_parser("ckpt", help="list or verify the checkpoints of a run")
+    ckpt_sub = ckpt.add_subparsers(dest="action", required=True)
+    ckpt_list = ckpt_sub.add_parser("list", help="checkpoints with step, version, size, state")
+    ckpt_list.add_argument("run_dir")
+    ckpt_verify = ckpt_sub.add_parser("verify", help="re-hash every file against its manifest")
+    ckpt_verify.add_argument("run_dir")
+    ckpt_verify.add_argument("--step", type=int, help="only this step (default: all)")
+    export = sub.add_parser(
+        "export", help="write a checkpoint as a Hugging Face model directory (save_pretrained)"
+    )
+    export.add_argument("run_dir")
+    export.add_argument("out_dir")
+    export.add_argument("--step", type=int, help="checkpoint step (default: newest valid)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    from verl_async.config import ConfigError, load_config, to_yaml
-
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    if args.command == "ckpt":
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        return _ckpt(args)
+    if args.command == "export":
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        return _export(args)
+    return _run(parser, args, extra)
+
+
+def _run(parser: argparse.ArgumentParser, args, extra: list[str]) -> int:
+    from verl_async.config import ConfigError, load_config, to_yaml
+
     # Overrides may follow options (``--run-dir X a.b=1``); anything else unknown is an error.
     unknown = [a for a in extra if a.startswith("-") or "=" not in a]
     if unknown:
@@ -45,22 +81,75 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config":
         print(to_yaml(cfg), end="")
         return 0
-    return _train(cfg, args.run_dir)
+    if args.resume and args.run_dir and args.resume != args.run_dir:
+        parser.error("--resume RUN_DIR already names the run directory; drop --run-dir")
+    return _train(cfg, args.resume or args.run_dir, resume=args.resume is not None)
 
 
-def _train(cfg, run_dir: str | None) -> int:
+def _train(cfg, run_dir: str | None, resume: bool) -> int:
     from rich.console import Console
 
+    from verl_async.config import ConfigError
     from verl_async.launcher import RoleFailed, train
 
     console = Console(stderr=True)
     try:
-        train(cfg, run_dir, console)
+        train(cfg, run_dir, console, resume=resume)
+    except ConfigError as exc:
+        console.print(f"verl-async: config error: {exc}", highlight=False, markup=False)
+        return 2
     except RoleFailed as exc:
         console.print(f"[bold red]verl-async: {exc}[/]", highlight=False, markup=False)
         return 1
     except KeyboardInterrupt:
         return 130
+    return 0
+
+
+def _ckpt(args) -> int:
+    from pathlib import Path
+
+    from verl_async.checkpoint import MANIFEST, list_checkpoints, read_manifest, step_dir, verify
+
+    run_dir = Path(args.run_dir)
+    if args.action == "list":
+        dirs = list_checkpoints(run_dir)
+        if not dirs:
+            print(f"no checkpoints in {run_dir / 'checkpoints'}")
+            return 0
+        print(f"{'checkpoint':<16} {'step':>8} {'version':>8} {'MiB':>9}  state")
+        for d in dirs:
+            if (d / MANIFEST).is_file():
+                m = read_manifest(d)
+                mib = sum(f.bytes for f in m.files.values()) / 2**20
+                print(f"{d.name:<16} {m.step:>8} {m.version:>8} {mib:>9.2f}  committed")
+            else:
+                print(f"{d.name:<16} {'':>8} {'':>8} {'':>9}  uncommitted (write never finished)")
+        return 0
+    dirs = [step_dir(run_dir, args.step)] if args.step is not None else list_checkpoints(run_dir)
+    if not dirs or not dirs[0].is_dir():
+        print(f"no checkpoint to verify in {run_dir / 'checkpoints'}", file=sys.stderr)
+        return 1
+    bad = 0
+    for d in dirs:
+        problems = verify(d)
+        bad += bool(problems)
+        print(f"{d.name}: {'ok' if not problems else 'FAILED'}")
+        for problem in problems:
+            print(f"  {problem}")
+    return 1 if bad else 0
+
+
+def _export(args) -> int:
+    from verl_async.checkpoint import CheckpointError
+    from verl_async.export import export
+
+    try:
+        ckpt, out = export(args.run_dir, args.out_dir, args.step)
+    except CheckpointError as exc:
+        print(f"verl-async: {exc}", file=sys.stderr)
+        return 1
+    print(f"exported {ckpt.name} to {out}")
     return 0
 
 

@@ -1,15 +1,24 @@
 """``verl-async train``: start buffer, generators and learner; watch them; stop them cleanly.
 
 Each role is ``python -m <role> --run-dir DIR`` in its own session (so a Ctrl-C in the
-terminal reaches only the launcher, which then stops the roles in order), with its output
-in ``logs/<role>.log``. Roles also die with the launcher (PR_SET_PDEATHSIG). A role that
+terminal reaches only the launcher, which then stops the roles in order: the learner
+first, so that a checkpoint write in progress is finished), with its output in
+``logs/<role>.log``. Roles also die with the launcher (PR_SET_PDEATHSIG). A role that
 exits non-zero stops the run with a message naming it; nothing is left running.
+
+Resume (``--resume RUN_DIR`` or ``checkpoint.resume=true``): the newest checkpoint that
+verifies is chosen (each one skipped is reported with why); newer checkpoint directories
+are set aside (uncommitted ones deleted, damaged ones renamed ``damaged_step_*``);
+``metrics.jsonl`` and ``trained.jsonl`` lose the lines of steps after the checkpoint,
+which will be trained again; and buffer and learner restore from it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +27,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from verl_async.config import RunConfig, to_yaml
+import msgspec
+
+from verl_async.checkpoint import MANIFEST, list_checkpoints, newest_valid
+from verl_async.config import ConfigError, RunConfig, load_config, to_yaml
 from verl_async.metrics import read_metrics
 from verl_async.runtime import Endpoints, device_env, free_port, write_endpoints
 
@@ -45,10 +57,64 @@ def make_run_dir(cfg: RunConfig, run_dir: str | None) -> Path:
     return path
 
 
-def prepare(cfg: RunConfig, run_dir: Path) -> Endpoints:
-    """Resolve paths, build the tiny model if asked, write config.yaml and endpoints.json."""
-    import msgspec
+def resumable(run_dir: Path) -> bool:
+    """True when ``run_dir`` holds a run (checkpoint.resume=true resumes it, else starts it)."""
+    return (run_dir / "config.yaml").is_file() and any(
+        (d / MANIFEST).is_file() for d in list_checkpoints(run_dir)
+    )
 
+
+def choose_checkpoint(cfg: RunConfig, run_dir: Path, console) -> Path:
+    """The checkpoint to resume ``run_dir`` from; the run directory is made to match it."""
+    if not (run_dir / "config.yaml").is_file():
+        raise RoleFailed(f"cannot resume: '{run_dir}' holds no run (no config.yaml)")
+    check_resumable(load_config(run_dir / "config.yaml"), cfg)
+    found = newest_valid(run_dir, report=lambda m: console.print(f"[yellow]{m}[/]"))
+    if found is None:
+        raise RoleFailed(
+            f"cannot resume: no checkpoint in '{run_dir / 'checkpoints'}' verifies "
+            "(see `verl-async ckpt verify`); start a new run instead"
+        )
+    ckpt, manifest = found
+    for later in [d for d in list_checkpoints(run_dir) if d > ckpt]:
+        if (later / MANIFEST).is_file():
+            later.rename(later.with_name(f"damaged_{later.name}"))
+        else:
+            shutil.rmtree(later)
+    for name in ("metrics.jsonl", "trained.jsonl"):
+        truncate_steps(run_dir / name, manifest.step)
+    console.print(
+        f"resuming from [bold]{ckpt.name}[/] (step {manifest.step}, version {manifest.version})"
+    )
+    return ckpt
+
+
+def check_resumable(old: RunConfig, new: RunConfig) -> None:
+    """The keys a checkpoint's ledger and weights depend on must not change on resume."""
+    for key in ("model", "data", "learner.groups_per_step"):
+        a, b = old, new
+        for part in key.split("."):
+            a, b = getattr(a, part), getattr(b, part)
+        if key == "data":  # the stored path is resolved; compare like with like
+            a = msgspec.structs.replace(a, path=str(Path(a.path).resolve()))
+            b = msgspec.structs.replace(b, path=str(Path(b.path).resolve()))
+        if a != b:
+            raise ConfigError(f"'{key}' differs from the run being resumed; it cannot change")
+
+
+def truncate_steps(path: Path, step: int) -> None:
+    """Keep the lines of steps < ``step`` (atomically: a crash leaves old or new file)."""
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text().splitlines(keepends=True) if line.strip()]
+    keep = [line for line in keep if json.loads(line)["step"] < step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(keep))
+    os.replace(tmp, path)
+
+
+def prepare(cfg: RunConfig, run_dir: Path, resume_from: Path | None = None) -> Endpoints:
+    """Resolve paths, build the tiny model if asked, write config.yaml and endpoints.json."""
     data_path = Path(cfg.data.path)
     if not data_path.is_absolute():
         data_path = (Path.cwd() / data_path).resolve()
@@ -70,6 +136,7 @@ def prepare(cfg: RunConfig, run_dir: Path) -> Endpoints:
         weights_host=host,
         weights_port=cfg.weights.port or free_port(host),
         model_path=str(model_path),
+        resume_from=str(resume_from or ""),
     )
     write_endpoints(run_dir, endpoints)
     return endpoints
@@ -181,16 +248,28 @@ def wait_for_exit(roles: list[Role], timeout_s: float) -> None:
             role.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
 
 
-def train(cfg: RunConfig, run_dir_arg: str | None, console) -> Path:
-    run_dir = make_run_dir(cfg, run_dir_arg)
+def train(cfg: RunConfig, run_dir_arg: str | None, console, resume: bool = False) -> Path:
+    """Start (or with ``resume``, continue) the run in ``run_dir_arg``; return its directory."""
+    if run_dir_arg is not None and cfg.checkpoint.resume:
+        resume = resume or resumable(Path(run_dir_arg).resolve())
+    if resume:
+        run_dir = Path(run_dir_arg).resolve()
+        ckpt = choose_checkpoint(cfg, run_dir, console)
+    else:
+        run_dir, ckpt = make_run_dir(cfg, run_dir_arg), None
     console.print(f"run directory: [bold]{run_dir}[/]")
-    prepare(cfg, run_dir)
+    prepare(cfg, run_dir, ckpt)
     roles = start_roles(cfg, run_dir)
     try:
         watch(roles, cfg, run_dir, console)
         wait_for_exit(roles, timeout_s=30)  # generators see `stop` within a poll and exit
     except KeyboardInterrupt:
-        console.print("[yellow]interrupted: stopping every process...[/]")
+        console.print("[yellow]interrupted: finishing a checkpoint write in progress...[/]")
+        learner = [r for r in roles if r.name == "learner"]
+        stop_roles(learner, grace_s=cfg.checkpoint.write_timeout_s)
+        console.print("[yellow]stopping every process...[/]")
+        if any((d / MANIFEST).is_file() for d in list_checkpoints(run_dir)):
+            console.print(f"resume with: verl-async train CONFIG --resume {run_dir}")
         raise
     finally:
         stop_roles(roles)

@@ -134,6 +134,15 @@ class GetStats(_Msg):
     pass
 
 
+class SnapshotBuffer(_Msg):
+    """Checkpoint barrier: ``step`` learner steps are done and version ``version`` is
+    published. The buffer snapshots its state as of step ``step`` (groups already handed
+    out for steps >= ``step`` go back into the snapshot) and replies with the files."""
+
+    step: int
+    version: int
+
+
 class Shutdown(_Msg):
     pass
 
@@ -176,6 +185,14 @@ class Batch(_Msg):
     wait_s: float
     gen_blocked_s: float = 0.0  # generators' seconds refused by admission so far (all generators)
     gen_idle_s: float = 0.0  # the part of it with nothing in flight (engine idle)
+    group_prompts: list[int] = []  # prompt index of each of group_ids (the audit trail)
+
+
+class BufferState(_Msg):
+    """The buffer's checkpoint files: name -> bytes (uint8 tensors in the frames)."""
+
+    step: int
+    files: dict[str, TensorRef]
 
 
 class NotReady(_Msg):
@@ -205,11 +222,13 @@ Body = Union[  # noqa: UP007 (msgspec needs a runtime Union of tagged Structs)
     GetBatch,
     AnnounceWeights,
     GetStats,
+    SnapshotBuffer,
     Shutdown,
     Prompts,
     Ack,
     VersionStatus,
     Batch,
+    BufferState,
     NotReady,
     Stats,
     Error,

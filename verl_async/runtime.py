@@ -27,6 +27,8 @@ class Endpoints(msgspec.Struct, frozen=True, kw_only=True):
     weights_port: int
     model_path: str
     """Directory every role loads the initial (version 0) weights from."""
+    resume_from: str = ""
+    """Checkpoint directory the buffer and learner restore from; empty for a fresh run."""
 
 
 class RunContext(msgspec.Struct, frozen=True, kw_only=True):
