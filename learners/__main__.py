@@ -7,7 +7,10 @@ def main() -> None:
     args = start_role("learner", "verl-async learner")
     from learners.trainer import run_learner
 
-    run_learner(load_context(args.run_dir))
+    try:
+        run_learner(load_context(args.run_dir))
+    except KeyboardInterrupt:  # SIGTERM from the launcher: the loop has already cleaned up
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

@@ -387,6 +387,7 @@ class Learner:
             row["prefill_s"] = round(prefill_s, 4)
         if checkpoint_s is not None:
             row["checkpoint_s"] = round(checkpoint_s, 4)
+            row["checkpoint_write_s"] = round(self.checkpointer.last_write_s, 4)  # last finished
         if self.scheduler is not None:
             row["lr"] = self.scheduler.get_last_lr()[0]
         self.metrics.write(row)

@@ -75,6 +75,15 @@ def test_pipeline(tmp_path):
     assert "overlap efficiency" in out
 
 
+def test_checkpoint(tmp_path):
+    out = _run("checkpoint.py", ["--steps", "6", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "checkpoint.json").read_text())
+    assert result["off"]["steps"] == result["every"]["steps"] == 6
+    assert "checkpoint_s" not in result["off"]
+    assert result["every"]["checkpoint_s"] > 0 and result["every"]["checkpoint_mib"] > 0
+    assert "checkpoint every step" in out
+
+
 def test_staleness_sweep(tmp_path):
     _run(
         "staleness_sweep.py",

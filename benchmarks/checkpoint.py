@@ -1,0 +1,108 @@
+"""What checkpointing every step costs: the same job with and without, one invocation.
+
+    python benchmarks/checkpoint.py [--steps 200] [--out runs/ckpt-bench] [override ...]
+
+Two real ``verl-async train configs/tiny.yaml`` runs, one after the other, equal steps:
+
+  off    checkpoint.every_steps=0
+  every  checkpoint.every_steps=1 (snapshot at every barrier; the writer runs behind)
+
+Per run: median learner step time (wall, what a step costs end to end), median learner
+busy time (step minus waiting for a batch), median time the step spent on the
+checkpoint (host snapshot + buffer snapshot + waiting for the previous write), median
+background write time, and the checkpoint size. The first 10 % of steps are warm-up and
+left out. Overrides (e.g. a larger ``model.tiny.*``) apply to both runs. Ends with one
+summary line: median step time with / without.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, machine, run_train  # noqa: E402
+
+WARM = 0.1
+
+
+def measure(name: str, every: int, args) -> dict:
+    run_dir = args.out / name
+    rows, _ = run_train(
+        args.config,
+        run_dir,
+        [
+            f"trainer.total_steps={args.steps}",
+            f"checkpoint.every_steps={every}",
+            "checkpoint.keep_last=2",
+            *args.override,
+        ],
+    )
+    warm = rows[int(len(rows) * WARM) :]
+    med = lambda key: statistics.median(r[key] for r in warm)  # noqa: E731
+    out = {
+        "every_steps": every,
+        "steps": len(rows),
+        "step_s": med("step_s"),
+        "busy_s": statistics.median(r["step_s"] - r["learner_wait_s"] for r in warm),
+        "samples_per_s": sum(r["samples"] for r in rows) / rows[-1]["wall_s"],
+        "final_reward": statistics.mean(r["reward_mean"] for r in rows[-10:]),
+    }
+    if every:
+        out["checkpoint_s"] = med("checkpoint_s")
+        out["checkpoint_write_s"] = med("checkpoint_write_s")
+        manifests = sorted((run_dir / "checkpoints").glob("step_*/manifest.json"))
+        files = json.loads(manifests[-1].read_text())["files"]
+        out["checkpoint_mib"] = sum(f["bytes"] for f in files.values()) / 2**20
+    return out
+
+
+def report(off: dict, on: dict) -> str:
+    ms = lambda s: f"{s * 1000:.1f}"  # noqa: E731
+    return "\n".join(
+        [
+            f"machine: {machine()}",
+            "",
+            "| | no checkpoints | checkpoint every step | with / without |",
+            "|---|---|---|---|",
+            f"| median step, ms | {ms(off['step_s'])} | {ms(on['step_s'])} "
+            f"| {on['step_s'] / off['step_s']:.3f}× |",
+            f"| median learner busy (step − batch wait), ms | {ms(off['busy_s'])} | "
+            f"{ms(on['busy_s'])} | {on['busy_s'] / off['busy_s']:.3f}× |",
+            f"| samples/s | {off['samples_per_s']:.0f} | {on['samples_per_s']:.0f} "
+            f"| {on['samples_per_s'] / off['samples_per_s']:.3f}× |",
+            f"| median time in the step spent checkpointing, ms | — | {ms(on['checkpoint_s'])} "
+            f"| {on['checkpoint_s'] / off['step_s']:.1%} of a step |",
+            f"| median background write, ms | — | {ms(on['checkpoint_write_s'])} | |",
+            f"| checkpoint size, MiB | — | {on['checkpoint_mib']:.2f} | |",
+            f"| final reward (last 10 steps) | {off['final_reward']:.3f} | {on['final_reward']:.3f} | |",
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--config", type=Path, default=ROOT / "configs/tiny.yaml")
+    ap.add_argument("--out", type=Path, default=ROOT / "runs/ckpt-bench")
+    ap.add_argument("override", nargs="*", help="extra dotted.key=value config overrides")
+    args = ap.parse_args(argv)
+    args.out = args.out.resolve()
+
+    off = measure("off", 0, args)
+    on = measure("every", 1, args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "checkpoint.json").write_text(json.dumps({"off": off, "every": on}, indent=1))
+    print(report(off, on))
+    print(
+        f"summary: checkpointing every step: median step {on['step_s'] / off['step_s']:.3f}x "
+        f"without; {on['checkpoint_s'] / off['step_s']:.1%} of a step spent in the snapshot"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,300 @@
+"""Crash and resume: SIGKILL the whole process tree three times, resume, finish the epoch.
+
+One run of one epoch (96 prompts = 24 steps of 4 groups), checkpoint every 3 steps:
+
+1. killed between checkpoints (step 6 committed, step 7 or 8 trained);
+2. resumed, and killed while the step-9 checkpoint is being written (the writer is slowed
+   down by the fault-injection variable, so the kill lands inside the write);
+3. resumed, and killed right after a generator loaded a version no checkpoint holds;
+4. the newest checkpoint is damaged on purpose: ``ckpt verify`` reports it and the last
+   resume falls back to the one before, with a log line, and finishes the epoch.
+
+The audit then reads ``trained.jsonl`` and ``metrics.jsonl``: every prompt of the epoch
+trained on exactly once, no rollout trained twice, steps and versions without gaps or
+repeats, and the staleness bound held after every resume. Finally the last checkpoint is
+exported and loaded by transformers and by vLLM, and both generate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from verl_async.checkpoint import MANIFEST, list_checkpoints
+
+from .conftest import ROOT, processes_mentioning, run_cli
+
+B, STEPS, EVERY, ETA = 4, 24, 3, 2
+
+
+def _overrides(data: Path) -> list[str]:
+    return [
+        f"data.path={data}",
+        f"trainer.total_steps={STEPS}",
+        f"learner.groups_per_step={B}",
+        "generators.group_size=4",
+        f"generators.max_inflight_groups={(ETA + 1) * B}",
+        f"staleness.max={ETA}",
+        # 16 optimizer steps per batch make the learner the slower stage, so snapshots hold
+        # rollouts the prefetcher had already taken, not only groups still in flight.
+        "algo.minibatches=16",
+        f"checkpoint.every_steps={EVERY}",
+        "checkpoint.keep_last=3",
+    ]
+
+
+def _launch(args: list[str], env_extra: dict | None = None) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
+    return subprocess.Popen(
+        [sys.executable, "-m", "verl_async.cli", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _tree(root: int) -> list[int]:
+    """``root`` and all its descendants (from /proc), parents first."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop(0)
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def _freeze(proc: subprocess.Popen) -> list[int]:
+    """SIGSTOP the whole tree (repeat until no new process appears); returns its pids."""
+    stopped: list[int] = []
+    while True:
+        new = [p for p in _tree(proc.pid) if p not in stopped]
+        if not new:
+            return stopped
+        _signal_all(new, signal.SIGSTOP)
+        stopped += new
+
+
+def _kill_when(proc: subprocess.Popen, moment, timeout_s: float = 300) -> None:
+    """Poll ``moment()``; when true, freeze the tree, re-check on the frozen state, SIGKILL."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended before the kill point:\n{proc.stderr.read()[-3000:]}")
+        if moment():
+            pids = _freeze(proc)
+            if moment():  # still true with everything stopped: this is the moment
+                _signal_all(pids, signal.SIGKILL)
+                proc.wait(timeout=30)
+                return
+            _signal_all(pids, signal.SIGCONT)
+        time.sleep(0.01)
+    proc.kill()
+    pytest.fail("the kill point was never reached")
+
+
+def _committed(run_dir: Path) -> list[int]:
+    return [int(d.name[5:]) for d in list_checkpoints(run_dir) if (d / MANIFEST).is_file()]
+
+
+def _steps_done(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _loaded_versions(run_dir: Path) -> list[int]:
+    log = run_dir / "logs" / "generator0.log"
+    if not log.is_file():
+        return []
+    return [
+        int(line.split("loaded version ")[1].split()[0])
+        for line in log.read_text().splitlines()
+        if "loaded version " in line
+    ]
+
+
+def _settle(run_dir: Path) -> None:
+    time.sleep(1)  # PR_SET_PDEATHSIG is asynchronous; nothing may survive the tree kill
+    assert not processes_mentioning(str(run_dir)), "processes outlived SIGKILL of the tree"
+
+
+@pytest.fixture(scope="module")
+def crashed_and_resumed(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("crash")
+    data = tmp / "prompts.jsonl"
+    lines = (ROOT / "configs/data/max_digit.jsonl").read_text().splitlines()[: B * STEPS]
+    data.write_text("\n".join(lines) + "\n")
+    run_dir = tmp / "run"
+    train = ["train", "configs/tiny.yaml", *_overrides(data)]
+    resume = ["train", "configs/tiny.yaml", "--resume", str(run_dir), *_overrides(data)]
+
+    # 1. Between checkpoints: step 6 committed, steps 7..8 trained, step 9 not reached.
+    proc = _launch([*train, "--run-dir", str(run_dir)])
+    _kill_when(proc, lambda: 6 in _committed(run_dir) and 7 <= _steps_done(run_dir) < 9)
+    _settle(run_dir)
+
+    # 2. During a checkpoint write: step_00000009 exists, its manifest does not.
+    proc = _launch(resume, {"VERL_ASYNC_FAULT_CKPT_WRITE_DELAY_S": "4"})
+    ckpt9 = run_dir / "checkpoints" / "step_00000009"
+    _kill_when(
+        proc,
+        lambda: (
+            (ckpt9 / "learner" / "trainer_state.json").is_file() and 9 not in _committed(run_dir)
+        ),
+    )
+    _settle(run_dir)
+    assert not (ckpt9 / MANIFEST).exists()
+
+    # 3. Right after a weight sync that no checkpoint holds (a version past step 9's).
+    proc = _launch(resume)
+    seen = len(_loaded_versions(run_dir))
+    _kill_when(
+        proc,
+        lambda: (
+            9 in _committed(run_dir)
+            and any(v > 9 and v % EVERY for v in _loaded_versions(run_dir)[seen:])
+        ),
+    )
+    _settle(run_dir)
+
+    # 4. Damage the newest checkpoint; resume must fall back to the one before it.
+    newest = max(_committed(run_dir))
+    model = run_dir / "checkpoints" / f"step_{newest:08d}" / "learner" / "model.safetensors"
+    model.write_bytes(model.read_bytes()[:100])
+    check = run_cli(["ckpt", "verify", str(run_dir), "--step", str(newest)], timeout=60)
+    assert check.returncode == 1 and "model.safetensors" in check.stdout, check.stdout
+    final = run_cli(resume, timeout=400)
+    assert final.returncode == 0, final.stderr[-3000:]
+    assert f"step_{newest:08d} fails verification" in final.stderr
+    assert "falling back" in final.stderr
+    _settle(run_dir)
+    return run_dir
+
+
+def test_every_prompt_is_trained_exactly_once_across_three_crashes(crashed_and_resumed):
+    run_dir = crashed_and_resumed
+    trail = _rows(run_dir / "trained.jsonl")
+    rows = _rows(run_dir / "metrics.jsonl")
+    assert [t["step"] for t in trail] == [r["step"] for r in rows] == list(range(STEPS))
+    assert [r["version"] for r in rows] == list(range(1, STEPS + 1))
+    groups = [g for t in trail for g, _ in t["groups"]]
+    prompts = [p for t in trail for _, p in t["groups"]]
+    assert sorted(groups) == list(range(B * STEPS)), "a group was lost or trained twice"
+    assert sorted(prompts) == list(range(B * STEPS)), "a prompt was lost or trained twice"
+    samples = [s for t in trail for s in t["samples"]]
+    assert len(samples) == len(set(samples)) == B * STEPS * 4, "a rollout was trained twice"
+    for row in rows:
+        assert row["staleness_max"] <= ETA and row["dropped_stale"] == 0, row
+    log = (run_dir / "logs" / "learner.log").read_text()
+    assert log.count("resumed from step_") == 3
+    assert "resumed from step_00000006" in log  # after the kill during the step-9 write
+    restored = [
+        line
+        for line in (run_dir / "logs" / "buffer.log").read_text().splitlines()
+        if "restored step" in line
+    ]
+    assert len(restored) == 3
+    assert any(" 0 groups stored" not in line for line in restored), (
+        "no stored rollout was restored"
+    )
+
+
+def test_ctrl_c_finishes_the_checkpoint_write_in_progress_then_exits(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    lines = (ROOT / "configs/data/max_digit.jsonl").read_text().splitlines()[: B * STEPS]
+    data.write_text("\n".join(lines) + "\n")
+    run_dir = tmp_path / "run"
+    proc = _launch(
+        ["train", "configs/tiny.yaml", "--run-dir", str(run_dir), *_overrides(data)],
+        {"VERL_ASYNC_FAULT_CKPT_WRITE_DELAY_S": "3"},
+    )
+    ckpt3 = run_dir / "checkpoints" / "step_00000003"
+    deadline = time.monotonic() + 300
+    while not (ckpt3 / "learner" / "trainer_state.json").is_file():
+        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint write began"
+        time.sleep(0.01)
+    assert not (ckpt3 / MANIFEST).exists()
+    proc.send_signal(signal.SIGINT)  # what Ctrl-C in the terminal sends to the launcher
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert "resume with: verl-async train CONFIG --resume" in err
+    assert 3 in _committed(run_dir), "the write in progress was not finished"
+    assert run_cli(["ckpt", "verify", str(run_dir)], timeout=60).returncode == 0
+    log = (run_dir / "logs" / "learner.log").read_text()
+    assert "interrupted after" in log and "checkpoint write finished before exit" in log
+    _settle(run_dir)
+
+
+def test_ckpt_list_and_the_exported_model_loads_in_transformers_and_vllm(
+    crashed_and_resumed, tmp_path
+):
+    run_dir = crashed_and_resumed
+    listing = run_cli(["ckpt", "list", str(run_dir)], timeout=60)
+    assert listing.returncode == 0 and f"step_{STEPS:08d}" in listing.stdout
+    out = tmp_path / "exported"
+    res = run_cli(["export", str(run_dir), str(out)], timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert f"step_{STEPS:08d}" in res.stdout
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    trained = load_file(
+        run_dir / "checkpoints" / f"step_{STEPS:08d}" / "learner" / "model.safetensors"
+    )
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, trained[name]), name
+    ids = tok("max 3 7 1 4 =", return_tensors="pt")["input_ids"]
+    gen = model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert gen.shape[1] > ids.shape[1]
+
+    script = (
+        "from vllm import LLM, SamplingParams\n"
+        "if __name__ == '__main__':\n"
+        f"    llm = LLM(model={str(out)!r}, dtype='float32', enforce_eager=True, "
+        "kv_cache_memory_bytes=32 << 20, max_model_len=64)\n"
+        "    out = llm.generate(['max 3 7 1 4 ='], SamplingParams(max_tokens=3, temperature=0))\n"
+        "    print('VLLM_TOKENS', len(out[0].outputs[0].token_ids))\n"
+    )
+    (tmp_path / "load_in_vllm.py").write_text(script)
+    res = subprocess.run(
+        [sys.executable, str(tmp_path / "load_in_vllm.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert "VLLM_TOKENS" in res.stdout, res.stderr[-3000:]
+    assert int(res.stdout.split("VLLM_TOKENS")[1].split()[0]) > 0

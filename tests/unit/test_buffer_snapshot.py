@@ -1,0 +1,170 @@
+"""The buffer's checkpoint: Arrow round trip, and exactly-once across snapshot + restore."""
+
+import msgspec
+import numpy as np
+import pytest
+
+from buffer.ledger import LedgerError, PromptLedger, StoredGroup
+from buffer.snapshot import (
+    LedgerState,
+    SnapshotError,
+    decode_state,
+    encode_state,
+    rollouts_from_arrow,
+    rollouts_to_arrow,
+)
+from verl_async.data import PromptRecord
+from verl_async.staleness import Admission
+
+
+def _group(k, version, rng):
+    lengths = rng.integers(0, 5, size=3)  # an empty response is legal
+    return StoredGroup(
+        k,
+        k % 7,
+        k % 2,
+        rng.integers(0, 50, size=1 + k % 3).astype(np.int32),
+        [rng.integers(0, 50, size=n).astype(np.int32) for n in lengths],
+        [rng.normal(size=n).astype(np.float32) for n in lengths],
+        [np.full(n, version + (i % 2), np.int32) for i, n in enumerate(lengths)],
+        [float(i % 2) for i in range(len(lengths))],
+    )
+
+
+def _same(a: StoredGroup, b: StoredGroup) -> bool:
+    arrays = ("responses", "behav_logprobs", "token_versions")
+    return (
+        (a.group_id, a.prompt_id, a.generator_id, a.rewards)
+        == (b.group_id, b.prompt_id, b.generator_id, b.rewards)
+        and np.array_equal(a.prompt_ids, b.prompt_ids)
+        and all(
+            len(getattr(a, n)) == len(getattr(b, n))
+            and all(
+                x.dtype == y.dtype and np.array_equal(x, y)
+                for x, y in zip(getattr(a, n), getattr(b, n), strict=True)
+            )
+            for n in arrays
+        )
+    )
+
+
+def test_rollouts_survive_the_arrow_round_trip_bit_for_bit():
+    rng = np.random.default_rng(0)
+    groups = [_group(k, k // 4, rng) for k in range(9)]
+    back = rollouts_from_arrow(rollouts_to_arrow(groups))
+    assert len(back) == len(groups)
+    assert all(_same(a, b) for a, b in zip(groups, back, strict=True))
+    assert rollouts_from_arrow(rollouts_to_arrow([])) == []
+
+
+def test_ledger_state_round_trips_and_rejects_other_formats():
+    state = LedgerState(
+        step=3,
+        version=3,
+        next_group=20,
+        reissue=[15, 17],
+        stored_groups=5,
+        num_prompts=40,
+        shuffle_seed=1,
+        groups_per_step=4,
+        max_staleness=2,
+        dropped_stale=0,
+        admission_blocked=7,
+        gen_blocked_s=1.5,
+        gen_idle_s=0.25,
+    )
+    assert decode_state(encode_state(state)) == state
+    with pytest.raises(SnapshotError, match="format 99"):
+        decode_state(encode_state(msgspec.structs.replace(state, format=99)))
+    with pytest.raises(SnapshotError, match="unreadable"):
+        decode_state(b"{not json")
+
+
+def _ledger(b, eta, steps, n):
+    prompts = [PromptRecord(f"p{i}", str(i)) for i in range(n)]
+    return PromptLedger(prompts, Admission(b, eta), steps, seed=3)
+
+
+class Sim:
+    """Drives a ledger like the buffer does: generators issue and return, steps consume."""
+
+    def __init__(self, ledger, rng):
+        self.ledger = ledger
+        self.rng = rng
+        self.handed_out: dict[int, list[StoredGroup]] = {}
+        self.trained: list[tuple[int, int, int]] = []  # (step, group id, prompt id)
+
+    def generate(self, version, max_groups):
+        groups, _ = self.ledger.issue(0, version, max_groups)
+        return [g.group_id for g in groups]
+
+    def give_back(self, ids, version):
+        for k in ids:
+            _, idx = self.ledger.prompt_of(k)
+            g = _group(k, version, self.rng)
+            g.prompt_id = idx
+            self.ledger.record_return(g)
+
+    def consume(self, step):
+        groups = self.ledger.consume(step)
+        self.handed_out[step] = groups
+        return groups
+
+    def train(self, step, groups):
+        self.trained += [(step, g.group_id, g.prompt_id) for g in groups]
+
+
+def test_snapshot_then_restore_trains_every_group_of_the_epoch_exactly_once():
+    b, eta, steps, n = 4, 2, 10, 40  # one epoch: 40 prompts = 10 steps x 4 groups
+    rng = np.random.default_rng(1)
+    before = Sim(_ledger(b, eta, steps, n), rng)
+    # Steps 0..3 train; the prefetcher has already taken steps 4 and 5; some groups in flight.
+    version = 0
+    for step in range(4):
+        before.give_back(before.generate(version, 100), version)
+        before.train(step, before.consume(step))
+        version += 1
+    pending = before.generate(version, 100)  # issued at version 4: groups up to (4+2+1)*4 - 1
+    before.give_back(pending[: len(pending) // 2], version)
+    before.consume(4)
+    before.consume(5)
+    stored, reissue = before.ledger.snapshot(4, before.handed_out)
+    assert reissue == sorted(pending[len(pending) // 2 :])
+    assert {g.group_id for g in stored} | set(reissue) == set(range(16, before.ledger.next_group))
+
+    # Restore into a fresh ledger (as a new buffer process would) through the files.
+    after = Sim(_ledger(b, eta, steps, n), rng)
+    after.ledger.restore(
+        4, 4, before.ledger.next_group, rollouts_from_arrow(rollouts_to_arrow(stored)), reissue
+    )
+    assert after.ledger.issue(0, loaded_version=3, max_groups=5) == ([], True)  # old weights wait
+    first = after.generate(4, 2)
+    assert first == reissue[:2]  # re-issued groups go first
+    after.give_back(first, 4)
+    after.trained = [t for t in before.trained]
+    version = 4
+    for step in range(4, steps):
+        after.give_back(after.generate(version, 100), version)
+        after.train(step, after.consume(step))
+        version += 1
+    assert after.ledger.exhausted and not after.ledger.in_flight and not after.ledger.returned
+    groups = [k for _, k, _ in after.trained]
+    assert sorted(groups) == list(range(steps * b))  # every group once, none twice
+    assert sorted(p for _, _, p in after.trained) == list(range(n))  # every prompt once
+    assert [s for s, _, _ in after.trained] == [s for s in range(steps) for _ in range(b)]
+
+
+def test_snapshot_refuses_a_cut_it_cannot_make_and_restore_refuses_gaps():
+    sim = Sim(_ledger(2, 1, 4, 8), np.random.default_rng(2))
+    sim.give_back(sim.generate(0, 100), 0)
+    sim.consume(0)
+    with pytest.raises(LedgerError, match="only 1 steps were consumed"):
+        sim.ledger.snapshot(2, sim.handed_out)
+    with pytest.raises(LedgerError, match="the groups of step 0 are gone"):
+        sim.ledger.snapshot(0, {})
+    stored, reissue = sim.ledger.snapshot(1, sim.handed_out)
+    fresh = _ledger(2, 1, 4, 8)
+    with pytest.raises(LedgerError, match="exactly once"):
+        fresh.restore(1, 1, sim.ledger.next_group, stored[1:], reissue)
+    with pytest.raises(LedgerError, match="exactly once"):
+        fresh.restore(1, 1, sim.ledger.next_group, stored, [*reissue, stored[0].group_id])
