@@ -1,8 +1,10 @@
 """What checkpointing every step costs: the same job with and without, one invocation.
 
-    python benchmarks/checkpoint.py [--steps 200] [--out runs/ckpt-bench] [override ...]
+    python benchmarks/checkpoint.py [--steps 200] [--repeats 2] [--out runs/ckpt-bench]
+                                    [override ...]
 
-Two real ``verl-async train configs/tiny.yaml`` runs, one after the other, equal steps:
+Real ``verl-async train configs/tiny.yaml`` runs, equal steps, alternating
+(off, every, off, every, ...) so that drift of a shared machine hits both alike:
 
   off    checkpoint.every_steps=0
   every  checkpoint.every_steps=1 (snapshot at every barrier; the writer runs behind)
@@ -11,7 +13,7 @@ Per run: median learner step time (wall, what a step costs end to end), median l
 busy time (step minus waiting for a batch), median time the step spent on the
 checkpoint (host snapshot + buffer snapshot + waiting for the previous write), median
 background write time, and the checkpoint size. The first 10 % of steps are warm-up and
-left out. Overrides (e.g. a larger ``model.tiny.*``) apply to both runs. Ends with one
+left out; the medians are over the warm steps of all repeats. Overrides (e.g. a larger ``model.tiny.*``) apply to both runs. Ends with one
 summary line: median step time with / without.
 """
 
@@ -29,7 +31,7 @@ from common import ROOT, machine, run_train  # noqa: E402
 WARM = 0.1
 
 
-def measure(name: str, every: int, args) -> dict:
+def one_run(name: str, every: int, args) -> tuple[list[dict], Path]:
     run_dir = args.out / name
     rows, _ = run_train(
         args.config,
@@ -41,20 +43,27 @@ def measure(name: str, every: int, args) -> dict:
             *args.override,
         ],
     )
-    warm = rows[int(len(rows) * WARM) :]
+    return rows, run_dir
+
+
+def summarize(runs: list[tuple[list[dict], Path]], every: int) -> dict:
+    warm = [r for rows, _ in runs for r in rows[int(len(rows) * WARM) :]]
     med = lambda key: statistics.median(r[key] for r in warm)  # noqa: E731
     out = {
         "every_steps": every,
-        "steps": len(rows),
+        "runs": len(runs),
+        "steps": len(runs[0][0]),
         "step_s": med("step_s"),
         "busy_s": statistics.median(r["step_s"] - r["learner_wait_s"] for r in warm),
-        "samples_per_s": sum(r["samples"] for r in rows) / rows[-1]["wall_s"],
-        "final_reward": statistics.mean(r["reward_mean"] for r in rows[-10:]),
+        "samples_per_s": statistics.mean(
+            sum(r["samples"] for r in rows) / rows[-1]["wall_s"] for rows, _ in runs
+        ),
+        "final_reward": statistics.mean(r["reward_mean"] for rows, _ in runs for r in rows[-10:]),
     }
     if every:
         out["checkpoint_s"] = med("checkpoint_s")
         out["checkpoint_write_s"] = med("checkpoint_write_s")
-        manifests = sorted((run_dir / "checkpoints").glob("step_*/manifest.json"))
+        manifests = sorted((runs[0][1] / "checkpoints").glob("step_*/manifest.json"))
         files = json.loads(manifests[-1].read_text())["files"]
         out["checkpoint_mib"] = sum(f["bytes"] for f in files.values()) / 2**20
     return out
@@ -79,6 +88,7 @@ def report(off: dict, on: dict) -> str:
             f"| median background write, ms | — | {ms(on['checkpoint_write_s'])} | |",
             f"| checkpoint size, MiB | — | {on['checkpoint_mib']:.2f} | |",
             f"| final reward (last 10 steps) | {off['final_reward']:.3f} | {on['final_reward']:.3f} | |",
+            f"| runs × steps | {off['runs']} × {off['steps']} | {on['runs']} × {on['steps']} | |",
         ]
     )
 
@@ -86,14 +96,18 @@ def report(off: dict, on: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--config", type=Path, default=ROOT / "configs/tiny.yaml")
     ap.add_argument("--out", type=Path, default=ROOT / "runs/ckpt-bench")
     ap.add_argument("override", nargs="*", help="extra dotted.key=value config overrides")
     args = ap.parse_args(argv)
     args.out = args.out.resolve()
 
-    off = measure("off", 0, args)
-    on = measure("every", 1, args)
+    runs: dict[int, list] = {0: [], 1: []}
+    for i in range(args.repeats):
+        for every in (0, 1):
+            runs[every].append(one_run(f"{'every' if every else 'off'}{i}", every, args))
+    off, on = summarize(runs[0], 0), summarize(runs[1], 1)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "checkpoint.json").write_text(json.dumps({"off": off, "every": on}, indent=1))
     print(report(off, on))

@@ -12,15 +12,21 @@ One write is in flight at most: a snapshot that comes due while the previous wri
 still running waits for it (the wait is part of the ``checkpoint_s`` metric). An error
 in the writer is raised in the training thread at the next save or at ``close``.
 
-Files of ``checkpoints/step_NNNNNNNN/``::
+Files of ``checkpoints/step_NNNNNNNN/`` (no pickle anywhere: tensors in safetensors,
+everything else in JSON)::
 
     learner/model.safetensors     full (unsharded) weights by Hugging Face name
-    learner/optimizer.pt          optimizer state_dict (tensors, ints, floats)
-    learner/trainer_state.pt      scheduler state_dict, RNG states
-    learner/trainer_state.json    step, version, wall_s, generator clocks (readable)
+    learner/state.safetensors     optimizer state tensors ("optim.<param>.<key>"), RNG states
+    learner/trainer_state.json    step, version, counters, optimizer param groups and
+                                  scalars, scheduler state, Python RNG (readable)
     buffer/ledger.json            buffer/snapshot.py
     buffer/rollouts.arrow
     manifest.json                 written last: the commit
+
+The writer thread runs at the lowest CPU priority (nice 19; Linux nices threads one by
+one), so on a busy machine the write yields to training and generation instead of
+slowing them. Each file is hashed from the bytes in memory as it is written, so the
+commit does not read anything back.
 
 ``VERL_ASYNC_FAULT_CKPT_WRITE_DELAY_S`` (fault injection, used by the crash tests) makes
 the writer sleep that long after the learner files and before the buffer files and the
@@ -29,6 +35,8 @@ manifest, so a kill can land in the middle of a write.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -41,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from verl_async.checkpoint import commit, prune, step_dir
+from verl_async.checkpoint import FileEntry, commit, prune, step_dir
 
 log = logging.getLogger("verl_async.learner")
 
@@ -55,8 +63,9 @@ class Snapshot:
     step: int
     version: int
     model: dict[str, torch.Tensor]
-    optimizer: dict
-    trainer_state: dict  # scheduler, rng (tensors and plain values)
+    optimizer: dict  # optimizer.state_dict(), tensors copied
+    scheduler: dict | None  # scheduler.state_dict() (plain values)
+    rng: dict  # rng_state()
     info: dict  # JSON-able counters: wall_s, generator clocks, ...
     buffer_files: dict[str, bytes]
 
@@ -84,6 +93,47 @@ def set_rng_state(state: dict) -> None:
     random.setstate((3, tuple(state["python"]), None))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def split_state(snap: Snapshot) -> tuple[dict[str, torch.Tensor], dict]:
+    """Optimizer and RNG state -> (tensors for safetensors, JSON-able rest)."""
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict] = {}
+    for param, entries in snap.optimizer["state"].items():
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optim.{param}.{key}"] = value
+            else:
+                scalars.setdefault(str(param), {})[key] = value
+    tensors["rng.torch"] = snap.rng["torch"]
+    for i, cuda in enumerate(snap.rng.get("cuda", [])):
+        tensors[f"rng.cuda.{i}"] = cuda
+    rest = {
+        "optimizer": {"param_groups": snap.optimizer["param_groups"], "scalars": scalars},
+        "scheduler": snap.scheduler,
+        "python_rng": snap.rng["python"],
+    }
+    return tensors, rest
+
+
+def join_state(tensors: dict[str, torch.Tensor], rest: dict) -> tuple[dict, dict]:
+    """Inverse of ``split_state``: (optimizer state_dict, rng state)."""
+    state: dict[int, dict] = {}
+    for param, entries in rest["optimizer"]["scalars"].items():
+        state.setdefault(int(param), {}).update(entries)
+    cuda = []
+    for name, tensor in tensors.items():
+        kind, _, tail = name.partition(".")
+        if kind == "optim":
+            param, _, key = tail.partition(".")
+            state.setdefault(int(param), {})[key] = tensor
+        elif tail.startswith("cuda."):
+            cuda.append((int(tail[5:]), tensor))
+    rng = {"torch": tensors["rng.torch"], "python": rest["python_rng"]}
+    if cuda:
+        rng["cuda"] = [t for _, t in sorted(cuda, key=lambda c: c[0])]
+    optimizer = {"state": state, "param_groups": rest["optimizer"]["param_groups"]}
+    return optimizer, rng
 
 
 class Checkpointer:
@@ -136,6 +186,8 @@ class Checkpointer:
 
     def _run(self, snap: Snapshot) -> None:
         t0 = time.monotonic()
+        with contextlib.suppress(OSError):  # lowest priority for this thread only
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         try:
             self.write(snap)
         except BaseException as exc:  # raised in the training thread by wait()
@@ -143,24 +195,33 @@ class Checkpointer:
         self.last_write_s = time.monotonic() - t0
 
     def write(self, snap: Snapshot) -> None:
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
         ckpt = step_dir(self.run_dir, snap.step)
         if ckpt.exists():  # an uncommitted write of the same step from before a crash
             shutil.rmtree(ckpt)
         (ckpt / "learner").mkdir(parents=True)
-        save_file(snap.model, ckpt / "learner" / "model.safetensors", metadata={"format": "pt"})
-        torch.save(snap.optimizer, ckpt / "learner" / "optimizer.pt")
-        torch.save(snap.trainer_state, ckpt / "learner" / "trainer_state.pt")
-        info = {"step": snap.step, "version": snap.version, **snap.info}
-        (ckpt / "learner" / "trainer_state.json").write_text(json.dumps(info, indent=1))
+        hashes: dict[str, FileEntry] = {}
+
+        def put(rel: str, data: bytes) -> None:
+            with open(ckpt / rel, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            hashes[rel] = FileEntry(len(data), hashlib.sha256(data).hexdigest())
+
+        tensors, rest = split_state(snap)
+        state = {"step": snap.step, "version": snap.version, **snap.info, **rest}
+        put("learner/model.safetensors", save(snap.model, metadata={"format": "pt"}))
+        put("learner/state.safetensors", save(tensors))
+        put("learner/trainer_state.json", json.dumps(state, indent=1).encode())
         delay = float(os.environ.get(_FAULT_DELAY, "0"))
         if delay:
             time.sleep(delay)
         (ckpt / "buffer").mkdir()
         for name, data in snap.buffer_files.items():
-            (ckpt / "buffer" / name).write_bytes(data)
-        commit(ckpt, snap.step, snap.version, self.meta)
+            put(f"buffer/{name}", data)
+        commit(ckpt, snap.step, snap.version, self.meta, hashes)
         removed = prune(self.run_dir, self.keep_last)
         log.info(
             "checkpoint step %d committed%s",
@@ -170,14 +231,15 @@ class Checkpointer:
 
 
 def load(ckpt: Path, model: torch.nn.Module, optimizer, scheduler) -> dict:
-    """Restore a checkpoint's learner files into live objects; returns the info dict."""
+    """Restore a checkpoint's learner files into live objects; returns the JSON state."""
     from safetensors.torch import load_file
 
     learner = ckpt / "learner"
     model.load_state_dict(load_file(learner / "model.safetensors"))
-    optimizer.load_state_dict(torch.load(learner / "optimizer.pt", weights_only=True))
-    state = torch.load(learner / "trainer_state.pt", weights_only=True)
-    if scheduler is not None:
+    state = json.loads((learner / "trainer_state.json").read_text())
+    optimizer_state, rng = join_state(load_file(learner / "state.safetensors"), state)
+    optimizer.load_state_dict(optimizer_state)
+    if scheduler is not None and state["scheduler"] is not None:
         scheduler.load_state_dict(state["scheduler"])
-    set_rng_state(state["rng"])
-    return json.loads((learner / "trainer_state.json").read_text())
+    set_rng_state(rng)
+    return state

@@ -317,13 +317,9 @@ class Learner:
         t0 = time.monotonic()
         self.checkpointer.wait()  # the previous write (usually long done)
         model = checkpointing.host_copy(full_state_dict(self.acc.unwrap_model(self.model)))
-        state = checkpointing.host_copy(
-            {
-                "scheduler": self.scheduler.state_dict() if self.scheduler else None,
-                "rng": checkpointing.rng_state(),
-            }
-        )
         optimizer = checkpointing.host_copy(self.optimizer.state_dict())
+        scheduler = self.scheduler.state_dict() if self.scheduler else None
+        rng = checkpointing.host_copy(checkpointing.rng_state())
         reply, frames = self.client.request(
             P.SnapshotBuffer(step=self.steps_done, version=self.version)
         )
@@ -335,7 +331,7 @@ class Learner:
         }
         self.checkpointer.save(
             checkpointing.Snapshot(
-                self.steps_done, self.version, model, optimizer, state, info, files
+                self.steps_done, self.version, model, optimizer, scheduler, rng, info, files
             )
         )
         return time.monotonic() - t0

@@ -76,7 +76,7 @@ def test_pipeline(tmp_path):
 
 
 def test_checkpoint(tmp_path):
-    out = _run("checkpoint.py", ["--steps", "6", "--out", str(tmp_path)])
+    out = _run("checkpoint.py", ["--steps", "6", "--repeats", "1", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "checkpoint.json").read_text())
     assert result["off"]["steps"] == result["every"]["steps"] == 6
     assert "checkpoint_s" not in result["off"]

@@ -1,0 +1,84 @@
+"""The learner's checkpoint files: written behind, committed, restored to the same state."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from learners import checkpointing
+from verl_async.checkpoint import read_manifest, step_dir, verify
+
+
+def _trainer(seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
+    return model, opt, sched
+
+
+def _step(model, opt, sched, x):
+    model(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    sched.step()
+
+
+def test_restore_continues_exactly_where_the_snapshot_was_taken(tmp_path):
+    model, opt, sched = _trainer(0)
+    x = torch.randn(16, 4)
+    for _ in range(3):
+        _step(model, opt, sched, x)
+    snap = checkpointing.Snapshot(
+        step=3,
+        version=3,
+        model=checkpointing.host_copy(model.state_dict()),
+        optimizer=checkpointing.host_copy(opt.state_dict()),
+        scheduler=sched.state_dict(),
+        rng=checkpointing.host_copy(checkpointing.rng_state()),
+        info={"wall_s": 1.5, "gen_blocked_s": 0.0, "gen_idle_s": 0.0},
+        buffer_files={"ledger.json": b"{}", "rollouts.arrow": b"arrow"},
+    )
+    writer = checkpointing.Checkpointer(tmp_path, keep_last=2, timeout_s=30, meta={"m": "x"})
+    writer.save(snap)
+    # Training goes on while the writer works: the snapshot holds copies, not views.
+    _step(model, opt, sched, x)
+    expected_rand = torch.rand(3)
+    expected_py = random.random()
+    _step(model, opt, sched, x)
+    assert writer.wait()
+
+    ckpt = step_dir(tmp_path, 3)
+    assert verify(ckpt) == []
+    manifest = read_manifest(ckpt)
+    assert set(manifest.files) == {
+        "learner/model.safetensors",
+        "learner/state.safetensors",
+        "learner/trainer_state.json",
+        "buffer/ledger.json",
+        "buffer/rollouts.arrow",
+    }
+    assert not any(name.endswith((".pt", ".pkl")) for name in manifest.files)  # no pickle
+    assert json.loads((ckpt / "learner/trainer_state.json").read_text())["version"] == 3
+
+    fresh, fresh_opt, fresh_sched = _trainer(1)  # different init: everything must be loaded
+    info = checkpointing.load(ckpt, fresh, fresh_opt, fresh_sched)
+    assert (info["step"], info["version"], info["wall_s"]) == (3, 3, 1.5)
+    _step(fresh, fresh_opt, fresh_sched, x)
+    assert torch.equal(torch.rand(3), expected_rand) and random.random() == expected_py
+    _step(fresh, fresh_opt, fresh_sched, x)
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert fresh_sched.get_last_lr() == sched.get_last_lr()
+
+
+def test_a_writer_error_surfaces_in_the_training_thread(tmp_path):
+    writer = checkpointing.Checkpointer(tmp_path / "missing" / "x", 2, 30, {})
+    (tmp_path / "missing").write_text("a file where a directory should be")
+    snap = checkpointing.Snapshot(
+        1, 1, {}, {"state": {}, "param_groups": []}, None, checkpointing.rng_state(), {}, {}
+    )
+    writer.save(snap)
+    with pytest.raises(OSError):
+        writer.wait()
