@@ -2,7 +2,8 @@
 
 At the barrier after step s-1 (s steps done, version s published) the learner
 
-1. copies model, optimizer, scheduler, RNG and counters into host memory (``snapshot``),
+1. copies model, optimizer, scheduler, RNG and counters into host memory
+   (``take_snapshot``: one ``copy_`` per tensor into reusable staging buffers),
 2. asks the buffer for its snapshot as of step s (``SnapshotBuffer``; the bytes come back
    in the reply),
 3. hands both to ``Checkpointer.save``, which writes them from a thread while training
@@ -58,27 +59,86 @@ _FAULT_DELAY = "VERL_ASYNC_FAULT_CKPT_WRITE_DELAY_S"
 
 @dataclass
 class Snapshot:
-    """Everything one checkpoint holds, in host memory (owned copies, not views)."""
+    """One checkpoint, ready to write: file name -> chunks of bytes (host memory that
+    training no longer touches until the write is done)."""
 
     step: int
     version: int
-    model: dict[str, torch.Tensor]
-    optimizer: dict  # optimizer.state_dict(), tensors copied
-    scheduler: dict | None  # scheduler.state_dict() (plain values)
-    rng: dict  # rng_state()
-    info: dict  # JSON-able counters: wall_s, generator clocks, ...
-    buffer_files: dict[str, bytes]
+    files: dict[str, list]  # relative path -> bytes-like chunks, in writing order
 
 
-def host_copy(obj):
-    """Deep copy with every tensor cloned to CPU memory (so training can go on)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: host_copy(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(host_copy(v) for v in obj)
-    return obj
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+class StagedFile:
+    """A safetensors file laid out once in one reusable host buffer (pinned on CUDA).
+
+    Staging is one ``copy_`` per tensor into its slot; the file is then the header plus
+    the buffer, written and hashed without any serialization step. Tensors go in order of
+    decreasing element size, so every slot is aligned for its dtype with no gaps (the
+    format allows none).
+    """
+
+    def __init__(self, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> None:
+        self.signature = _signature(tensors)
+        header: dict = {"__metadata__": metadata} if metadata else {}
+        offset, spans = 0, {}
+        for name in sorted(tensors, key=lambda n: -tensors[n].element_size()):
+            t = tensors[name]
+            nbytes = t.numel() * t.element_size()
+            header[name] = {
+                "dtype": _SAFETENSORS_DTYPES[t.dtype],
+                "shape": list(t.shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
+            spans[name] = (offset, offset + nbytes)
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.head = len(raw).to_bytes(8, "little") + raw
+        self.data = torch.empty(offset, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        self.slots = {
+            name: self.data[a:b].view(tensors[name].dtype).view(tensors[name].shape)
+            for name, (a, b) in spans.items()
+        }
+
+    def fits(self, tensors: dict[str, torch.Tensor]) -> bool:
+        return _signature(tensors) == self.signature
+
+    def stage(self, tensors: dict[str, torch.Tensor]) -> list:
+        for name, tensor in tensors.items():
+            self.slots[name].copy_(tensor.detach(), non_blocking=True)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return [self.head, memoryview(self.data.numpy())]
+
+
+def _signature(tensors: dict[str, torch.Tensor]) -> dict:
+    return {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
+
+
+class Stager:
+    """Keeps one ``StagedFile`` per file name across checkpoints (rebuilt if shapes change)."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, StagedFile] = {}
+
+    def stage(self, rel: str, tensors: dict[str, torch.Tensor], metadata: dict | None = None):
+        staged = self.files.get(rel)
+        if staged is None or not staged.fits(tensors):
+            staged = self.files[rel] = StagedFile(tensors, metadata)
+        return staged.stage(tensors)
 
 
 def rng_state() -> dict:
@@ -95,23 +155,22 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def split_state(snap: Snapshot) -> tuple[dict[str, torch.Tensor], dict]:
-    """Optimizer and RNG state -> (tensors for safetensors, JSON-able rest)."""
+def split_state(optimizer: dict, rng: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """Optimizer state_dict and RNG state -> (tensors for safetensors, JSON-able rest)."""
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict] = {}
-    for param, entries in snap.optimizer["state"].items():
+    for param, entries in optimizer["state"].items():
         for key, value in entries.items():
             if isinstance(value, torch.Tensor):
                 tensors[f"optim.{param}.{key}"] = value
             else:
                 scalars.setdefault(str(param), {})[key] = value
-    tensors["rng.torch"] = snap.rng["torch"]
-    for i, cuda in enumerate(snap.rng.get("cuda", [])):
+    tensors["rng.torch"] = rng["torch"]
+    for i, cuda in enumerate(rng.get("cuda", [])):
         tensors[f"rng.cuda.{i}"] = cuda
     rest = {
-        "optimizer": {"param_groups": snap.optimizer["param_groups"], "scalars": scalars},
-        "scheduler": snap.scheduler,
-        "python_rng": snap.rng["python"],
+        "optimizer": {"param_groups": optimizer["param_groups"], "scalars": scalars},
+        "python_rng": rng["python"],
     }
     return tensors, rest
 
@@ -134,6 +193,28 @@ def join_state(tensors: dict[str, torch.Tensor], rest: dict) -> tuple[dict, dict
         rng["cuda"] = [t for _, t in sorted(cuda, key=lambda c: c[0])]
     optimizer = {"state": state, "param_groups": rest["optimizer"]["param_groups"]}
     return optimizer, rng
+
+
+def take_snapshot(
+    stager: Stager,
+    step: int,
+    version: int,
+    model: dict[str, torch.Tensor],
+    optimizer: dict,
+    scheduler: dict | None,
+    info: dict,
+    buffer_files: dict[str, bytes],
+) -> Snapshot:
+    """Stage everything into host memory (the part of a checkpoint the step waits for)."""
+    tensors, rest = split_state(optimizer, rng_state())
+    state = {"step": step, "version": version, **info, **rest, "scheduler": scheduler}
+    files = {
+        "learner/model.safetensors": stager.stage("model", model, {"format": "pt"}),
+        "learner/state.safetensors": stager.stage("state", tensors),
+        "learner/trainer_state.json": [json.dumps(state, indent=1).encode()],
+    }
+    files.update({f"buffer/{name}": [data] for name, data in buffer_files.items()})
+    return Snapshot(step, version, files)
 
 
 class Checkpointer:
@@ -195,32 +276,26 @@ class Checkpointer:
         self.last_write_s = time.monotonic() - t0
 
     def write(self, snap: Snapshot) -> None:
-        from safetensors.torch import save
-
         ckpt = step_dir(self.run_dir, snap.step)
         if ckpt.exists():  # an uncommitted write of the same step from before a crash
             shutil.rmtree(ckpt)
-        (ckpt / "learner").mkdir(parents=True)
         hashes: dict[str, FileEntry] = {}
-
-        def put(rel: str, data: bytes) -> None:
-            with open(ckpt / rel, "wb") as f:
-                f.write(data)
+        delay = float(os.environ.get(_FAULT_DELAY, "0"))
+        for rel, chunks in snap.files.items():
+            if delay and rel.startswith("buffer/"):
+                time.sleep(delay)  # fault injection: learner files written, the rest not
+                delay = 0.0
+            path = ckpt / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            digest, size = hashlib.sha256(), 0
+            with open(path, "wb") as f:
+                for chunk in chunks:
+                    f.write(chunk)
+                    digest.update(chunk)
+                    size += len(chunk)
                 f.flush()
                 os.fsync(f.fileno())
-            hashes[rel] = FileEntry(len(data), hashlib.sha256(data).hexdigest())
-
-        tensors, rest = split_state(snap)
-        state = {"step": snap.step, "version": snap.version, **snap.info, **rest}
-        put("learner/model.safetensors", save(snap.model, metadata={"format": "pt"}))
-        put("learner/state.safetensors", save(tensors))
-        put("learner/trainer_state.json", json.dumps(state, indent=1).encode())
-        delay = float(os.environ.get(_FAULT_DELAY, "0"))
-        if delay:
-            time.sleep(delay)
-        (ckpt / "buffer").mkdir()
-        for name, data in snap.buffer_files.items():
-            put(f"buffer/{name}", data)
+            hashes[rel] = FileEntry(size, digest.hexdigest())
         commit(ckpt, snap.step, snap.version, self.meta, hashes)
         removed = prune(self.run_dir, self.keep_last)
         log.info(

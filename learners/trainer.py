@@ -195,6 +195,7 @@ class Learner:
             if main and ck.every_steps
             else None
         )
+        self.stager = checkpointing.Stager()  # staging buffers, reused by every checkpoint
 
     def train(self) -> None:
         resumed = self.restore()
@@ -316,24 +317,25 @@ class Learner:
             return None
         t0 = time.monotonic()
         self.checkpointer.wait()  # the previous write (usually long done)
-        model = checkpointing.host_copy(full_state_dict(self.acc.unwrap_model(self.model)))
-        optimizer = checkpointing.host_copy(self.optimizer.state_dict())
-        scheduler = self.scheduler.state_dict() if self.scheduler else None
-        rng = checkpointing.host_copy(checkpointing.rng_state())
         reply, frames = self.client.request(
             P.SnapshotBuffer(step=self.steps_done, version=self.version)
         )
-        files = {name: P.tensor(ref, frames).tobytes() for name, ref in reply.files.items()}
         info = {
             "wall_s": time.monotonic() - self.t_start,
             "gen_blocked_s": self.gen_clock[0],
             "gen_idle_s": self.gen_clock[1],
         }
-        self.checkpointer.save(
-            checkpointing.Snapshot(
-                self.steps_done, self.version, model, optimizer, scheduler, rng, info, files
-            )
+        snap = checkpointing.take_snapshot(
+            self.stager,
+            self.steps_done,
+            self.version,
+            full_state_dict(self.acc.unwrap_model(self.model)),
+            self.optimizer.state_dict(),
+            self.scheduler.state_dict() if self.scheduler else None,
+            info,
+            {name: P.tensor(ref, frames).tobytes() for name, ref in reply.files.items()},
         )
+        self.checkpointer.save(snap)
         return time.monotonic() - t0
 
     def restore(self) -> bool:

@@ -30,19 +30,20 @@ def test_restore_continues_exactly_where_the_snapshot_was_taken(tmp_path):
     x = torch.randn(16, 4)
     for _ in range(3):
         _step(model, opt, sched, x)
-    snap = checkpointing.Snapshot(
+    snap = checkpointing.take_snapshot(
+        checkpointing.Stager(),
         step=3,
         version=3,
-        model=checkpointing.host_copy(model.state_dict()),
-        optimizer=checkpointing.host_copy(opt.state_dict()),
+        model=model.state_dict(),
+        optimizer=opt.state_dict(),
         scheduler=sched.state_dict(),
-        rng=checkpointing.host_copy(checkpointing.rng_state()),
         info={"wall_s": 1.5, "gen_blocked_s": 0.0, "gen_idle_s": 0.0},
         buffer_files={"ledger.json": b"{}", "rollouts.arrow": b"arrow"},
     )
     writer = checkpointing.Checkpointer(tmp_path, keep_last=2, timeout_s=30, meta={"m": "x"})
     writer.save(snap)
     # Training goes on while the writer works: the snapshot holds copies, not views.
+    # (The step draws no random numbers, so the next draws are the snapshot's.)
     _step(model, opt, sched, x)
     expected_rand = torch.rand(3)
     expected_py = random.random()
@@ -74,11 +75,32 @@ def test_restore_continues_exactly_where_the_snapshot_was_taken(tmp_path):
 
 
 def test_a_writer_error_surfaces_in_the_training_thread(tmp_path):
-    writer = checkpointing.Checkpointer(tmp_path / "missing" / "x", 2, 30, {})
     (tmp_path / "missing").write_text("a file where a directory should be")
-    snap = checkpointing.Snapshot(
-        1, 1, {}, {"state": {}, "param_groups": []}, None, checkpointing.rng_state(), {}, {}
-    )
-    writer.save(snap)
+    writer = checkpointing.Checkpointer(tmp_path / "missing" / "x", 2, 30, {})
+    writer.save(checkpointing.Snapshot(1, 1, {"learner/a.json": [b"{}"]}))
     with pytest.raises(OSError):
         writer.wait()
+
+
+def test_staged_files_are_valid_safetensors_with_every_dtype_aligned(tmp_path):
+    from safetensors.torch import load_file
+
+    tensors = {
+        "a_u8": torch.arange(3, dtype=torch.uint8),
+        "b_f32": torch.randn(2, 3),
+        "c_i64": torch.tensor(7),  # 0-dim
+        "d_bf16": torch.randn(5).to(torch.bfloat16),
+        "e_bool": torch.tensor([True, False]),
+    }
+    stager = checkpointing.Stager()
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(b"".join(bytes(c) for c in stager.stage("x", tensors, {"k": "v"})))
+    back = load_file(path)
+    assert set(back) == set(tensors)
+    for name, t in tensors.items():
+        assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
+    first = stager.files["x"]
+    stager.stage("x", {**tensors, "b_f32": torch.zeros(2, 3)})
+    assert stager.files["x"] is first  # same shapes: the buffer is reused
+    stager.stage("x", {**tensors, "b_f32": torch.zeros(4)})
+    assert stager.files["x"] is not first  # new shapes: laid out again
