@@ -9,9 +9,10 @@ At the barrier after step s-1 (s steps done, version s published) the learner
 3. hands both to ``Checkpointer.save``, which writes them from a thread while training
    goes on, then commits the manifest (verl_async/checkpoint.py) and prunes old ones.
 
-One write is in flight at most: a snapshot that comes due while the previous write is
-still running waits for it (the wait is part of the ``checkpoint_s`` metric). An error
-in the writer is raised in the training thread at the next save or at ``close``.
+Writes commit in step order. Snapshots alternate between two staging slots, so a step
+waits only when a write is still running two checkpoints later (that wait is part of
+``checkpoint_s`` and shown alone as ``checkpoint_wait_s``). An error in a writer is
+raised in the training thread at the next checkpoint or at exit.
 
 Files of ``checkpoints/step_NNNNNNNN/`` (no pickle anywhere: tensors in safetensors,
 everything else in JSON)::
@@ -45,6 +46,7 @@ import random
 import shutil
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -218,45 +220,72 @@ def take_snapshot(
 
 
 class Checkpointer:
-    """Background writer: one checkpoint write in flight at a time."""
+    """Background writer with two staging slots.
+
+    Each write runs on a thread of its own that first waits for the write before it, so
+    checkpoints commit in step order. Snapshots alternate between two ``Stager``s: a new
+    snapshot can be staged while the previous write is still running, and only waits
+    when the write before *that* one (which used the same buffers) is not done yet. So a
+    write that takes up to a whole checkpoint interval costs the step nothing; host
+    memory holds up to two staged copies of model and optimizer state.
+    """
+
+    SLOTS = 2
 
     def __init__(self, run_dir: Path, keep_last: int, timeout_s: float, meta: dict) -> None:
         self.run_dir = run_dir
         self.keep_last = keep_last
         self.timeout_s = timeout_s
         self.meta = meta
-        self.thread: threading.Thread | None = None
+        self.stagers = [Stager() for _ in range(self.SLOTS)]
+        self.writes: deque[threading.Thread] = deque()  # oldest first
+        self.count = 0  # snapshots saved so far
         self.error: BaseException | None = None
         self.last_write_s = 0.0  # duration of the last finished write
 
+    def stager(self) -> Stager:
+        """The staging buffers for the next snapshot, once no write still reads them."""
+        self._settle(self.SLOTS - 1, self.timeout_s)
+        return self.stagers[self.count % self.SLOTS]
+
     def save(self, snap: Snapshot) -> None:
-        self.wait()
-        self.thread = threading.Thread(
-            target=self._run, args=(snap,), name="checkpoint-writer", daemon=True
+        """Queue ``snap`` (staged in ``stager()``'s buffers) behind the writes in flight."""
+        before = self.writes[-1] if self.writes else None
+        thread = threading.Thread(
+            target=self._run, args=(snap, before), name="checkpoint-writer", daemon=True
         )
-        self.thread.start()
+        self.writes.append(thread)
+        self.count += 1
+        thread.start()
 
     def wait(self, timeout_s: float | None = None) -> bool:
-        """Wait for the write in flight; True when none is left. Re-raises a writer error."""
-        if self.thread is not None:
-            self.thread.join(self.timeout_s if timeout_s is None else timeout_s)
-            if self.thread.is_alive():
-                if timeout_s is None:
+        """Wait for every write; True when none is left. Re-raises a writer error."""
+        return self._settle(
+            0, self.timeout_s if timeout_s is None else timeout_s, timeout_s is None
+        )
+
+    def _settle(self, outstanding: int, timeout_s: float, strict: bool = True) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while self.writes and (len(self.writes) > outstanding or not self.writes[0].is_alive()):
+            oldest = self.writes[0]
+            oldest.join(max(deadline - time.monotonic(), 0.0))
+            if oldest.is_alive():
+                if strict:
                     raise TimeoutError(
                         f"checkpoint write not finished after checkpoint.write_timeout_s="
                         f"{self.timeout_s:.0f}s; is the disk full or very slow?"
                     )
                 return False
-            self.thread = None
+            self.writes.popleft()
         if self.error is not None:
             error, self.error = self.error, None
             raise error
         return True
 
     def close(self, grace_s: float) -> None:
-        """At exit: finish the write in flight if it ends within ``grace_s``, else abandon it
-        (no manifest: it never counts, and the next run's prune deletes it)."""
-        if self.thread is None:
+        """At exit: finish the writes in flight if they end within ``grace_s``, else abandon
+        them (no manifest: they never count, and a later prune deletes them)."""
+        if not self.writes:
             return
         if self.wait(grace_s):
             log.info("checkpoint write finished before exit")
@@ -265,14 +294,16 @@ class Checkpointer:
                 "checkpoint write abandoned at exit (not committed; the previous one stands)"
             )
 
-    def _run(self, snap: Snapshot) -> None:
+    def _run(self, snap: Snapshot, before: threading.Thread | None) -> None:
+        if before is not None:
+            before.join()
         t0 = time.monotonic()
         with contextlib.suppress(OSError):  # lowest priority for this thread only
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         try:
             self.write(snap)
-        except BaseException as exc:  # raised in the training thread by wait()
-            self.error = exc
+        except BaseException as exc:  # raised in the training thread by the next settle
+            self.error = self.error or exc
         self.last_write_s = time.monotonic() - t0
 
     def write(self, snap: Snapshot) -> None:

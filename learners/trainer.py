@@ -195,7 +195,7 @@ class Learner:
             if main and ck.every_steps
             else None
         )
-        self.stager = checkpointing.Stager()  # staging buffers, reused by every checkpoint
+        self.checkpoint_wait_s = 0.0  # of the last checkpoint: waiting for a staging slot
 
     def train(self) -> None:
         resumed = self.restore()
@@ -316,7 +316,8 @@ class Learner:
         if self.checkpointer is None or self.steps_done % every:
             return None
         t0 = time.monotonic()
-        self.checkpointer.wait()  # the previous write (usually long done)
+        stager = self.checkpointer.stager()  # waits only if both staging slots are busy
+        self.checkpoint_wait_s = time.monotonic() - t0
         reply, frames = self.client.request(
             P.SnapshotBuffer(step=self.steps_done, version=self.version)
         )
@@ -326,7 +327,7 @@ class Learner:
             "gen_idle_s": self.gen_clock[1],
         }
         snap = checkpointing.take_snapshot(
-            self.stager,
+            stager,
             self.steps_done,
             self.version,
             full_state_dict(self.acc.unwrap_model(self.model)),
@@ -385,6 +386,7 @@ class Learner:
             row["prefill_s"] = round(prefill_s, 4)
         if checkpoint_s is not None:
             row["checkpoint_s"] = round(checkpoint_s, 4)
+            row["checkpoint_wait_s"] = round(self.checkpoint_wait_s, 4)
             row["checkpoint_write_s"] = round(self.checkpointer.last_write_s, 4)  # last finished
         if self.scheduler is not None:
             row["lr"] = self.scheduler.get_last_lr()[0]

@@ -30,8 +30,9 @@ def test_restore_continues_exactly_where_the_snapshot_was_taken(tmp_path):
     x = torch.randn(16, 4)
     for _ in range(3):
         _step(model, opt, sched, x)
+    writer = checkpointing.Checkpointer(tmp_path, keep_last=2, timeout_s=30, meta={"m": "x"})
     snap = checkpointing.take_snapshot(
-        checkpointing.Stager(),
+        writer.stager(),
         step=3,
         version=3,
         model=model.state_dict(),
@@ -40,7 +41,6 @@ def test_restore_continues_exactly_where_the_snapshot_was_taken(tmp_path):
         info={"wall_s": 1.5, "gen_blocked_s": 0.0, "gen_idle_s": 0.0},
         buffer_files={"ledger.json": b"{}", "rollouts.arrow": b"arrow"},
     )
-    writer = checkpointing.Checkpointer(tmp_path, keep_last=2, timeout_s=30, meta={"m": "x"})
     writer.save(snap)
     # Training goes on while the writer works: the snapshot holds copies, not views.
     # (The step draws no random numbers, so the next draws are the snapshot's.)
@@ -80,6 +80,23 @@ def test_a_writer_error_surfaces_in_the_training_thread(tmp_path):
     writer.save(checkpointing.Snapshot(1, 1, {"learner/a.json": [b"{}"]}))
     with pytest.raises(OSError):
         writer.wait()
+
+
+def test_writes_commit_in_order_and_slots_alternate(tmp_path, monkeypatch):
+    monkeypatch.setenv("VERL_ASYNC_FAULT_CKPT_WRITE_DELAY_S", "0.3")
+    writer = checkpointing.Checkpointer(tmp_path, keep_last=5, timeout_s=30, meta={})
+    slots = []
+    for step in (1, 2, 3):
+        stager = writer.stager()
+        slots.append(stager)
+        files = {"learner/x.json": [b"{}"], "buffer/ledger.json": [str(step).encode()]}
+        writer.save(checkpointing.Snapshot(step, step, files))
+        if step == 2:
+            assert len(writer.writes) == 2  # queued behind the first, nobody waited
+    assert slots[0] is slots[2] is not slots[1]
+    assert writer.wait()
+    committed = [read_manifest(step_dir(tmp_path, s)) for s in (1, 2, 3)]
+    assert [m.created_unix for m in committed] == sorted(m.created_unix for m in committed)
 
 
 def test_staged_files_are_valid_safetensors_with_every_dtype_aligned(tmp_path):
