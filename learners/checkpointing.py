@@ -25,10 +25,11 @@ everything else in JSON)::
     buffer/rollouts.arrow
     manifest.json                 written last: the commit
 
-The writer thread runs at the lowest CPU priority (nice 19; Linux nices threads one by
-one), so on a busy machine the write yields to training and generation instead of
-slowing them. Each file is hashed from the bytes in memory as it is written, so the
-commit does not read anything back.
+Each file is hashed from the bytes in memory as it is written, so the commit reads
+nothing back; hashing and writing large buffers release the GIL. The writer runs at
+normal priority on purpose: at nice 19 it was starved on a busy core while holding the
+GIL, which stalled the training thread (a 108 MiB checkpoint every 5 steps cost 13 % of
+step time that way; BENCHMARKS.md).
 
 ``VERL_ASYNC_FAULT_CKPT_WRITE_DELAY_S`` (fault injection, used by the crash tests) makes
 the writer sleep that long after the learner files and before the buffer files and the
@@ -37,7 +38,6 @@ manifest, so a kill can land in the middle of a write.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -298,8 +298,6 @@ class Checkpointer:
         if before is not None:
             before.join()
         t0 = time.monotonic()
-        with contextlib.suppress(OSError):  # lowest priority for this thread only
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         try:
             self.write(snap)
         except BaseException as exc:  # raised in the training thread by the next settle

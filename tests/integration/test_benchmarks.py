@@ -81,7 +81,7 @@ def test_checkpoint(tmp_path):
     assert result["off"]["steps"] == result["every"]["steps"] == 6
     assert "checkpoint_s" not in result["off"]
     assert result["every"]["checkpoint_s"] > 0 and result["every"]["checkpoint_mib"] > 0
-    assert "checkpoint every step" in out
+    assert "checkpoint every 1 step(s)" in out
 
 
 def test_staleness_sweep(tmp_path):
