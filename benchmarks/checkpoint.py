@@ -14,7 +14,11 @@ Per run: median learner step time (wall, what a step costs end to end), median l
 busy time (step minus waiting for a batch), median time the step spent on the
 checkpoint (host snapshot + buffer snapshot + waiting for the previous write), median
 background write time, and the checkpoint size. The first 10 % of steps are warm-up and
-left out; the medians are over the warm steps of all repeats. Overrides (e.g. a larger ``model.tiny.*``) apply to both runs. Ends with one
+left out; the medians are over the warm steps of all repeats. ``--learner-only`` fills
+the buffer with every step's rollouts before the learner starts (trainer.prefill_steps =
+steps, staleness.max = steps - 1), so the learner trains with the generator idle and the
+step times carry no generation noise: the cleanest view of what checkpointing costs the
+learner. Overrides (e.g. a larger ``model.tiny.*``) apply to both runs. Ends with one
 summary line: median step time with / without.
 """
 
@@ -41,6 +45,11 @@ def one_run(name: str, every: int, args) -> tuple[list[dict], Path]:
             f"trainer.total_steps={args.steps}",
             f"checkpoint.every_steps={every}",
             "checkpoint.keep_last=2",
+            *(
+                [f"trainer.prefill_steps={args.steps}", f"staleness.max={args.steps - 1}"]
+                if args.learner_only
+                else []
+            ),
             *args.override,
         ],
     )
@@ -101,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument(
         "--every", type=int, default=1, help="checkpoint.every_steps of the 'every' runs"
+    )
+    ap.add_argument(
+        "--learner-only", action="store_true", help="pre-fill the buffer: no generation noise"
     )
     ap.add_argument("--config", type=Path, default=ROOT / "configs/tiny.yaml")
     ap.add_argument("--out", type=Path, default=ROOT / "runs/ckpt-bench")
