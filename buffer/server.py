@@ -74,6 +74,7 @@ class BufferServer:
         self.dropped_stale_total = 0
         self.admission_blocked = 0
         self.clock = AdmissionClock()
+        self.cuts: dict[int, tuple[LedgerState, list[StoredGroup]]] = {}  # step -> cut
         self.stopping = False  # Shutdown received: answer everyone with stop
         self.terminated = False  # SIGTERM: leave the loop
         self.ctx = zmq.asyncio.Context()
@@ -161,7 +162,10 @@ class BufferServer:
             case P.GetStats():
                 return self.stats(), None
             case P.SnapshotBuffer():
-                return self.snapshot(body.step, body.version)
+                self.take_cut(body.step, body.version)
+                return P.Ack(), None
+            case P.FetchSnapshot():
+                return self.snapshot_files(body.step)
             case P.Shutdown():
                 self.stopping = True
                 return P.Ack(), None
@@ -311,11 +315,16 @@ class BufferServer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def snapshot(self, step: int, version: int) -> tuple[P.BufferState, P.Frames]:
-        """The checkpoint barrier (buffer/snapshot.py): the state as of ``step``, as files.
+    # Cuts kept for FetchSnapshot; the learner has at most two writes in flight, more
+    # means a learner died between the two requests, and the oldest cut is dropped.
+    MAX_CUTS = 4
 
-        Taken in the event loop between two messages, so it is one consistent cut; the
-        bytes go back to the learner, whose writer persists them with its own files.
+    def take_cut(self, step: int, version: int) -> None:
+        """The checkpoint barrier (buffer/snapshot.py): the state as of ``step``.
+
+        Taken in the event loop between two messages, so it is one consistent cut. It only
+        collects references (stored groups are never modified), so it costs the learner a
+        round trip; encoding waits for ``snapshot_files``.
         """
         lg = self.ledger
         handed_out = {t: batch.consumed for t, batch in self.steps.items()}
@@ -336,12 +345,11 @@ class BufferServer:
             gen_blocked_s=blocked_s,
             gen_idle_s=idle_s,
         )
-        frames = P.Frames()
-        as_bytes = lambda data: np.frombuffer(data, np.uint8)  # noqa: E731
-        files = {
-            LEDGER_FILE: frames.add(as_bytes(encode_state(state))),
-            ROLLOUTS_FILE: frames.add(as_bytes(rollouts_to_arrow(stored))),
-        }
+        self.cuts[step] = (state, stored)
+        while len(self.cuts) > self.MAX_CUTS:
+            dropped = min(self.cuts)
+            del self.cuts[dropped]
+            log.warning("snapshot of step %d was never fetched; dropped", dropped)
         log.info(
             "snapshot at step %d: %d groups stored, %d to re-issue, next group %d",
             step,
@@ -349,6 +357,18 @@ class BufferServer:
             len(reissue),
             lg.next_group,
         )
+
+    def snapshot_files(self, step: int) -> tuple[P.BufferState, P.Frames]:
+        """The files of the cut taken at ``step`` (asked for by the learner's writer)."""
+        if step not in self.cuts:
+            raise LedgerError(f"no snapshot was taken at step {step}")
+        state, stored = self.cuts.pop(step)
+        frames = P.Frames()
+        as_bytes = lambda data: np.frombuffer(data, np.uint8)  # noqa: E731
+        files = {
+            LEDGER_FILE: frames.add(as_bytes(encode_state(state))),
+            ROLLOUTS_FILE: frames.add(as_bytes(rollouts_to_arrow(stored))),
+        }
         return P.BufferState(step=step, files=files), frames
 
     def restore(self, ckpt_dir: Path) -> None:

@@ -4,10 +4,12 @@ At the barrier after step s-1 (s steps done, version s published) the learner
 
 1. copies model, optimizer, scheduler, RNG and counters into host memory
    (``take_snapshot``: one ``copy_`` per tensor into reusable staging buffers),
-2. asks the buffer for its snapshot as of step s (``SnapshotBuffer``; the bytes come back
-   in the reply),
-3. hands both to ``Checkpointer.save``, which writes them from a thread while training
-   goes on, then commits the manifest (verl_async/checkpoint.py) and prunes old ones.
+2. has the buffer take its cut as of step s (``SnapshotBuffer``: one round trip, the
+   buffer only collects references),
+3. hands both to ``Checkpointer.save``. A writer thread writes the learner's files while
+   training goes on, then fetches the buffer's files (``FetchSnapshot``: the buffer
+   encodes its cut as Arrow then, in its own process), writes them, commits the manifest
+   (verl_async/checkpoint.py) and prunes old ones.
 
 Writes commit in step order. Snapshots alternate between two staging slots, so a step
 waits only when a write is still running two checkpoints later (that wait is part of
@@ -47,11 +49,13 @@ import shutil
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from verl_async import runtime
 from verl_async.checkpoint import FileEntry, commit, prune, step_dir
 
 log = logging.getLogger("verl_async.learner")
@@ -67,6 +71,9 @@ class Snapshot:
     step: int
     version: int
     files: dict[str, list]  # relative path -> bytes-like chunks, in writing order
+    # More files, produced on the writer thread after ``files`` are written (the buffer's,
+    # fetched from the buffer process so that encoding them costs the step nothing).
+    deferred: Callable[[], dict[str, bytes]] | None = None
 
 
 _SAFETENSORS_DTYPES = {
@@ -205,9 +212,11 @@ def take_snapshot(
     optimizer: dict,
     scheduler: dict | None,
     info: dict,
-    buffer_files: dict[str, bytes],
+    buffer_files: dict[str, bytes] | Callable[[], dict[str, bytes]],
 ) -> Snapshot:
-    """Stage everything into host memory (the part of a checkpoint the step waits for)."""
+    """Stage everything into host memory (the part of a checkpoint the step waits for).
+
+    ``buffer_files`` are the buffer's files, or a function the writer calls for them."""
     tensors, rest = split_state(optimizer, rng_state())
     state = {"step": step, "version": version, **info, **rest, "scheduler": scheduler}
     files = {
@@ -215,8 +224,14 @@ def take_snapshot(
         "learner/state.safetensors": stager.stage("state", tensors),
         "learner/trainer_state.json": [json.dumps(state, indent=1).encode()],
     }
-    files.update({f"buffer/{name}": [data] for name, data in buffer_files.items()})
+    if callable(buffer_files):
+        return Snapshot(step, version, files, lambda: _prefixed(buffer_files()))
+    files.update(_prefixed(buffer_files))
     return Snapshot(step, version, files)
+
+
+def _prefixed(buffer_files: dict[str, bytes]) -> dict[str, list]:
+    return {f"buffer/{name}": [data] for name, data in buffer_files.items()}
 
 
 class Checkpointer:
@@ -295,6 +310,7 @@ class Checkpointer:
             )
 
     def _run(self, snap: Snapshot, before: threading.Thread | None) -> None:
+        runtime.unpin_this_thread()
         if before is not None:
             before.join()
         t0 = time.monotonic()
@@ -309,11 +325,23 @@ class Checkpointer:
         if ckpt.exists():  # an uncommitted write of the same step from before a crash
             shutil.rmtree(ckpt)
         hashes: dict[str, FileEntry] = {}
+        self._write_files(ckpt, snap.files, hashes)
         delay = float(os.environ.get(_FAULT_DELAY, "0"))
-        for rel, chunks in snap.files.items():
-            if delay and rel.startswith("buffer/"):
-                time.sleep(delay)  # fault injection: learner files written, the rest not
-                delay = 0.0
+        if delay:
+            time.sleep(delay)  # fault injection: learner files written, the rest not
+        if snap.deferred is not None:
+            self._write_files(ckpt, snap.deferred(), hashes)
+        commit(ckpt, snap.step, snap.version, self.meta, hashes)
+        removed = prune(self.run_dir, self.keep_last)
+        log.info(
+            "checkpoint step %d committed%s",
+            snap.step,
+            f"; pruned {', '.join(p.name for p in removed)}" if removed else "",
+        )
+
+    @staticmethod
+    def _write_files(ckpt: Path, files: dict[str, list], hashes: dict[str, FileEntry]) -> None:
+        for rel, chunks in files.items():
             path = ckpt / rel
             path.parent.mkdir(parents=True, exist_ok=True)
             digest, size = hashlib.sha256(), 0
@@ -325,13 +353,6 @@ class Checkpointer:
                 f.flush()
                 os.fsync(f.fileno())
             hashes[rel] = FileEntry(size, digest.hexdigest())
-        commit(ckpt, snap.step, snap.version, self.meta, hashes)
-        removed = prune(self.run_dir, self.keep_last)
-        log.info(
-            "checkpoint step %d committed%s",
-            snap.step,
-            f"; pruned {', '.join(p.name for p in removed)}" if removed else "",
-        )
 
 
 def load(ckpt: Path, model: torch.nn.Module, optimizer, scheduler) -> dict:

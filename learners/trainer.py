@@ -212,6 +212,7 @@ class Learner:
                 stats = self.update(batch, advantages)
                 sync_s = self.publish_weights()
                 self.steps_done = step + 1
+                self.record_trail(step, batch)
                 ckpt_s = self.checkpoint()
                 step_s = time.monotonic() - t0
                 self.log_metrics(step, batch, stats, sync_s, step_s, prefill_s, ckpt_s)
@@ -318,9 +319,8 @@ class Learner:
         t0 = time.monotonic()
         stager = self.checkpointer.stager()  # waits only if both staging slots are busy
         self.checkpoint_wait_s = time.monotonic() - t0
-        reply, frames = self.client.request(
-            P.SnapshotBuffer(step=self.steps_done, version=self.version)
-        )
+        step = self.steps_done
+        self.client.request(P.SnapshotBuffer(step=step, version=self.version))  # the cut
         info = {
             "wall_s": time.monotonic() - self.t_start,
             "gen_blocked_s": self.gen_clock[0],
@@ -328,13 +328,15 @@ class Learner:
         }
         snap = checkpointing.take_snapshot(
             stager,
-            self.steps_done,
+            step,
             self.version,
             full_state_dict(self.acc.unwrap_model(self.model)),
             self.optimizer.state_dict(),
             self.scheduler.state_dict() if self.scheduler else None,
             info,
-            {name: P.tensor(ref, frames).tobytes() for name, ref in reply.files.items()},
+            lambda: fetch_buffer_files(
+                self.ctx.endpoints.buffer, self.cfg.buffer.request_timeout_s, step
+            ),
         )
         self.checkpointer.save(snap)
         return time.monotonic() - t0
@@ -391,14 +393,6 @@ class Learner:
         if self.scheduler is not None:
             row["lr"] = self.scheduler.get_last_lr()[0]
         self.metrics.write(row)
-        # The audit trail: which groups (prompt index) and samples (digest) this step used.
-        trail = {
-            "step": step,
-            "version": self.version,
-            "groups": [list(p) for p in zip(batch.group_ids, batch.group_prompts, strict=True)],
-            "samples": batch.sample_digests,
-        }
-        self.trail.write(json.dumps(trail) + "\n")
         if (step + 1) % self.cfg.trainer.log_every == 0:
             log.info(
                 "step %d reward %.3f staleness max %d",
@@ -406,6 +400,21 @@ class Learner:
                 row["reward_mean"],
                 row["staleness_max"],
             )
+
+    def record_trail(self, step: int, batch: TrainBatch) -> None:
+        """The audit trail: which groups (prompt index) and samples (digest) a step used.
+
+        Written before the step's checkpoint snapshot, so a committed checkpoint of step
+        count s always has the trail lines of steps < s on disk."""
+        if self.trail is None:
+            return
+        trail = {
+            "step": step,
+            "version": self.version,
+            "groups": [list(p) for p in zip(batch.group_ids, batch.group_prompts, strict=True)],
+            "samples": batch.sample_digests,
+        }
+        self.trail.write(json.dumps(trail) + "\n")
 
     def finish(self) -> None:
         if self.broadcast is not None:
@@ -418,6 +427,17 @@ class Learner:
             self.metrics.close()
             self.trail.close()
         self.client.close()
+
+
+def fetch_buffer_files(endpoint: str, timeout_s: float, step: int) -> dict[str, bytes]:
+    """The buffer's files of the cut taken at ``step`` (on the checkpoint writer's thread,
+    with a socket of its own: the buffer encodes them while training goes on)."""
+    client = BufferClient(endpoint, timeout_s)
+    try:
+        reply, frames = client.request(P.FetchSnapshot(step=step))
+    finally:
+        client.close()
+    return {name: P.tensor(ref, frames).tobytes() for name, ref in reply.files.items()}
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

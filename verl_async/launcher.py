@@ -31,7 +31,7 @@ import msgspec
 
 from verl_async.checkpoint import MANIFEST, list_checkpoints, newest_valid
 from verl_async.config import ConfigError, RunConfig, load_config, to_yaml
-from verl_async.metrics import read_metrics
+from verl_async.metrics import complete_lines, read_metrics
 from verl_async.runtime import Endpoints, device_env, free_port, write_endpoints
 
 
@@ -106,8 +106,7 @@ def truncate_steps(path: Path, step: int) -> None:
     """Keep the lines of steps < ``step`` (atomically: a crash leaves old or new file)."""
     if not path.is_file():
         return
-    keep = [line for line in path.read_text().splitlines(keepends=True) if line.strip()]
-    keep = [line for line in keep if json.loads(line)["step"] < step]
+    keep = [line for line in complete_lines(path.read_text()) if json.loads(line)["step"] < step]
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(keep))
     os.replace(tmp, path)

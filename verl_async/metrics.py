@@ -52,7 +52,16 @@ class MetricsWriter:
             self.tb.close()
 
 
+def complete_lines(text: str) -> list[str]:
+    """The lines of a JSONL file that were written whole (with their newline).
+
+    A reader can race the writer, and a process killed mid-write leaves a torn last
+    line; neither is a row yet.
+    """
+    return [line for line in text.splitlines(keepends=True) if line.endswith("\n") and line.strip()]
+
+
 def read_metrics(path: Path) -> list[dict]:
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in complete_lines(path.read_text())]

@@ -136,11 +136,18 @@ class GetStats(_Msg):
 
 class SnapshotBuffer(_Msg):
     """Checkpoint barrier: ``step`` learner steps are done and version ``version`` is
-    published. The buffer snapshots its state as of step ``step`` (groups already handed
-    out for steps >= ``step`` go back into the snapshot) and replies with the files."""
+    published. The buffer takes its cut as of step ``step`` now (groups already handed
+    out for steps >= ``step`` go back into it) and replies ``Ack``; the files are encoded
+    only when ``FetchSnapshot`` asks for them, off the learner's critical path."""
 
     step: int
     version: int
+
+
+class FetchSnapshot(_Msg):
+    """The files of the cut taken at ``SnapshotBuffer(step)``; reply ``BufferState``."""
+
+    step: int
 
 
 class Shutdown(_Msg):
@@ -223,6 +230,7 @@ Body = Union[  # noqa: UP007 (msgspec needs a runtime Union of tagged Structs)
     AnnounceWeights,
     GetStats,
     SnapshotBuffer,
+    FetchSnapshot,
     Shutdown,
     Prompts,
     Ack,

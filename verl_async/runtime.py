@@ -97,18 +97,35 @@ def device_env(device: str) -> dict[str, str]:
     return env
 
 
+_UNPINNED: set[int] | None = None  # the cores this process could use before pinning
+
+
 def apply_cpu_pinning() -> None:
     """Pin this process to the cores the launcher chose (``cpu:N`` placement)."""
+    global _UNPINNED
     cores = os.environ.get("VERL_ASYNC_CPU_CORES")
     if cores is None:
         return
     wanted = {int(c) for c in cores.split(",")}
     available = os.sched_getaffinity(0)
     if wanted <= available:
+        _UNPINNED = available
         os.sched_setaffinity(0, wanted)
         import torch
 
         torch.set_num_threads(len(wanted))
+
+
+def unpin_this_thread() -> None:
+    """Let the calling thread run on any core the process had before pinning.
+
+    For background I/O threads (the checkpoint writer): the placement pins the role's
+    compute, and a writer confined to the compute core takes its CPU time out of the
+    step; unpinned, the kernel runs it on whichever core is idle. Linux applies
+    ``sched_setaffinity(0, ...)`` to the calling thread only.
+    """
+    if _UNPINNED is not None:
+        os.sched_setaffinity(0, _UNPINNED)
 
 
 def start_role(name: str, description: str, with_index: bool = False) -> argparse.Namespace:

@@ -89,3 +89,49 @@ def test_malformed_messages_get_errors_and_server_keeps_serving(buffer_proc):
     assert stats.issued == 2 and stats.returned == 1 and stats.dropped_stale == 0
     assert proc.poll() is None
     client.close()
+
+
+def test_snapshot_cut_is_taken_at_the_barrier_and_encoded_when_fetched(buffer_proc):
+    from buffer.snapshot import LEDGER_FILE, ROLLOUTS_FILE, decode_state, rollouts_from_arrow
+
+    endpoint, proc = buffer_proc
+    learner = BufferClient(endpoint, timeout_s=20)
+    writer = BufferClient(endpoint, timeout_s=20)  # the checkpoint writer's own socket
+    reply, _ = learner.request(P.GetPrompts(generator_id=0, loaded_version=0, max_groups=8))
+    assert [g.group_id for g in reply.groups] == [0, 1]
+
+    def rollout(group_id: int, reward: float):
+        frames = P.Frames()
+        g = P.RolloutGroup(
+            group_id=group_id,
+            prompt_id=reply.groups[group_id].prompt_id,
+            generator_id=0,
+            prompt_ids=frames.add(np.array([1, 2], np.int32)),
+            response_ids=frames.add(np.array([5, 6, 7], np.int32)),
+            behav_logprobs=frames.add(np.array([-0.1, -0.2, -0.3], np.float32)),
+            token_versions=frames.add(np.zeros(3, np.int32)),
+            lengths=[3],
+            rewards=[reward],
+            gen_seconds=0.0,
+        )
+        return P.PushRollouts(groups=[g]), frames
+
+    learner.request(*rollout(0, 1.0))
+    ack, _ = learner.request(P.SnapshotBuffer(step=0, version=0))
+    assert isinstance(ack, P.Ack)
+    learner.request(*rollout(1, 0.0))  # after the cut: not in this snapshot
+
+    state, frames = writer.request(P.FetchSnapshot(step=0))
+    files = {name: P.tensor(ref, frames).tobytes() for name, ref in state.files.items()}
+    ledger = decode_state(files[LEDGER_FILE])
+    stored = rollouts_from_arrow(files[ROLLOUTS_FILE])
+    assert [g.group_id for g in stored] == [0] and stored[0].rewards == [1.0]
+    assert stored[0].responses[0].tolist() == [5, 6, 7]
+    assert ledger.reissue == [1] and ledger.next_group == 2 and ledger.stored_groups == 1
+
+    with pytest.raises(BufferRejected, match="no snapshot was taken at step 0"):
+        writer.request(P.FetchSnapshot(step=0))  # a cut is fetched once
+    stats, _ = learner.request(P.GetStats())
+    assert stats.returned == 2 and proc.poll() is None
+    learner.close()
+    writer.close()

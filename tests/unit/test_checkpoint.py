@@ -1,5 +1,6 @@
 """Checkpoint manifests: commit last, verify every byte, fall back past a damaged one."""
 
+import json
 import logging
 
 import pytest
@@ -14,6 +15,8 @@ from verl_async.checkpoint import (
     step_dir,
     verify,
 )
+from verl_async.launcher import truncate_steps
+from verl_async.metrics import read_metrics
 
 
 def _write(run_dir, step, payload=b"weights"):
@@ -79,3 +82,14 @@ def test_prune_keeps_the_newest_and_drops_abandoned_writes(tmp_path, keep):
     prune(tmp_path, keep)
     names = [p.name for p in list_checkpoints(tmp_path)]
     assert names == [f"step_{s:08d}" for s in [2, 3, 4][-keep:]] + ["step_00000005"]
+
+
+def test_jsonl_readers_skip_a_torn_last_line(tmp_path):
+    # A reader racing the learner, or a learner killed mid-write, sees half a line.
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": s, "loss": 0.5} for s in range(4)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "lo')
+    assert read_metrics(path) == rows
+    truncate_steps(path, 3)
+    assert path.read_text() == "".join(json.dumps(r) + "\n" for r in rows[:3])
+    assert read_metrics(path) == rows[:3]
