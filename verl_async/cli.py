@@ -13,6 +13,7 @@ reported in a fraction of a second and ``--help`` is instant.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 
@@ -86,6 +87,20 @@ def _run(parser: argparse.ArgumentParser, args, extra: list[str]) -> int:
     return _train(cfg, args.resume or args.run_dir, resume=args.resume is not None)
 
 
+def _interrupt_on_signals() -> None:
+    """Ctrl-C (SIGINT) and SIGTERM (a scheduler preempting the job) both stop the run
+    cleanly: the launcher raises KeyboardInterrupt, lets the learner finish a checkpoint
+    write in progress, then stops every process. Set explicitly, because a shell that
+    starts the command in the background leaves SIGINT ignored, and Python then installs
+    no handler of its own."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def _train(cfg, run_dir: str | None, resume: bool) -> int:
     from rich.console import Console
 
@@ -93,6 +108,7 @@ def _train(cfg, run_dir: str | None, resume: bool) -> int:
     from verl_async.launcher import RoleFailed, train
 
     console = Console(stderr=True)
+    _interrupt_on_signals()
     try:
         train(cfg, run_dir, console, resume=resume)
     except ConfigError as exc:

@@ -228,7 +228,8 @@ def test_every_prompt_is_trained_exactly_once_across_three_crashes(crashed_and_r
     )
 
 
-def test_ctrl_c_finishes_the_checkpoint_write_in_progress_then_exits(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_finishes_the_checkpoint_write_in_progress_then_exits(tmp_path, sig):
     data = tmp_path / "prompts.jsonl"
     lines = (ROOT / "configs/data/max_digit.jsonl").read_text().splitlines()[: B * STEPS]
     data.write_text("\n".join(lines) + "\n")
@@ -243,7 +244,7 @@ def test_ctrl_c_finishes_the_checkpoint_write_in_progress_then_exits(tmp_path):
         assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint write began"
         time.sleep(0.01)
     assert not (ckpt3 / MANIFEST).exists()
-    proc.send_signal(signal.SIGINT)  # what Ctrl-C in the terminal sends to the launcher
+    proc.send_signal(sig)  # Ctrl-C in the terminal, or a scheduler preempting the job
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-3000:]
     assert "resume with: verl-async train CONFIG --resume" in err
