@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 
 from verl_async import runtime
-from verl_async.checkpoint import FileEntry, commit, prune, step_dir
+from verl_async.checkpoint import FileEntry, commit, fsync_dir, prune, step_dir
 
 log = logging.getLogger("verl_async.learner")
 
@@ -73,7 +73,7 @@ class Snapshot:
     files: dict[str, list]  # relative path -> bytes-like chunks, in writing order
     # More files, produced on the writer thread after ``files`` are written (the buffer's,
     # fetched from the buffer process so that encoding them costs the step nothing).
-    deferred: Callable[[], dict[str, bytes]] | None = None
+    deferred: Callable[[], dict[str, list]] | None = None
 
 
 _SAFETENSORS_DTYPES = {
@@ -212,11 +212,11 @@ def take_snapshot(
     optimizer: dict,
     scheduler: dict | None,
     info: dict,
-    buffer_files: dict[str, bytes] | Callable[[], dict[str, bytes]],
+    buffer_files: Callable[[], dict[str, bytes]],
 ) -> Snapshot:
     """Stage everything into host memory (the part of a checkpoint the step waits for).
 
-    ``buffer_files`` are the buffer's files, or a function the writer calls for them."""
+    ``buffer_files`` returns the buffer's files; the writer thread calls it."""
     tensors, rest = split_state(optimizer, rng_state())
     state = {"step": step, "version": version, **info, **rest, "scheduler": scheduler}
     files = {
@@ -224,14 +224,12 @@ def take_snapshot(
         "learner/state.safetensors": stager.stage("state", tensors),
         "learner/trainer_state.json": [json.dumps(state, indent=1).encode()],
     }
-    if callable(buffer_files):
-        return Snapshot(step, version, files, lambda: _prefixed(buffer_files()))
-    files.update(_prefixed(buffer_files))
-    return Snapshot(step, version, files)
-
-
-def _prefixed(buffer_files: dict[str, bytes]) -> dict[str, list]:
-    return {f"buffer/{name}": [data] for name, data in buffer_files.items()}
+    return Snapshot(
+        step,
+        version,
+        files,
+        lambda: {f"buffer/{name}": [data] for name, data in buffer_files().items()},
+    )
 
 
 class Checkpointer:
@@ -364,11 +362,7 @@ def _make_durable(paths: list[Path]) -> None:
         with open(path, "rb") as f:
             os.fsync(f.fileno())
     for directory in sorted({p.parent for p in paths}):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_dir(directory)
 
 
 def load(ckpt: Path, model: torch.nn.Module, optimizer, scheduler) -> dict:

@@ -63,7 +63,7 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -110,7 +110,7 @@ def commit(
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, ckpt / MANIFEST)
-    _fsync_dir(ckpt)
+    fsync_dir(ckpt)
     return manifest
 
 

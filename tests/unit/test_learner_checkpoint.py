@@ -39,7 +39,7 @@ def test_restore_continues_exactly_where_the_snapshot_was_taken(tmp_path):
         optimizer=opt.state_dict(),
         scheduler=sched.state_dict(),
         info={"wall_s": 1.5, "gen_blocked_s": 0.0, "gen_idle_s": 0.0},
-        buffer_files={"ledger.json": b"{}", "rollouts.arrow": b"arrow"},
+        buffer_files=lambda: {"ledger.json": b"{}", "rollouts.arrow": b"arrow"},
     )
     writer.save(snap)
     # Training goes on while the writer works: the snapshot holds copies, not views.
