@@ -3,8 +3,9 @@
     python benchmarks/checkpoint.py [--steps 200] [--repeats 2] [--every 1]
                                     [--out runs/ckpt-bench] [override ...]
 
-Real ``verl-async train configs/tiny.yaml`` runs, equal steps, alternating
-(off, every, off, every, ...) so that drift of a shared machine hits both alike:
+Real ``verl-async train configs/tiny.yaml`` runs, equal steps, in pairs ordered
+(off, every), (every, off), (off, every), ... so that a machine drifting in speed during
+the invocation hits both settings alike:
 
   off    checkpoint.every_steps=0
   every  checkpoint.every_steps=N (--every; default 1: a snapshot at every barrier, the
@@ -14,7 +15,9 @@ Per run: median learner step time (wall, what a step costs end to end), median l
 busy time (step minus waiting for a batch), median time the step spent on the
 checkpoint (host snapshot + buffer snapshot + waiting for the previous write), median
 background write time, and the checkpoint size. The first 10 % of steps are warm-up and
-left out; the medians are over the warm steps of all repeats. ``--learner-only`` fills
+left out; the medians are over the warm steps of all repeats. Each pair also gives a
+ratio of its two run medians; the median of those is robust to drift between pairs.
+``--learner-only`` fills
 the buffer with every step's rollouts before the learner starts (trainer.prefill_steps =
 steps, staleness.max = steps - 1), so the learner trains with the generator idle and the
 step times carry no generation noise: the cleanest view of what checkpointing costs the
@@ -64,6 +67,10 @@ def summarize(runs: list[tuple[list[dict], Path]], every: int) -> dict:
         "runs": len(runs),
         "steps": len(runs[0][0]),
         "step_s": med("step_s"),
+        "run_step_s": [
+            statistics.median(r["step_s"] for r in rows[int(len(rows) * WARM) :])
+            for rows, _ in runs
+        ],
         "busy_s": statistics.median(r["step_s"] - r["learner_wait_s"] for r in warm),
         "samples_per_s": statistics.mean(
             sum(r["samples"] for r in rows) / rows[-1]["wall_s"] for rows, _ in runs
@@ -80,8 +87,15 @@ def summarize(runs: list[tuple[list[dict], Path]], every: int) -> dict:
     return out
 
 
+def pair_ratios(off: dict, on: dict) -> list[float]:
+    """Per pair of runs (run i of each setting, back to back): with / without median step."""
+    return [b / a for a, b in zip(off["run_step_s"], on["run_step_s"], strict=True)]
+
+
 def report(off: dict, on: dict) -> str:
     ms = lambda s: f"{s * 1000:.1f}"  # noqa: E731
+    runs = lambda d: ", ".join(ms(x) for x in d["run_step_s"])  # noqa: E731
+    pairs = pair_ratios(off, on)
     return "\n".join(
         [
             f"machine: {machine()}",
@@ -90,6 +104,8 @@ def report(off: dict, on: dict) -> str:
             "|---|---|---|---|",
             f"| median step, ms | {ms(off['step_s'])} | {ms(on['step_s'])} "
             f"| {on['step_s'] / off['step_s']:.3f}× |",
+            f"| per-run median step, ms (pair ratios) | {runs(off)} | {runs(on)} "
+            f"| {', '.join(f'{x:.3f}' for x in pairs)}; median {statistics.median(pairs):.3f}× |",
             f"| median learner busy (step − batch wait), ms | {ms(off['busy_s'])} | "
             f"{ms(on['busy_s'])} | {on['busy_s'] / off['busy_s']:.3f}× |",
             f"| samples/s | {off['samples_per_s']:.0f} | {on['samples_per_s']:.0f} "
@@ -122,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
     runs: dict[int, list] = {0: [], args.every: []}
     for i in range(args.repeats):
-        for every in (0, args.every):
+        for every in (0, args.every) if i % 2 == 0 else (args.every, 0):
             runs[every].append(one_run(f"{'every' if every else 'off'}{i}", every, args))
     off, on = summarize(runs[0], 0), summarize(runs[args.every], args.every)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -130,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     print(report(off, on))
     print(
         f"summary: checkpointing every {args.every} step(s): median step "
-        f"{on['step_s'] / off['step_s']:.3f}x without; a checkpoint step spends "
+        f"{on['step_s'] / off['step_s']:.3f}x without (median pair ratio "
+        f"{statistics.median(pair_ratios(off, on)):.3f}x); a checkpoint step spends "
         f"{on['checkpoint_s'] / off['step_s']:.1%} of a step in the snapshot"
     )
     return 0

@@ -9,7 +9,8 @@ At the barrier after step s-1 (s steps done, version s published) the learner
 3. hands both to ``Checkpointer.save``. A writer thread writes the learner's files while
    training goes on, then fetches the buffer's files (``FetchSnapshot``: the buffer
    encodes its cut as Arrow then, in its own process), writes them, commits the manifest
-   (verl_async/checkpoint.py) and prunes old ones.
+   (verl_async/checkpoint.py) and prunes old ones. The first one pruned is kept as the
+   spare, and the next write overwrites its files in place instead of creating new ones.
 
 Writes commit in step order. Snapshots alternate between two staging slots, so a step
 waits only when a write is still running two checkpoints later (that wait is part of
@@ -56,7 +57,7 @@ from pathlib import Path
 import torch
 
 from verl_async import runtime
-from verl_async.checkpoint import FileEntry, commit, fsync_dir, prune, step_dir
+from verl_async.checkpoint import FileEntry, commit, fsync_dir, prune, step_dir, take_spare
 
 log = logging.getLogger("verl_async.learner")
 
@@ -255,6 +256,7 @@ class Checkpointer:
         self.count = 0  # snapshots saved so far
         self.error: BaseException | None = None
         self.last_write_s = 0.0  # duration of the last finished write
+        self.last_write_cpu_s = 0.0  # CPU time the writer thread used for it
 
     def stager(self) -> Stager:
         """The staging buffers for the next snapshot, once no write still reads them."""
@@ -311,17 +313,19 @@ class Checkpointer:
         runtime.unpin_this_thread()
         if before is not None:
             before.join()
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), time.thread_time()
         try:
             self.write(snap)
         except BaseException as exc:  # raised in the training thread by the next settle
             self.error = self.error or exc
         self.last_write_s = time.monotonic() - t0
+        self.last_write_cpu_s = time.thread_time() - cpu0
 
     def write(self, snap: Snapshot) -> None:
         ckpt = step_dir(self.run_dir, snap.step)
         if ckpt.exists():  # an uncommitted write of the same step from before a crash
             shutil.rmtree(ckpt)
+        take_spare(self.run_dir, ckpt)  # a retired checkpoint's files, overwritten in place
         hashes: dict[str, FileEntry] = {}
         self._write_files(ckpt, snap.files, hashes)
         delay = float(os.environ.get(_FAULT_DELAY, "0"))
@@ -329,9 +333,10 @@ class Checkpointer:
             time.sleep(delay)  # fault injection: learner files written, the rest not
         if snap.deferred is not None:
             self._write_files(ckpt, snap.deferred(), hashes)
+        _remove_strays(ckpt, hashes)
         _make_durable([ckpt / rel for rel in hashes])
         commit(ckpt, snap.step, snap.version, self.meta, hashes)
-        removed = prune(self.run_dir, self.keep_last)
+        removed = prune(self.run_dir, self.keep_last, recycle=True)
         log.info(
             "checkpoint step %d committed%s",
             snap.step,
@@ -344,12 +349,22 @@ class Checkpointer:
             path = ckpt / rel
             path.parent.mkdir(parents=True, exist_ok=True)
             digest, size = hashlib.sha256(), 0
-            with open(path, "wb") as f:
+            # No O_TRUNC: a file of the spare keeps its blocks and is overwritten in place,
+            # then cut to length.
+            with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644), "wb") as f:
                 for chunk in chunks:
                     f.write(chunk)
                     digest.update(chunk)
                     size += len(chunk)
+                f.truncate()
             hashes[rel] = FileEntry(size, digest.hexdigest())
+
+
+def _remove_strays(ckpt: Path, hashes: dict[str, FileEntry]) -> None:
+    """Files a recycled directory held that this checkpoint did not write."""
+    for path in ckpt.rglob("*"):
+        if path.is_file() and str(path.relative_to(ckpt)) not in hashes:
+            path.unlink()
 
 
 def _make_durable(paths: list[Path]) -> None:

@@ -390,6 +390,7 @@ class Learner:
             row["checkpoint_s"] = round(checkpoint_s, 4)
             row["checkpoint_wait_s"] = round(self.checkpoint_wait_s, 4)
             row["checkpoint_write_s"] = round(self.checkpointer.last_write_s, 4)  # last finished
+            row["checkpoint_write_cpu_s"] = round(self.checkpointer.last_write_cpu_s, 4)
         if self.scheduler is not None:
             row["lr"] = self.scheduler.get_last_lr()[0]
         self.metrics.write(row)

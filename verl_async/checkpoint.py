@@ -11,6 +11,12 @@ temporary name, flushed to disk and renamed into place (``os.replace`` is atomic
 so a crash leaves either no manifest or a complete one. ``verify`` re-hashes every file:
 a truncated or altered file is reported, and ``newest_valid`` then falls back to the next
 older checkpoint with a log line saying why.
+
+``<run_dir>/checkpoints/spare/`` (when the learner prunes) is a retired checkpoint kept for
+its files: its manifest is deleted first, so it is never a checkpoint, and the next write
+renames it into place and overwrites its files where they lie. Overwriting allocated files
+costs the file system less than creating and deleting a set of files per checkpoint
+(BENCHMARKS.md section 6).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import msgspec
 log = logging.getLogger("verl_async.checkpoint")
 
 MANIFEST = "manifest.json"
+SPARE = "spare"
 _PREFIX = "step_"
 
 
@@ -53,6 +60,10 @@ def checkpoints_root(run_dir: str | Path) -> Path:
 
 def step_dir(run_dir: str | Path, step: int) -> Path:
     return checkpoints_root(run_dir) / f"{_PREFIX}{step:08d}"
+
+
+def spare_dir(run_dir: str | Path) -> Path:
+    return checkpoints_root(run_dir) / SPARE
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -111,6 +122,7 @@ def commit(
         os.fsync(f.fileno())
     os.replace(tmp, ckpt / MANIFEST)
     fsync_dir(ckpt)
+    fsync_dir(ckpt.parent)  # the checkpoint's own directory entry
     return manifest
 
 
@@ -166,9 +178,12 @@ def newest_valid(run_dir: str | Path, report=None) -> tuple[Path, Manifest] | No
     return None
 
 
-def prune(run_dir: str | Path, keep_last: int) -> list[Path]:
+def prune(run_dir: str | Path, keep_last: int, recycle: bool = False) -> list[Path]:
     """Delete all but the newest ``keep_last`` committed checkpoints, and uncommitted
-    directories older than the newest committed one (abandoned writes). Returns what went."""
+    directories older than the newest committed one (abandoned writes). Returns what went.
+
+    ``recycle``: the first committed checkpoint to go becomes the spare (``retire``) instead
+    of being deleted, unless there is one already."""
     dirs = list_checkpoints(run_dir)
     committed = [d for d in dirs if (d / MANIFEST).is_file()]
     keep = set(committed[-keep_last:]) if keep_last > 0 else set(committed)
@@ -178,6 +193,26 @@ def prune(run_dir: str | Path, keep_last: int) -> list[Path]:
         is_committed = d in committed
         abandoned = not is_committed and newest is not None and d < newest
         if (is_committed and d not in keep) or abandoned:
-            shutil.rmtree(d, ignore_errors=True)
+            if recycle and is_committed and not spare_dir(run_dir).exists():
+                retire(d)
+            else:
+                shutil.rmtree(d, ignore_errors=True)
             removed.append(d)
     return removed
+
+
+def retire(ckpt: Path) -> None:
+    """Turn a committed checkpoint into the spare: its manifest goes first, durably, so the
+    files can never again pass for a checkpoint, whatever happens to them next."""
+    (ckpt / MANIFEST).unlink()
+    fsync_dir(ckpt)
+    os.rename(ckpt, ckpt.parent / SPARE)
+
+
+def take_spare(run_dir: str | Path, ckpt: Path) -> bool:
+    """Rename the spare to ``ckpt`` (to be overwritten in place); False if there is none."""
+    try:
+        os.rename(spare_dir(run_dir), ckpt)
+    except FileNotFoundError:
+        return False
+    return True

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from learners import checkpointing
-from verl_async.checkpoint import read_manifest, step_dir, verify
+from verl_async.checkpoint import list_checkpoints, read_manifest, step_dir, verify
 
 
 def _trainer(seed: int):
@@ -97,6 +97,37 @@ def test_writes_commit_in_order_and_slots_alternate(tmp_path, monkeypatch):
     assert writer.wait()
     committed = [read_manifest(step_dir(tmp_path, s)) for s in (1, 2, 3)]
     assert [m.created_unix for m in committed] == sorted(m.created_unix for m in committed)
+
+
+def test_pruned_checkpoint_is_recycled_in_place_and_never_passes_for_one(tmp_path):
+    writer = checkpointing.Checkpointer(tmp_path, keep_last=2, timeout_s=30, meta={})
+    inodes = {}
+    for step in range(1, 6):
+        writer.stager()
+        files = {
+            "learner/model.bin": [bytes([step]) * 4096],
+            # shrinks each time: an overwritten file must be cut to its new length
+            "learner/state.json": [json.dumps({"step": step, "pad": "x" * (50 - step)}).encode()],
+        }
+        if step <= 2:
+            files["learner/only_early.json"] = [b"{}"]  # the spare still holds it at step 5
+        writer.save(checkpointing.Snapshot(step, step, files))
+        assert writer.wait()
+        inodes[step] = (step_dir(tmp_path, step) / "learner/model.bin").stat().st_ino
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["spare", "step_00000004", "step_00000005"]
+    assert not (tmp_path / "checkpoints/spare/manifest.json").exists()
+    assert [c.name for c in list_checkpoints(tmp_path)] == ["step_00000004", "step_00000005"]
+    for step in (4, 5):
+        ckpt = step_dir(tmp_path, step)
+        assert verify(ckpt) == []
+        assert (ckpt / "learner/model.bin").read_bytes() == bytes([step]) * 4096
+        state = json.loads((ckpt / "learner/state.json").read_text())
+        assert state["step"] == step and len(state["pad"]) == 50 - step
+        assert sorted(read_manifest(ckpt).files) == ["learner/model.bin", "learner/state.json"]
+        assert not (ckpt / "learner/only_early.json").exists()  # a stray of the spare, removed
+    # step 1 became the spare at step 3's prune, and step 4 was written into its files
+    assert inodes[4] == inodes[1] and inodes[5] == inodes[2]
 
 
 def test_staged_files_are_valid_safetensors_with_every_dtype_aligned(tmp_path):
