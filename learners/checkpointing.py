@@ -45,11 +45,11 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import random
 import shutil
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,7 +57,14 @@ from pathlib import Path
 import torch
 
 from verl_async import runtime
-from verl_async.checkpoint import FileEntry, commit, fsync_dir, prune, step_dir, take_spare
+from verl_async.checkpoint import (
+    FileEntry,
+    fsync_dir,
+    prune,
+    step_dir,
+    take_spare,
+    write_manifest,
+)
 
 log = logging.getLogger("verl_async.learner")
 
@@ -236,12 +243,14 @@ def take_snapshot(
 class Checkpointer:
     """Background writer with two staging slots.
 
-    Each write runs on a thread of its own that first waits for the write before it, so
-    checkpoints commit in step order. Snapshots alternate between two ``Stager``s: a new
-    snapshot can be staged while the previous write is still running, and only waits
-    when the write before *that* one (which used the same buffers) is not done yet. So a
-    write that takes up to a whole checkpoint interval costs the step nothing; host
-    memory holds up to two staged copies of model and optimizer state.
+    One long-lived writer thread takes snapshots from a queue in order, so checkpoints
+    commit in step order and handing one over costs the step a queue put (starting a
+    thread per write cost it about 1 ms: ``Thread.start`` waits until the new thread has
+    been scheduled). Snapshots alternate between two ``Stager``s: a new snapshot can be
+    staged while the previous write is still running, and only waits when the write
+    before *that* one (which used the same buffers) is not done yet. So a write that
+    takes up to a whole checkpoint interval costs the step nothing; host memory holds up
+    to two staged copies of model and optimizer state.
     """
 
     SLOTS = 2
@@ -252,7 +261,10 @@ class Checkpointer:
         self.timeout_s = timeout_s
         self.meta = meta
         self.stagers = [Stager() for _ in range(self.SLOTS)]
-        self.writes: deque[threading.Thread] = deque()  # oldest first
+        self.queue: queue.SimpleQueue[Snapshot] = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None  # started by the first save
+        self.done = threading.Condition()
+        self.pending = 0  # snapshots saved and not yet written (or failed)
         self.count = 0  # snapshots saved so far
         self.error: BaseException | None = None
         self.last_write_s = 0.0  # duration of the last finished write
@@ -265,13 +277,13 @@ class Checkpointer:
 
     def save(self, snap: Snapshot) -> None:
         """Queue ``snap`` (staged in ``stager()``'s buffers) behind the writes in flight."""
-        before = self.writes[-1] if self.writes else None
-        thread = threading.Thread(
-            target=self._run, args=(snap, before), name="checkpoint-writer", daemon=True
-        )
-        self.writes.append(thread)
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
+            self.thread.start()
+        with self.done:
+            self.pending += 1
         self.count += 1
-        thread.start()
+        self.queue.put(snap)
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Wait for every write; True when none is left. Re-raises a writer error."""
@@ -280,18 +292,15 @@ class Checkpointer:
         )
 
     def _settle(self, outstanding: int, timeout_s: float, strict: bool = True) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while self.writes and (len(self.writes) > outstanding or not self.writes[0].is_alive()):
-            oldest = self.writes[0]
-            oldest.join(max(deadline - time.monotonic(), 0.0))
-            if oldest.is_alive():
-                if strict:
-                    raise TimeoutError(
-                        f"checkpoint write not finished after checkpoint.write_timeout_s="
-                        f"{self.timeout_s:.0f}s; is the disk full or very slow?"
-                    )
-                return False
-            self.writes.popleft()
+        with self.done:
+            settled = self.done.wait_for(lambda: self.pending <= outstanding, timeout_s)
+        if not settled:
+            if strict:
+                raise TimeoutError(
+                    f"checkpoint write not finished after checkpoint.write_timeout_s="
+                    f"{self.timeout_s:.0f}s; is the disk full or very slow?"
+                )
+            return False
         if self.error is not None:
             error, self.error = self.error, None
             raise error
@@ -300,7 +309,7 @@ class Checkpointer:
     def close(self, grace_s: float) -> None:
         """At exit: finish the writes in flight if they end within ``grace_s``, else abandon
         them (no manifest: they never count, and a later prune deletes them)."""
-        if not self.writes:
+        if not self.pending:
             return
         if self.wait(grace_s):
             log.info("checkpoint write finished before exit")
@@ -309,23 +318,26 @@ class Checkpointer:
                 "checkpoint write abandoned at exit (not committed; the previous one stands)"
             )
 
-    def _run(self, snap: Snapshot, before: threading.Thread | None) -> None:
+    def _run(self) -> None:
         runtime.unpin_this_thread()
-        if before is not None:
-            before.join()
-        t0, cpu0 = time.monotonic(), time.thread_time()
-        try:
-            self.write(snap)
-        except BaseException as exc:  # raised in the training thread by the next settle
-            self.error = self.error or exc
-        self.last_write_s = time.monotonic() - t0
-        self.last_write_cpu_s = time.thread_time() - cpu0
+        while True:
+            snap = self.queue.get()
+            t0, cpu0 = time.monotonic(), time.thread_time()
+            try:
+                self.write(snap)
+            except BaseException as exc:  # raised in the training thread by the next settle
+                self.error = self.error or exc
+            self.last_write_s = time.monotonic() - t0
+            self.last_write_cpu_s = time.thread_time() - cpu0
+            with self.done:
+                self.pending -= 1
+                self.done.notify_all()
 
     def write(self, snap: Snapshot) -> None:
         ckpt = step_dir(self.run_dir, snap.step)
         if ckpt.exists():  # an uncommitted write of the same step from before a crash
             shutil.rmtree(ckpt)
-        take_spare(self.run_dir, ckpt)  # a retired checkpoint's files, overwritten in place
+        recycled = take_spare(self.run_dir, ckpt)  # a retired checkpoint's files, overwritten
         hashes: dict[str, FileEntry] = {}
         self._write_files(ckpt, snap.files, hashes)
         delay = float(os.environ.get(_FAULT_DELAY, "0"))
@@ -333,9 +345,10 @@ class Checkpointer:
             time.sleep(delay)  # fault injection: learner files written, the rest not
         if snap.deferred is not None:
             self._write_files(ckpt, snap.deferred(), hashes)
-        _remove_strays(ckpt, hashes)
+        if recycled:
+            _remove_strays(ckpt, hashes)
         _make_durable([ckpt / rel for rel in hashes])
-        commit(ckpt, snap.step, snap.version, self.meta, hashes)
+        write_manifest(ckpt, snap.step, snap.version, self.meta, hashes)
         removed = prune(self.run_dir, self.keep_last, recycle=True)
         log.info(
             "checkpoint step %d committed%s",
@@ -362,9 +375,11 @@ class Checkpointer:
 
 def _remove_strays(ckpt: Path, hashes: dict[str, FileEntry]) -> None:
     """Files a recycled directory held that this checkpoint did not write."""
-    for path in ckpt.rglob("*"):
-        if path.is_file() and str(path.relative_to(ckpt)) not in hashes:
-            path.unlink()
+    for root, _, names in os.walk(ckpt):
+        for name in names:
+            path = os.path.join(root, name)
+            if os.path.relpath(path, ckpt) not in hashes:
+                os.unlink(path)
 
 
 def _make_durable(paths: list[Path]) -> None:

@@ -170,6 +170,8 @@ class Learner:
         self.cfg = ctx.cfg
         self.acc = accelerator
         self.model = model
+        # unwrapped once: accelerate's unwrap_model probes for installed packages per call
+        self.raw_model = accelerator.unwrap_model(model)
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.group = group
@@ -291,7 +293,7 @@ class Learner:
         start from the initial weights and must load the checkpoint's).
         """
         t0 = time.monotonic()
-        tensors = full_state_dict(self.acc.unwrap_model(self.model))
+        tensors = full_state_dict(self.raw_model)
         self.version += int(new_version)
         if self.group is not None:
             specs = param_specs(tensors.items())
@@ -320,7 +322,9 @@ class Learner:
         stager = self.checkpointer.stager()  # waits only if both staging slots are busy
         self.checkpoint_wait_s = time.monotonic() - t0
         step = self.steps_done
-        self.client.request(P.SnapshotBuffer(step=step, version=self.version))  # the cut
+        # The buffer takes its cut (of state as of ``step``, whenever it runs) while the
+        # learner stages its own; the reply must be in before the writer may fetch the cut.
+        cut = self.client.send(P.SnapshotBuffer(step=step, version=self.version))
         info = {
             "wall_s": time.monotonic() - self.t_start,
             "gen_blocked_s": self.gen_clock[0],
@@ -330,7 +334,7 @@ class Learner:
             stager,
             step,
             self.version,
-            full_state_dict(self.acc.unwrap_model(self.model)),
+            full_state_dict(self.raw_model),
             self.optimizer.state_dict(),
             self.scheduler.state_dict() if self.scheduler else None,
             info,
@@ -338,6 +342,7 @@ class Learner:
                 self.ctx.endpoints.buffer, self.cfg.buffer.request_timeout_s, step
             ),
         )
+        self.client.receive(cut)
         self.checkpointer.save(snap)
         return time.monotonic() - t0
 
@@ -346,9 +351,7 @@ class Learner:
         if not self.ctx.endpoints.resume_from:
             return False
         ckpt = Path(self.ctx.endpoints.resume_from)
-        info = checkpointing.load(
-            ckpt, self.acc.unwrap_model(self.model), self.optimizer, self.scheduler
-        )
+        info = checkpointing.load(ckpt, self.raw_model, self.optimizer, self.scheduler)
         self.steps_done = info["step"]
         self.version = info["version"]
         self.t_start = time.monotonic() - info["wall_s"]

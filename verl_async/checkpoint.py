@@ -112,6 +112,14 @@ def commit(
         with open(path, "rb") as f:  # the writers closed their files; make them durable
             os.fsync(f.fileno())
         files[rel] = FileEntry(path.stat().st_size, sha256_file(path))
+    return write_manifest(ckpt, step, version, meta, files)
+
+
+def write_manifest(
+    ckpt: Path, step: int, version: int, meta: dict | None, files: dict[str, FileEntry]
+) -> Manifest:
+    """The commit itself, for a writer that has hashed and fsynced every file of ``ckpt``
+    (``files`` lists them all) and made sure nothing else is there."""
     manifest = Manifest(
         step=step, version=version, created_unix=time.time(), files=files, meta=meta or {}
     )

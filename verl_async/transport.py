@@ -55,8 +55,17 @@ class BufferClient:
 
     def request(self, body: P.Body, frames: P.Frames | None = None, extra_wait_s: float = 0.0):
         """Send ``body``; return (reply body, reply frames)."""
+        return self.receive(self.send(body, frames), extra_wait_s)
+
+    def send(self, body: P.Body, frames: P.Frames | None = None) -> int:
+        """Send ``body`` without waiting; ``receive`` the reply with the returned id (the
+        caller works meanwhile). One outstanding request at a time."""
         rid = next(self.ids)
         self.sock.send_multipart(P.encode(body, rid, frames), copy=False)
+        return rid
+
+    def receive(self, rid: int, extra_wait_s: float = 0.0):
+        """The reply to request ``rid``: (reply body, reply frames)."""
         deadline_ms = int((self.timeout_s + extra_wait_s) * 1000)
         while True:
             if not self.sock.poll(deadline_ms):

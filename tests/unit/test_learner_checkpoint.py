@@ -92,7 +92,7 @@ def test_writes_commit_in_order_and_slots_alternate(tmp_path, monkeypatch):
         files = {"learner/x.json": [b"{}"], "buffer/ledger.json": [str(step).encode()]}
         writer.save(checkpointing.Snapshot(step, step, files))
         if step == 2:
-            assert len(writer.writes) == 2  # queued behind the first, nobody waited
+            assert writer.pending == 2  # queued behind the first, nobody waited
     assert slots[0] is slots[2] is not slots[1]
     assert writer.wait()
     committed = [read_manifest(step_dir(tmp_path, s)) for s in (1, 2, 3)]
