@@ -81,7 +81,8 @@ def test_checkpoint(tmp_path):
     assert result["off"]["steps"] == result["every"]["steps"] == 6
     assert "checkpoint_s" not in result["off"]
     assert result["every"]["checkpoint_s"] > 0 and result["every"]["checkpoint_mib"] > 0
-    assert "checkpoint every 1 step(s)" in out
+    assert len(result["off"]["run_step_s"]) == len(result["every"]["run_step_s"]) == 1
+    assert "checkpoint every 1 step(s)" in out and "median pair ratio" in out
 
 
 def test_staleness_sweep(tmp_path):
