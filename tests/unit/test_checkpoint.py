@@ -12,7 +12,9 @@ from verl_async.checkpoint import (
     newest_valid,
     prune,
     read_manifest,
+    spare_dir,
     step_dir,
+    take_spare,
     verify,
 )
 from verl_async.launcher import truncate_steps
@@ -82,6 +84,22 @@ def test_prune_keeps_the_newest_and_drops_abandoned_writes(tmp_path, keep):
     prune(tmp_path, keep)
     names = [p.name for p in list_checkpoints(tmp_path)]
     assert names == [f"step_{s:08d}" for s in [2, 3, 4][-keep:]] + ["step_00000005"]
+
+
+def test_recycling_prune_retires_one_committed_checkpoint_and_deletes_the_rest(tmp_path):
+    _write(tmp_path, 1)  # abandoned: deleted, never made the spare
+    for step in (2, 3, 4, 5):
+        commit(_write(tmp_path, step), step, step)
+    removed = prune(tmp_path, keep_last=1, recycle=True)
+    assert [p.name for p in removed] == [f"step_{s:08d}" for s in (1, 2, 3, 4)]
+    spare = spare_dir(tmp_path)
+    assert (spare / "learner" / "model.bin").is_file()  # step 2's files, kept for reuse
+    assert not (spare / MANIFEST).exists() and verify(spare) != []
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000005"]
+    assert newest_valid(tmp_path)[1].step == 5
+    target = step_dir(tmp_path, 6)
+    assert take_spare(tmp_path, target) and (target / "learner" / "model.bin").is_file()
+    assert not take_spare(tmp_path, step_dir(tmp_path, 7))  # only one spare
 
 
 def test_jsonl_readers_skip_a_torn_last_line(tmp_path):
