@@ -90,28 +90,17 @@ def _payload_files(ckpt: Path) -> list[Path]:
     )
 
 
-def commit(
-    ckpt: Path,
-    step: int,
-    version: int,
-    meta: dict | None = None,
-    known: dict[str, FileEntry] | None = None,
-) -> Manifest:
-    """Hash every file under ``ckpt`` and write the manifest last, atomically.
+def commit(ckpt: Path, step: int, version: int, meta: dict | None = None) -> Manifest:
+    """fsync and hash every file under ``ckpt``, then write the manifest last, atomically.
 
-    ``known`` holds entries of files the writer already hashed (from the bytes it wrote)
-    and fsynced; every other file is fsynced and hashed here.
+    (The learner's writer hashes files from the bytes it writes and calls
+    ``write_manifest`` itself.)
     """
-    known = known or {}
     files = {}
     for path in _payload_files(ckpt):
-        rel = str(path.relative_to(ckpt))
-        if rel in known:
-            files[rel] = known[rel]
-            continue
         with open(path, "rb") as f:  # the writers closed their files; make them durable
             os.fsync(f.fileno())
-        files[rel] = FileEntry(path.stat().st_size, sha256_file(path))
+        files[str(path.relative_to(ckpt))] = FileEntry(path.stat().st_size, sha256_file(path))
     return write_manifest(ckpt, step, version, meta, files)
 
 
