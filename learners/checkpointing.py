@@ -261,7 +261,7 @@ class Checkpointer:
         self.timeout_s = timeout_s
         self.meta = meta
         self.stagers = [Stager() for _ in range(self.SLOTS)]
-        self.queue: queue.SimpleQueue[Snapshot] = queue.SimpleQueue()
+        self.queue: queue.SimpleQueue[Snapshot | None] = queue.SimpleQueue()  # None: stop
         self.thread: threading.Thread | None = None  # started by the first save
         self.done = threading.Condition()
         self.pending = 0  # snapshots saved and not yet written (or failed)
@@ -318,15 +318,26 @@ class Checkpointer:
                 "checkpoint write abandoned at exit (not committed; the previous one stands)"
             )
 
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """End the writer thread after the writes queued before it. Joined only when none
+        is left: a write abandoned by ``close`` is not waited for again."""
+        if self.thread is not None:
+            self.queue.put(None)
+            if not self.pending:
+                self.thread.join(timeout_s)
+            self.thread = None
+
     def _run(self) -> None:
         runtime.unpin_this_thread()
-        while True:
-            snap = self.queue.get()
+        while (snap := self.queue.get()) is not None:
             t0, cpu0 = time.monotonic(), time.thread_time()
             try:
                 self.write(snap)
             except BaseException as exc:  # raised in the training thread by the next settle
                 self.error = self.error or exc
+            # Hold no reference to the snapshot past its write: its buffer fetch closes over
+            # the learner, which would then outlive the training loop.
+            del snap
             self.last_write_s = time.monotonic() - t0
             self.last_write_cpu_s = time.thread_time() - cpu0
             with self.done:

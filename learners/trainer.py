@@ -432,6 +432,17 @@ class Learner:
             self.trail.close()
         self.client.close()
 
+    def close(self) -> None:
+        """At exit, however the loop ended: stop the writer thread and shut the weight-sync
+        group down while the interpreter is fully alive (not during its teardown)."""
+        if self.checkpointer is not None:
+            self.checkpointer.stop()
+        if self.group is not None:
+            try:
+                self.group.close()
+            except Exception as exc:  # a peer already gone; never mask the loop's own error
+                log.warning("weight-sync group shutdown failed: %s", exc)
+
 
 def fetch_buffer_files(endpoint: str, timeout_s: float, step: int) -> dict[str, bytes]:
     """The buffer's files of the cut taken at ``step`` (on the checkpoint writer's thread,
@@ -540,7 +551,11 @@ def run_learner(ctx: RunContext) -> None:
     # SIGTERM (the launcher's stop, e.g. on Ctrl-C) unwinds the loop like Ctrl-C would, so
     # an in-progress checkpoint write is finished (or abandoned uncommitted) before exit.
     signal.signal(signal.SIGTERM, _interrupt)
-    Learner(ctx, accelerator, model, optimizer, group, pad_id, scheduler).train()
+    learner = Learner(ctx, accelerator, model, optimizer, group, pad_id, scheduler)
+    try:
+        learner.train()
+    finally:
+        learner.close()
 
 
 def _interrupt(signum, frame) -> None:

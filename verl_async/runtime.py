@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import faulthandler
 import logging
 import os
 import signal
@@ -131,6 +132,9 @@ def unpin_this_thread() -> None:
 def start_role(name: str, description: str, with_index: bool = False) -> argparse.Namespace:
     """Common prologue of a role process: arguments, parent-death signal, logging, pinning."""
     args = role_args(description, with_index)
+    # A crash in native code (SIGSEGV, SIGABRT, ...) leaves every thread's Python stack in
+    # the role's log instead of a bare exit code.
+    faulthandler.enable()
     die_with_parent()
     setup_logging(f"{name}{args.index}" if with_index else name)
     apply_cpu_pinning()

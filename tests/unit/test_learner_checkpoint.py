@@ -2,6 +2,7 @@
 
 import json
 import random
+import weakref
 
 import pytest
 import torch
@@ -97,6 +98,29 @@ def test_writes_commit_in_order_and_slots_alternate(tmp_path, monkeypatch):
     assert writer.wait()
     committed = [read_manifest(step_dir(tmp_path, s)) for s in (1, 2, 3)]
     assert [m.created_unix for m in committed] == sorted(m.created_unix for m in committed)
+
+
+def test_stop_ends_the_writer_and_nothing_outlives_a_write(tmp_path):
+    """At exit the writer thread ends, and no written snapshot is kept alive by it: the
+    learner's buffer fetch closes over the learner, whose weight-sync group must be shut
+    down before interpreter teardown (a gloo group destroyed there can abort the process)."""
+
+    class Owner:  # stands in for the learner captured by the buffer fetch
+        pass
+
+    owner = Owner()
+    alive = weakref.ref(owner)
+    writer = checkpointing.Checkpointer(tmp_path, keep_last=2, timeout_s=30, meta={})
+    fetch = lambda o=owner: {"buffer/ledger.json": [b"{}"]}  # noqa: E731
+    writer.save(checkpointing.Snapshot(1, 1, {"learner/a.json": [b"{}"]}, fetch))
+    del owner, fetch
+    assert writer.wait()
+    assert alive() is None
+    thread = writer.thread
+    assert thread.is_alive()  # long-lived: it waits for the next snapshot
+    writer.stop()
+    assert not thread.is_alive() and writer.thread is None
+    assert verify(step_dir(tmp_path, 1)) == []
 
 
 def test_pruned_checkpoint_is_recycled_in_place_and_never_passes_for_one(tmp_path):
