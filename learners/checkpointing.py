@@ -220,7 +220,7 @@ def take_snapshot(
     optimizer: dict,
     scheduler: dict | None,
     info: dict,
-    buffer_files: Callable[[], dict[str, bytes]],
+    buffer_files: Callable[[], dict[str, bytes | memoryview]],
 ) -> Snapshot:
     """Stage everything into host memory (the part of a checkpoint the step waits for).
 

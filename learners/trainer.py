@@ -444,15 +444,16 @@ class Learner:
                 log.warning("weight-sync group shutdown failed: %s", exc)
 
 
-def fetch_buffer_files(endpoint: str, timeout_s: float, step: int) -> dict[str, bytes]:
+def fetch_buffer_files(endpoint: str, timeout_s: float, step: int) -> dict[str, memoryview]:
     """The buffer's files of the cut taken at ``step`` (on the checkpoint writer's thread,
-    with a socket of its own: the buffer encodes them while training goes on)."""
+    with a socket of its own: the buffer encodes them while training goes on), as views
+    on the received frames: written and hashed from there without a copy."""
     client = BufferClient(endpoint, timeout_s)
     try:
         reply, frames = client.request(P.FetchSnapshot(step=step))
     finally:
         client.close()
-    return {name: P.tensor(ref, frames).tobytes() for name, ref in reply.files.items()}
+    return {name: memoryview(P.tensor(ref, frames)) for name, ref in reply.files.items()}
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
