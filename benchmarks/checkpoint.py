@@ -1,7 +1,7 @@
 """What checkpointing every step costs: the same job with and without, one invocation.
 
-    python benchmarks/checkpoint.py [--steps 200] [--repeats 2] [--every 1]
-                                    [--out runs/ckpt-bench] [override ...]
+    python benchmarks/checkpoint.py [--steps 200] [--repeats 2] [--every 1] [--learner-only]
+                                    [--alternate B] [--out runs/ckpt-bench] [override ...]
 
 Real ``verl-async train configs/tiny.yaml`` runs, equal steps, in pairs ordered
 (off, every), (every, off), (off, every), ... so that a machine drifting in speed during
@@ -17,17 +17,31 @@ checkpoint (host snapshot + buffer snapshot + waiting for the previous write), m
 background write time, and the checkpoint size. The first 10 % of steps are warm-up and
 left out; the medians are over the warm steps of all repeats. Each pair also gives a
 ratio of its two run medians; the median of those is robust to drift between pairs.
-``--learner-only`` fills
-the buffer with every step's rollouts before the learner starts (trainer.prefill_steps =
-steps, staleness.max = steps - 1), so the learner trains with the generator idle and the
-step times carry no generation noise: the cleanest view of what checkpointing costs the
-learner. Overrides (e.g. a larger ``model.tiny.*``) apply to both runs. Ends with one
-summary line: median step time with / without.
+
+``--learner-only`` fills the buffer with every step's rollouts before the learner starts
+(trainer.prefill_steps = steps, staleness.max = steps - 1), so the learner trains with
+the generator idle and the step times carry no generation noise. The buffer then holds
+the whole backlog (1,600 groups at the start of 200 steps), and every checkpoint encodes
+and writes all of it: a worst case for the buffer's part, far above the (η + 1) × B
+groups that admission allows in a normal run. Overrides (e.g. a larger
+``model.tiny.*``) apply to every run. Ends with one summary line: median step time with
+/ without.
+
+``--alternate B`` measures both settings inside each run instead: the learner checkpoints
+at every barrier of every other block of B steps and at none of the rest
+(``VERL_ASYNC_BENCH_CKPT_ALTERNATE``), so the steps with and without checkpoints share
+one process, one memory layout and one stretch of the machine's speed. A step counts as
+"every" when the barriers before and after it both checkpointed (a write running behind
+it, a snapshot at its end; so only with --every 1) and as "off" when neither did; the
+step where the setting changes is left out. Reported: the pooled ratio, each run's ratio
+and the median ratio of adjacent blocks (off/every and every/off alike, so drift within
+a run cancels).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -36,10 +50,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, machine, run_train  # noqa: E402
 
+from learners.trainer import ALTERNATE_ENV  # noqa: E402
+
 WARM = 0.1
 
 
-def one_run(name: str, every: int, args) -> tuple[list[dict], Path]:
+def one_run(name: str, every: int, args, env: dict | None = None) -> tuple[list[dict], Path]:
     run_dir = args.out / name
     rows, _ = run_train(
         args.config,
@@ -55,6 +71,7 @@ def one_run(name: str, every: int, args) -> tuple[list[dict], Path]:
             ),
             *args.override,
         ],
+        env,
     )
     return rows, run_dir
 
@@ -120,6 +137,99 @@ def report(off: dict, on: dict) -> str:
     )
 
 
+def split_alternating(rows: list[dict], block: int) -> list[tuple[bool, list[dict]]]:
+    """An alternating run's warm steps by block: (checkpointing?, steps that count).
+
+    Step s ends at barrier s + 1, so it belongs to block (s + 1) // block. A step counts
+    when the barrier before it did what the one after it does (both checkpointed, or
+    neither): the first step of each block still has the previous block's setting behind
+    it and is left out."""
+    blocks: dict[int, tuple[bool, list[dict]]] = {}
+    ckpt = {r["step"]: "checkpoint_s" in r for r in rows}
+    for row in rows[int(len(rows) * WARM) :]:
+        s = row["step"]
+        if s - 1 in ckpt and ckpt[s - 1] == ckpt[s]:
+            blocks.setdefault((s + 1) // block, (ckpt[s], []))[1].append(row)
+    return [blocks[k] for k in sorted(blocks)]
+
+
+def summarize_alternating(runs: list[tuple[list[dict], Path]], block: int) -> dict:
+    med = statistics.median
+    off, on, per_run, adjacent = [], [], [], []
+    for rows, _ in runs:
+        blocks = split_alternating(rows, block)
+        run_off = [r for ck, rs in blocks if not ck for r in rs]
+        run_on = [r for ck, rs in blocks if ck for r in rs]
+        off += run_off
+        on += run_on
+        per_run.append(med(r["step_s"] for r in run_on) / med(r["step_s"] for r in run_off))
+        for (ck_a, a), (ck_b, b) in itertools.pairwise(blocks):
+            if ck_a != ck_b:
+                with_, without = (a, b) if ck_a else (b, a)
+                adjacent.append(med(r["step_s"] for r in with_) / med(r["step_s"] for r in without))
+    return {
+        "block": block,
+        "runs": len(runs),
+        "steps": len(runs[0][0]),
+        "off_steps": len(off),
+        "every_steps": len(on),
+        "off_step_s": med(r["step_s"] for r in off),
+        "every_step_s": med(r["step_s"] for r in on),
+        "off_busy_s": med(r["step_s"] - r["learner_wait_s"] for r in off),
+        "every_busy_s": med(r["step_s"] - r["learner_wait_s"] for r in on),
+        "run_ratios": per_run,
+        "adjacent_ratios": adjacent,
+        "checkpoint_s": med(r["checkpoint_s"] for r in on),
+        "checkpoint_write_s": med(r["checkpoint_write_s"] for r in on),
+        "checkpoint_write_cpu_s": med(r["checkpoint_write_cpu_s"] for r in on),
+    }
+
+
+def report_alternating(res: dict) -> str:
+    ms = lambda s: f"{s * 1000:.1f}"  # noqa: E731
+    ratio = res["every_step_s"] / res["off_step_s"]
+    adjacent = res["adjacent_ratios"]
+    return "\n".join(
+        [
+            f"machine: {machine()}",
+            "",
+            f"| blocks of {res['block']} steps, alternating | no checkpoints "
+            "| checkpoint every step | with / without |",
+            "|---|---|---|---|",
+            f"| median step, ms | {ms(res['off_step_s'])} | {ms(res['every_step_s'])} "
+            f"| {ratio:.3f}× |",
+            f"| per-run ratio | | | {', '.join(f'{x:.3f}' for x in res['run_ratios'])} |",
+            f"| adjacent-block ratios | | | median {statistics.median(adjacent):.3f}× "
+            f"(of {len(adjacent)}; {min(adjacent):.3f}–{max(adjacent):.3f}) |",
+            f"| median learner busy (step − batch wait), ms | {ms(res['off_busy_s'])} "
+            f"| {ms(res['every_busy_s'])} | {res['every_busy_s'] / res['off_busy_s']:.3f}× |",
+            f"| time the step spent checkpointing, ms | — | {ms(res['checkpoint_s'])} "
+            f"| {res['checkpoint_s'] / res['off_step_s']:.1%} of a step |",
+            f"| background write, ms | — | {ms(res['checkpoint_write_s'])} | |",
+            f"| writer thread CPU per checkpoint, ms | — | {ms(res['checkpoint_write_cpu_s'])} | |",
+            f"| steps counted (runs × steps) | {res['off_steps']} | {res['every_steps']} "
+            f"| {res['runs']} × {res['steps']} |",
+        ]
+    )
+
+
+def main_alternating(args) -> int:
+    if args.every != 1:
+        raise SystemExit("--alternate needs --every 1")
+    env = {ALTERNATE_ENV: str(args.alternate)}
+    runs = [one_run(f"alt{i}", 1, args, env) for i in range(args.repeats)]
+    res = summarize_alternating(runs, args.alternate)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "checkpoint.json").write_text(json.dumps({"alternate": res}, indent=1))
+    print(report_alternating(res))
+    print(
+        f"summary: checkpointing every step, alternating blocks of {args.alternate} steps in "
+        f"one run: median step {res['every_step_s'] / res['off_step_s']:.3f}x without "
+        f"(median adjacent-block ratio {statistics.median(res['adjacent_ratios']):.3f}x)"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=200)
@@ -130,11 +240,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--learner-only", action="store_true", help="pre-fill the buffer: no generation noise"
     )
+    ap.add_argument(
+        "--alternate",
+        type=int,
+        default=0,
+        metavar="B",
+        help="within each run, checkpoint only in every other block of B steps",
+    )
     ap.add_argument("--config", type=Path, default=ROOT / "configs/tiny.yaml")
     ap.add_argument("--out", type=Path, default=ROOT / "runs/ckpt-bench")
     ap.add_argument("override", nargs="*", help="extra dotted.key=value config overrides")
     args = ap.parse_args(argv)
     args.out = args.out.resolve()
+    if args.alternate:
+        return main_alternating(args)
 
     runs: dict[int, list] = {0: [], args.every: []}
     for i in range(args.repeats):

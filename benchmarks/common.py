@@ -13,8 +13,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_train(config: Path, run_dir: Path, overrides: list[str]) -> tuple[list[dict], float]:
-    """``verl-async train CONFIG --run-dir RUN_DIR overrides...``; returns (metrics rows, seconds)."""
+def run_train(
+    config: Path, run_dir: Path, overrides: list[str], env: dict[str, str] | None = None
+) -> tuple[list[dict], float]:
+    """``verl-async train CONFIG --run-dir RUN_DIR overrides...`` (with ``env`` added to the
+    environment); returns (metrics rows, seconds)."""
     cmd = [sys.executable, "-m", "verl_async.cli", "train", str(config), "--run-dir", str(run_dir)]
     t0 = time.monotonic()
     res = subprocess.run(
@@ -22,7 +25,7 @@ def run_train(config: Path, run_dir: Path, overrides: list[str]) -> tuple[list[d
         cwd=ROOT,
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
     seconds = time.monotonic() - t0
     if res.returncode != 0:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import threading
 import time
@@ -40,6 +41,8 @@ from verl_async.weight_sync import (
 )
 
 log = logging.getLogger("verl_async.learner")
+
+ALTERNATE_ENV = "VERL_ASYNC_BENCH_CKPT_ALTERNATE"
 
 
 @dataclass
@@ -198,6 +201,9 @@ class Learner:
             else None
         )
         self.checkpoint_wait_s = 0.0  # of the last checkpoint: waiting for a staging slot
+        # Benchmark only (benchmarks/checkpoint.py --alternate B): checkpoint only in every
+        # other block of B steps, so one run measures steps with and without checkpoints.
+        self.alternate_block = int(os.environ.get(ALTERNATE_ENV, "0"))
 
     def train(self) -> None:
         resumed = self.restore()
@@ -318,6 +324,8 @@ class Learner:
         every = self.cfg.checkpoint.every_steps
         if self.checkpointer is None or self.steps_done % every:
             return None
+        if self.alternate_block and (self.steps_done // self.alternate_block) % 2 == 0:
+            return None  # an "off" block of the benchmark's alternation
         t0 = time.monotonic()
         stager = self.checkpointer.stager()  # waits only if both staging slots are busy
         self.checkpoint_wait_s = time.monotonic() - t0

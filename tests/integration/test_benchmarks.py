@@ -85,6 +85,21 @@ def test_checkpoint(tmp_path):
     assert "checkpoint every 1 step(s)" in out and "median pair ratio" in out
 
 
+def test_checkpoint_alternating_blocks(tmp_path):
+    out = _run(
+        "checkpoint.py",
+        ["--steps", "10", "--repeats", "1", "--alternate", "2", "--out", str(tmp_path)],
+    )
+    # The learner checkpointed at the barriers of odd blocks only: steps_done 2, 3, 6, 7, 10.
+    rows = [json.loads(x) for x in (tmp_path / "alt0" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "checkpoint_s" in r] == [1, 2, 5, 6, 9]
+    res = json.loads((tmp_path / "checkpoint.json").read_text())["alternate"]
+    # Counted: steps whose barriers before and after agree (2, 6 with; 4, 8 without).
+    assert (res["every_steps"], res["off_steps"]) == (2, 2)
+    assert len(res["adjacent_ratios"]) == 3 and res["every_step_s"] > 0 < res["off_step_s"]
+    assert "alternating blocks of 2 steps" in out
+
+
 def test_staleness_sweep(tmp_path):
     _run(
         "staleness_sweep.py",
