@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -13,6 +14,8 @@ from verl_async.config import RunConfig
 from verl_async.protocol import WeightUpdate
 
 EXTENSION = "generators.vllm_extension.WeightSyncExtension"
+
+log = logging.getLogger("verl_async.generator")
 
 
 def start_engine(cfg: RunConfig, model_path: str, seed: int):
@@ -72,6 +75,16 @@ class Engine:
             timeout=w.join_timeout_s,
             args=(host, port, world_size, rank_offset, backend, w.timeout_s),
         )
+
+    async def leave_weight_sync(self, timeout_s: float = 5.0) -> None:
+        """Shut each worker's end of the group down before the engine stops (best effort:
+        an engine that already died has nothing left to shut down)."""
+        try:
+            await self.llm.collective_rpc("verl_leave_weight_sync", timeout=timeout_s)
+        except Exception as exc:
+            log.warning("could not leave the weight-sync group cleanly: %s", exc)
+        else:
+            log.info("left the weight-sync group")
 
     async def sample(self, prompt_ids: list[int]) -> Sample:
         """Stream one completion, stamping each token with the version loaded when it arrived.

@@ -217,4 +217,7 @@ async def run_generator(ctx: RunContext, index: int) -> None:
         tokenizer = AutoTokenizer.from_pretrained(ep.model_path)
         await Generator(ctx, index, engine, tokenizer).run()
     finally:
-        engine.shutdown()
+        try:
+            await engine.leave_weight_sync()
+        finally:
+            engine.shutdown()

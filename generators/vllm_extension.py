@@ -52,6 +52,8 @@ class WeightSyncExtension:
         return received
 
     def verl_leave_weight_sync(self) -> None:
+        """Shut the group down while the worker's interpreter is fully alive."""
         group = getattr(self, "verl_group", None)
         if group is not None:
-            self.verl_group = None  # dropping the last reference shuts the group down
+            self.verl_group = None
+            group.close()
