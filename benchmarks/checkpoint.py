@@ -55,6 +55,11 @@ from learners.trainer import ALTERNATE_ENV  # noqa: E402
 WARM = 0.1
 
 
+def warm(rows: list[dict]) -> list[dict]:
+    """A run's rows after warm-up (the first ``WARM`` of its steps are left out)."""
+    return rows[int(len(rows) * WARM) :]
+
+
 def one_run(name: str, every: int, args, env: dict | None = None) -> tuple[list[dict], Path]:
     run_dir = args.out / name
     rows, _ = run_train(
@@ -77,25 +82,22 @@ def one_run(name: str, every: int, args, env: dict | None = None) -> tuple[list[
 
 
 def summarize(runs: list[tuple[list[dict], Path]], every: int) -> dict:
-    warm = [r for rows, _ in runs for r in rows[int(len(rows) * WARM) :]]
-    med = lambda key: statistics.median(r[key] for r in warm)  # noqa: E731
+    steps = [r for rows, _ in runs for r in warm(rows)]
+    med = lambda key: statistics.median(r[key] for r in steps)  # noqa: E731
     out = {
         "every_steps": every,
         "runs": len(runs),
         "steps": len(runs[0][0]),
         "step_s": med("step_s"),
-        "run_step_s": [
-            statistics.median(r["step_s"] for r in rows[int(len(rows) * WARM) :])
-            for rows, _ in runs
-        ],
-        "busy_s": statistics.median(r["step_s"] - r["learner_wait_s"] for r in warm),
+        "run_step_s": [statistics.median(r["step_s"] for r in warm(rows)) for rows, _ in runs],
+        "busy_s": statistics.median(r["step_s"] - r["learner_wait_s"] for r in steps),
         "samples_per_s": statistics.mean(
             sum(r["samples"] for r in rows) / rows[-1]["wall_s"] for rows, _ in runs
         ),
         "final_reward": statistics.mean(r["reward_mean"] for rows, _ in runs for r in rows[-10:]),
     }
     if every:
-        ckpt_rows = [r for r in warm if "checkpoint_s" in r]
+        ckpt_rows = [r for r in steps if "checkpoint_s" in r]
         out["checkpoint_s"] = statistics.median(r["checkpoint_s"] for r in ckpt_rows)
         out["checkpoint_write_s"] = statistics.median(r["checkpoint_write_s"] for r in ckpt_rows)
         manifests = sorted((runs[0][1] / "checkpoints").glob("step_*/manifest.json"))
@@ -146,7 +148,7 @@ def split_alternating(rows: list[dict], block: int) -> list[tuple[bool, list[dic
     it and is left out."""
     blocks: dict[int, tuple[bool, list[dict]]] = {}
     ckpt = {r["step"]: "checkpoint_s" in r for r in rows}
-    for row in rows[int(len(rows) * WARM) :]:
+    for row in warm(rows):
         s = row["step"]
         if s - 1 in ckpt and ckpt[s - 1] == ckpt[s]:
             blocks.setdefault((s + 1) // block, (ckpt[s], []))[1].append(row)
