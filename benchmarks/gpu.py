@@ -93,7 +93,9 @@ def batch_message(args, rank: int):
         sample_group=[i // 8 for i in range(n)],
         prompt_lengths=[half] * n,
         response_lengths=[half] * n,
-        rewards=rng.integers(0, 2, n).astype(float).tolist(),
+        scores=rng.integers(0, 2, (n, 1)).astype(float).tolist(),
+        failed=[0],
+        data_sources=["default"] * (n // 8),
         prompt_ids=frames.add(rng.integers(0, args.vocab, n * half, dtype=np.int32)),
         response_ids=frames.add(rng.integers(0, args.vocab, n * half, dtype=np.int32)),
         behav_logprobs=frames.add(np.full(n * half, -np.log(args.vocab), np.float32)),
@@ -151,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         sync(dev)
         t0 = time.perf_counter()
         batch = collate(body, frames, pad_id=0, pin=dev.type == "cuda").to(dev)
-        adv = grpo_advantages(batch.rewards.cpu(), batch.group_index.cpu()).to(dev)
+        rewards = torch.from_numpy(batch.scores[:, 0])  # one source, weight 1
+        adv = grpo_advantages(rewards, batch.group_index.cpu()).to(dev)
         model.train()
         policy_update(model, optimizer, batch, adv, algo, torch.Tensor.backward, clip_grad)
         sync(dev)

@@ -1,26 +1,68 @@
 """``python -m buffer --run-dir DIR``: the rollout buffer process."""
 
 import asyncio
+import logging
 import signal
 from pathlib import Path
 
 import uvloop
 
+from buffer.evaluation import EvalRounds
 from buffer.ledger import PromptLedger
 from buffer.server import BufferServer
-from verl_async.data import load_prompts
+from verl_async.config import ConfigError, RunConfig
+from verl_async.data import PromptRecord, load_prompts, max_prompt_tokens, render_prompts
 from verl_async.runtime import load_context, start_role
 from verl_async.staleness import Admission
+
+log = logging.getLogger("verl_async.buffer")
+
+
+def load_rendered(cfg: RunConfig, model_path: str) -> tuple[list, list, int]:
+    """(training prompts, validation prompts, prompts skipped), rendered to token ids."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    limit = max_prompt_tokens(cfg)
+
+    def render(records: list[PromptRecord], key: str) -> tuple[list[PromptRecord], int]:
+        kept, skipped = render_prompts(records, tokenizer, cfg.data.chat_template, limit)
+        if skipped:
+            log.warning(
+                "%s: skipped %d of %d prompts longer than %d tokens",
+                key,
+                skipped,
+                len(records),
+                limit,
+            )
+        if not kept:
+            raise ConfigError(f"bad value for '{key}': every prompt is longer than {limit} tokens")
+        return kept, skipped
+
+    train, skipped = render(load_prompts(cfg.data.path), "data.path")
+    val = []
+    if cfg.data.val_path:
+        val, _ = render(load_prompts(cfg.data.val_path, "data.val_path"), "data.val_path")
+        if cfg.eval.max_prompts:
+            val = val[: cfg.eval.max_prompts]
+    log.info("%d training prompts, %d validation prompts", len(train), len(val))
+    return train, val, skipped
 
 
 async def serve(run_dir: str) -> None:
     ctx = load_context(run_dir)
     cfg = ctx.cfg
+    train, val, skipped = load_rendered(cfg, ctx.endpoints.model_path)
     admission = Admission(cfg.learner.groups_per_step, cfg.staleness.max)
-    ledger = PromptLedger(
-        load_prompts(cfg.data.path), admission, cfg.trainer.total_steps, cfg.data.shuffle_seed
+    ledger = PromptLedger(train, admission, cfg.trainer.total_steps, cfg.data.shuffle_seed)
+    server = BufferServer(
+        ledger,
+        cfg.staleness.max,
+        ctx.endpoints.buffer,
+        num_sources=len(cfg.rewards.sources),
+        evals=EvalRounds(val),
+        prompts_skipped=skipped,
     )
-    server = BufferServer(ledger, cfg.staleness.max, ctx.endpoints.buffer)
     if ctx.endpoints.resume_from:
         server.restore(Path(ctx.endpoints.resume_from) / "buffer")
 

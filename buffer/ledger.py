@@ -32,7 +32,9 @@ class StoredGroup:
     responses: list[np.ndarray]  # N x [T_i] int32
     behav_logprobs: list[np.ndarray]  # N x [T_i] float32
     token_versions: list[np.ndarray]  # N x [T_i] int32
-    rewards: list[float]  # [N]
+    scores: list[list[float]]  # [N][S] raw score per reward source (NaN: not routed)
+    failed: list[int]  # [S] samples whose source failed and gave its default score
+    data_source: str
 
     @property
     def num_tokens(self) -> int:
@@ -96,12 +98,7 @@ class PromptLedger:
             if loaded_version < self.min_version or not self.admission.admits(k, loaded_version):
                 return out, True
             epoch, idx = self.prompt_of(k)
-            rec = self.prompts[idx]
-            out.append(
-                PromptGroup(
-                    group_id=k, prompt_id=idx, epoch=epoch, prompt=rec.prompt, answer=rec.answer
-                )
-            )
+            out.append(prompt_group(k, idx, epoch, self.prompts[idx]))
             self.in_flight[k] = Issued(generator_id, loaded_version)
             if self.reissue:
                 self.reissue.popleft()
@@ -187,6 +184,20 @@ class PromptLedger:
         self.min_version = version
 
 
+def prompt_group(group_id: int, prompt_id: int, epoch: int, rec: PromptRecord) -> PromptGroup:
+    """The message that hands prompt ``rec`` to a generator."""
+    return PromptGroup(
+        group_id=group_id,
+        prompt_id=prompt_id,
+        epoch=epoch,
+        prompt_ids=list(rec.prompt_ids),
+        prompt=rec.prompt,
+        ground_truth=rec.ground_truth,
+        data_source=rec.data_source,
+        extra_info=rec.extra_info,
+    )
+
+
 def filter_stale(
     groups: list[StoredGroup], learner_version: int, max_staleness: int
 ) -> tuple[list[StoredGroup], int]:
@@ -212,7 +223,9 @@ def filter_stale(
                     [g.responses[i] for i in keep],
                     [g.behav_logprobs[i] for i in keep],
                     [g.token_versions[i] for i in keep],
-                    [g.rewards[i] for i in keep],
+                    [g.scores[i] for i in keep],
+                    g.failed,
+                    g.data_source,
                 )
             )
     return kept, dropped

@@ -27,6 +27,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+from buffer.evaluation import EvalRounds
 from buffer.ledger import (
     AdmissionClock,
     LedgerError,
@@ -62,8 +63,19 @@ class Parked:
 
 
 class BufferServer:
-    def __init__(self, ledger: PromptLedger, max_staleness: int, endpoint: str) -> None:
+    def __init__(
+        self,
+        ledger: PromptLedger,
+        max_staleness: int,
+        endpoint: str,
+        num_sources: int = 1,
+        evals: EvalRounds | None = None,
+        prompts_skipped: int = 0,
+    ) -> None:
         self.ledger = ledger
+        self.num_sources = num_sources  # reward sources: the width of every group's scores
+        self.evals = evals or EvalRounds([])
+        self.prompts_skipped = prompts_skipped
         self.max_staleness = max_staleness
         self.endpoint = endpoint
         self.update: P.WeightUpdate | None = None
@@ -161,6 +173,14 @@ class BufferServer:
                 return P.Ack(), None
             case P.GetStats():
                 return self.stats(), None
+            case P.StartEval():
+                self.evals.start(body)
+                return P.Ack(), None
+            case P.PushEval():
+                self.evals.record(body)
+                return P.Ack(), None
+            case P.GetEval():
+                return self.evals.report(body.round), None
             case P.SnapshotBuffer():
                 self.take_cut(body.step, body.version)
                 return P.Ack(), None
@@ -177,14 +197,20 @@ class BufferServer:
     def _get_prompts(self, req: P.GetPrompts) -> P.Prompts:
         if self.stopping:
             return P.Prompts(groups=[], blocked_by_admission=False, exhausted=True)
-        groups, blocked = self.ledger.issue(req.generator_id, req.loaded_version, req.max_groups)
+        room = max(req.max_groups - self.evals.wanted(req.max_groups), 0)
+        groups, blocked = self.ledger.issue(req.generator_id, req.loaded_version, room)
         refused = blocked and not groups
         self.admission_blocked += int(refused)
         self.clock.observe(
             req.generator_id, refused, self.ledger.in_flight_of(req.generator_id), time.monotonic()
         )
+        eval_round, eval_groups = self.evals.take(req.max_groups)
         return P.Prompts(
-            groups=groups, blocked_by_admission=blocked, exhausted=self.ledger.exhausted
+            groups=groups,
+            blocked_by_admission=blocked,
+            exhausted=self.ledger.exhausted,
+            eval_groups=eval_groups,
+            eval_round=eval_round,
         )
 
     def _push_rollouts(self, groups: list[P.RolloutGroup], frames: list) -> None:
@@ -195,14 +221,21 @@ class BufferServer:
             self.ledger.record_return(g)
             self.rate.add(sum(len(r) for r in g.responses))
 
-    @staticmethod
-    def _unpack_group(g: P.RolloutGroup, frames: list) -> StoredGroup:
+    def _unpack_group(self, g: P.RolloutGroup, frames: list) -> StoredGroup:
         bounds = [0, *itertools.accumulate(g.lengths)]
         resp = P.tensor(g.response_ids, frames)
         lp = P.tensor(g.behav_logprobs, frames)
         ver = P.tensor(g.token_versions, frames)
-        if not (len(resp) == len(lp) == len(ver) == bounds[-1]) or len(g.rewards) != len(g.lengths):
+        if not (len(resp) == len(lp) == len(ver) == bounds[-1]):
             raise P.ProtocolError(f"group {g.group_id}: lengths do not match the tensors")
+        if len(g.scores) != self.num_sources or len(g.failed) != self.num_sources:
+            raise P.ProtocolError(
+                f"group {g.group_id}: scores of {len(g.scores)} sources, the run has {self.num_sources}"
+            )
+        if any(len(row) != len(g.lengths) for row in g.scores):
+            raise P.ProtocolError(
+                f"group {g.group_id}: a source scored the wrong number of samples"
+            )
         if min(g.lengths, default=0) < 0:
             raise P.ProtocolError(f"group {g.group_id}: negative sample length")
         # Views on the received frames (numpy keeps each frame alive): no copy on the way in.
@@ -215,7 +248,9 @@ class BufferServer:
             split(resp),
             split(lp),
             split(ver),
-            list(g.rewards),
+            [list(sample) for sample in zip(*g.scores, strict=True)],  # [S][N] -> [N][S]
+            list(g.failed),
+            g.data_source,
         )
 
     def _try_answer(self, body: P.PollVersion | P.GetBatch):
@@ -261,7 +296,11 @@ class BufferServer:
             sample_group=[g.group_id for g, _ in samples],
             prompt_lengths=[len(g.prompt_ids) for g, _ in samples],
             response_lengths=[len(g.responses[i]) for g, i in samples],
-            rewards=[g.rewards[i] for g, i in samples],
+            scores=[g.scores[i] for g, i in samples],
+            failed=[sum(col) for col in zip(*(g.failed for g in groups), strict=True)]
+            if groups
+            else [0] * self.num_sources,
+            data_sources=[g.data_source for g in groups],
             prompt_ids=frames.add(cat([g.prompt_ids for g, _ in samples], np.int32)),
             response_ids=frames.add(cat([g.responses[i] for g, i in samples], np.int32)),
             behav_logprobs=frames.add(cat([g.behav_logprobs[i] for g, i in samples], np.float32)),
@@ -272,6 +311,7 @@ class BufferServer:
             wait_s=0.0,
             gen_blocked_s=blocked_s,
             gen_idle_s=idle_s,
+            prompts_skipped=self.prompts_skipped,
         )
         return body, frames
 

@@ -22,7 +22,7 @@ import pyarrow as pa
 
 from buffer.ledger import StoredGroup
 
-FORMAT = 1
+FORMAT = 2
 LEDGER_FILE = "ledger.json"
 ROLLOUTS_FILE = "rollouts.arrow"
 
@@ -80,10 +80,9 @@ def rollouts_to_arrow(groups: list[StoredGroup]) -> bytes:
             "response_ids": _nested(flat("responses", np.int32), lengths, counts),
             "behav_logprobs": _nested(flat("behav_logprobs", np.float32), lengths, counts),
             "token_versions": _nested(flat("token_versions", np.int32), lengths, counts),
-            "rewards": pa.ListArray.from_arrays(
-                pa.array(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)),
-                pa.array([r for g in groups for r in g.rewards], pa.float64()),
-            ),
+            "scores": pa.array([g.scores for g in groups], pa.list_(pa.list_(pa.float64()))),
+            "failed": pa.array([g.failed for g in groups], pa.list_(pa.int64())),
+            "data_source": pa.array([g.data_source for g in groups], pa.string()),
         }
     )
     sink = io.BytesIO()
@@ -127,14 +126,18 @@ def rollouts_from_arrow(data: bytes) -> list[StoredGroup]:
             responses=[a.astype(np.int32) for a in responses[i]],
             behav_logprobs=[a.astype(np.float32) for a in logprobs[i]],
             token_versions=[a.astype(np.int32) for a in versions[i]],
-            rewards=list(rewards),
+            scores=scores,
+            failed=failed,
+            data_source=source,
         )
-        for i, (gid, pid, gen, rewards) in enumerate(
+        for i, (gid, pid, gen, scores, failed, source) in enumerate(
             zip(
                 rows("group_id"),
                 rows("prompt_id"),
                 rows("generator_id"),
-                rows("rewards"),
+                rows("scores"),
+                rows("failed"),
+                rows("data_source"),
                 strict=True,
             )
         )

@@ -44,6 +44,27 @@ def start_engine(cfg: RunConfig, model_path: str, seed: int):
     return AsyncLLM.from_engine_args(args)
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """What one request samples with (training or evaluation settings)."""
+
+    max_tokens: int
+    temperature: float  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    stop: tuple[str, ...] = ()
+
+    @classmethod
+    def training(cls, cfg: RunConfig) -> Sampling:
+        g = cfg.generators
+        return cls(g.max_new_tokens, g.temperature, g.top_p, g.top_k, tuple(g.stop))
+
+    @classmethod
+    def evaluation(cls, cfg: RunConfig) -> Sampling:
+        g = cfg.generators
+        return cls(g.max_new_tokens, cfg.eval.temperature, g.top_p, g.top_k, tuple(g.stop))
+
+
 @dataclass
 class Sample:
     """One streamed completion; ``versions[i]`` is the weights version that produced token i."""
@@ -51,6 +72,7 @@ class Sample:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    prompt_ids: list[int] | None = None  # the prompt as the engine received it (first request)
 
 
 class Engine:
@@ -86,7 +108,7 @@ class Engine:
         else:
             log.info("left the weight-sync group")
 
-    async def sample(self, prompt_ids: list[int]) -> Sample:
+    async def sample(self, prompt_ids: list[int], how: Sampling) -> Sample:
         """Stream one completion, stamping each token with the version loaded when it arrived.
 
         A token computed just before a swap but read just after would be stamped new and
@@ -101,19 +123,24 @@ class Engine:
         from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        g = self.cfg.generators
         out = Sample()
         while True:
             params = SamplingParams(
-                max_tokens=g.max_new_tokens - len(out.token_ids),
-                temperature=g.temperature,
+                max_tokens=how.max_tokens - len(out.token_ids),
+                temperature=how.temperature,
+                top_p=how.top_p,
+                top_k=how.top_k,
+                stop=list(how.stop) or None,
                 logprobs=0,
-                detokenize=False,
+                # Stop strings are matched on text; token ids alone need no detokenizer.
+                detokenize=bool(how.stop),
                 output_kind=RequestOutputKind.DELTA,
             )
             prompt = TokensPrompt(prompt_token_ids=prompt_ids + out.token_ids)
             finish_reason = None
             async for chunk in self.llm.generate(prompt, params, f"s{next(self.ids)}"):
+                if out.prompt_ids is None:
+                    out.prompt_ids = chunk.prompt_token_ids
                 comp = chunk.outputs[0]
                 version = self.loaded_version
                 for tok, lp in zip(comp.token_ids, comp.logprobs or [], strict=True):
@@ -121,7 +148,7 @@ class Engine:
                     out.logprobs.append(lp[tok].logprob)
                     out.versions.append(version)
                 finish_reason = comp.finish_reason
-            if finish_reason != "abort" or len(out.token_ids) >= g.max_new_tokens:
+            if finish_reason != "abort" or len(out.token_ids) >= how.max_tokens:
                 return out
             # Aborted by a swap: continue once the new weights are in.
             await self.running.wait()

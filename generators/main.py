@@ -2,7 +2,12 @@
 
     start_engine -> join_weight_sync -> (concurrently)
         sample loop:   fetch_prompts -> generate_group -> score -> push_rollouts
+                                     -> evaluate_group -> score -> push_eval
         weight loop:   poll_version  -> apply_update (pause, receive, resume)
+
+Scoring never runs on this event loop: rule rewards go to a scoring process of the
+generator's own and model rewards to their reward-model processes (verl_async/rewards);
+the loop only awaits their replies, each with a deadline.
 
 The engine does continuous batching: up to ``max_inflight_groups * group_size`` requests
 are in flight, and a group's samples are separate requests so they share the prompt's
@@ -19,10 +24,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from generators.engine import Engine, pack_samples, start_engine
+from generators.engine import Engine, Sampling, pack_samples, start_engine
 from verl_async import protocol as P
+from verl_async.rewards.scorer import GroupScores, Scorer
 from verl_async.runtime import RunContext
-from verl_async.tasks import reward_fn
 from verl_async.transport import AsyncBufferClient
 from verl_async.weight_sync import resolve_backend
 
@@ -34,9 +39,8 @@ class Finished:
     """A sampled and scored group waiting to be pushed."""
 
     group: P.PromptGroup
-    prompt_ids: list[int]
     packed: tuple  # pack_samples(...): tokens, logprobs, versions, lengths
-    rewards: list[float]
+    scored: GroupScores
     seconds: float
     acknowledged: asyncio.Event
 
@@ -46,12 +50,14 @@ class Finished:
             group_id=self.group.group_id,
             prompt_id=self.group.prompt_id,
             generator_id=generator_id,
-            prompt_ids=frames.add(np.asarray(self.prompt_ids, np.int32)),
+            prompt_ids=frames.add(np.asarray(self.group.prompt_ids, np.int32)),
             response_ids=frames.add(tokens),
             behav_logprobs=frames.add(logprobs),
             token_versions=frames.add(versions),
             lengths=lengths,
-            rewards=self.rewards,
+            scores=self.scored.scores,
+            failed=self.scored.failed,
+            data_source=self.group.data_source,
             gen_seconds=self.seconds,
         )
 
@@ -71,9 +77,9 @@ class RolloutPusher:
         self.outbox: list[Finished] = []
         self.flusher: asyncio.Task | None = None
 
-    async def push(self, group, prompt_ids, packed, rewards, seconds) -> None:
+    async def push(self, group, packed, scored, seconds) -> None:
         done = asyncio.Event()
-        self.outbox.append(Finished(group, prompt_ids, packed, rewards, seconds, done))
+        self.outbox.append(Finished(group, packed, scored, seconds, done))
         if self.flusher is None or self.flusher.done():
             self.flusher = asyncio.create_task(self._flush())
             if self.on_error is not None:
@@ -91,13 +97,17 @@ class RolloutPusher:
 
 
 class Generator:
-    def __init__(self, ctx: RunContext, index: int, engine: Engine, tokenizer) -> None:
+    def __init__(
+        self, ctx: RunContext, index: int, engine: Engine, tokenizer, scorer: Scorer
+    ) -> None:
         self.ctx = ctx
         self.cfg = ctx.cfg
         self.index = index
         self.engine = engine
         self.tokenizer = tokenizer
-        self.reward = reward_fn(self.cfg.data.task)
+        self.scorer = scorer
+        self.train_sampling = Sampling.training(self.cfg)
+        self.eval_sampling = Sampling.evaluation(self.cfg)
         self.buffer = AsyncBufferClient(ctx.endpoints.buffer, self.cfg.buffer.request_timeout_s)
         self.stop = False
         self.failure: BaseException | None = None  # first error of a group or the weight loop
@@ -120,11 +130,11 @@ class Generator:
     # ------------------------------------------------------------------ sampling
 
     async def sample_loop(self) -> None:
-        exhausted = False
         while not self.stop:
             room = self.cfg.generators.max_inflight_groups - len(self.inflight)
             fetched = 0
-            if room > 0 and not exhausted:
+            # Asked even once training prompts are exhausted: evaluation prompts may come.
+            if room > 0:
                 reply, _ = await self.buffer.request(
                     P.GetPrompts(
                         generator_id=self.index,
@@ -132,10 +142,11 @@ class Generator:
                         max_groups=room,
                     )
                 )
-                exhausted = reply.exhausted
                 for group in reply.groups:
                     self._spawn(self.generate_group(group))
-                fetched = len(reply.groups)
+                for group in reply.eval_groups:
+                    self._spawn(self.evaluate_group(reply.eval_round, group))
+                fetched = len(reply.groups) + len(reply.eval_groups)
             if fetched == 0:
                 await self._wait_for_room()
 
@@ -157,17 +168,35 @@ class Generator:
         await asyncio.wait(waiters, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
         waiters[0].cancel()
 
+    async def sample_and_score(self, group: P.PromptGroup, n: int, how: Sampling):
+        """``n`` samples of the group's prompt (the token ids the buffer rendered), scored."""
+        samples = await asyncio.gather(
+            *(self.engine.sample(group.prompt_ids, how) for _ in range(n))
+        )
+        texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
+        return samples, texts, await self.scorer.score_group(group, texts)
+
     async def generate_group(self, group: P.PromptGroup) -> None:
         t0 = time.perf_counter()
-        prompt_ids = self.tokenizer(group.prompt)["input_ids"]
         n = self.cfg.generators.group_size
-        samples = await asyncio.gather(*(self.engine.sample(prompt_ids) for _ in range(n)))
-        texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
-        rewards = [self.reward(group.answer, t) for t in texts]
-        await self.push_rollouts(group, prompt_ids, samples, rewards, time.perf_counter() - t0)
+        samples, _, scored = await self.sample_and_score(group, n, self.train_sampling)
+        await self.pusher.push(group, pack_samples(samples), scored, time.perf_counter() - t0)
 
-    async def push_rollouts(self, group, prompt_ids, samples, rewards, seconds) -> None:
-        await self.pusher.push(group, prompt_ids, pack_samples(samples), rewards, seconds)
+    async def evaluate_group(self, round_: int, group: P.PromptGroup) -> None:
+        """An evaluation prompt: sampled with the eval settings, only its scores go back."""
+        samples, texts, scored = await self.sample_and_score(
+            group, self.cfg.eval.samples, self.eval_sampling
+        )
+        result = P.EvalResult(
+            group_id=group.group_id,
+            data_source=group.data_source,
+            scores=scored.scores,
+            failed=scored.failed,
+            response_lengths=[len(s.token_ids) for s in samples],
+            versions=[s.versions[0] if s.versions else self.engine.loaded_version for s in samples],
+            example=texts[0],
+        )
+        await self.buffer.request(P.PushEval(round=round_, results=[result]))
 
     # ------------------------------------------------------------------ weights
 
@@ -197,6 +226,21 @@ class Generator:
                 )
 
 
+def make_scorer(ctx: RunContext) -> Scorer:
+    """Rule sources in a scoring process of this generator's; model sources through a
+    client of each reward-model process (endpoints chosen by the launcher)."""
+    clients = {}
+    if ctx.endpoints.reward_models:
+        from verl_async.rewards.model_client import RewardModelClient
+
+        timeout_s = ctx.cfg.rewards.timeout_s
+        clients = {
+            name: RewardModelClient(endpoint, timeout_s)
+            for name, endpoint in ctx.endpoints.reward_models.items()
+        }
+    return Scorer(ctx.run_dir, ctx.cfg.rewards, clients)
+
+
 async def run_generator(ctx: RunContext, index: int) -> None:
     from transformers import AutoTokenizer
 
@@ -215,7 +259,11 @@ async def run_generator(ctx: RunContext, index: int) -> None:
             resolve_backend(cfg.weights.backend),
         )
         tokenizer = AutoTokenizer.from_pretrained(ep.model_path)
-        await Generator(ctx, index, engine, tokenizer).run()
+        scorer = make_scorer(ctx)
+        try:
+            await Generator(ctx, index, engine, tokenizer, scorer).run()
+        finally:
+            scorer.close()
     finally:
         try:
             await engine.leave_weight_sync()

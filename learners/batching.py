@@ -25,7 +25,9 @@ class TrainBatch:
     loss_mask: torch.Tensor  # [N, T-1] float, 1 where target position t+1 is a response token
     behav_logprobs: torch.Tensor  # [N, T-1] float32, aligned with targets input_ids[:, 1:]
     token_versions: torch.Tensor  # [N, T-1] long (-1 outside responses)
-    rewards: torch.Tensor  # [N] float32
+    scores: np.ndarray  # [N, S] float32 raw score per reward source (NaN: not routed)
+    failed: list[int]  # [S] samples whose source failed (scored with its default)
+    sample_sources: list[str]  # [N] data_source of each sample
     group_index: torch.Tensor  # [N] long
     response_lengths: torch.Tensor  # [N] long
     dropped_stale: int
@@ -37,6 +39,9 @@ class TrainBatch:
     group_ids: list[int]  # the step's groups (audit trail: trained.jsonl)
     group_prompts: list[int]  # prompt index of each group
     sample_digests: list[int]  # crc32 of each sample's (group, index), tokens, logprobs, versions
+    prompts_skipped: int  # prompts the buffer left out as too long
+    # [N] combined reward of each sample, set by the learner's compute_advantages
+    rewards: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> TrainBatch:
         moved = {
@@ -78,6 +83,7 @@ def collate(msg: P.Batch, frames: list, pad_id: int, pin: bool = False) -> Train
         vers_pad[i, p - 1 : p - 1 + r] = vers[ro : ro + r]
         po += p
         ro += r
+    source_of = dict(zip(msg.group_ids, msg.data_sources, strict=True))
     t = lambda a: torch.from_numpy(a).pin_memory() if pin else torch.from_numpy(a)  # noqa: E731
     return TrainBatch(
         step=msg.step,
@@ -86,7 +92,9 @@ def collate(msg: P.Batch, frames: list, pad_id: int, pin: bool = False) -> Train
         loss_mask=t(loss_mask),
         behav_logprobs=t(behav_pad),
         token_versions=t(vers_pad),
-        rewards=torch.tensor(msg.rewards, dtype=torch.float32),
+        scores=np.asarray(msg.scores, np.float32).reshape(n, len(msg.failed)),
+        failed=list(msg.failed),
+        sample_sources=[source_of[g] for g in msg.sample_group],
         group_index=torch.tensor(msg.sample_group, dtype=torch.long),
         response_lengths=torch.tensor(msg.response_lengths, dtype=torch.long),
         dropped_stale=msg.dropped_stale,
@@ -98,6 +106,7 @@ def collate(msg: P.Batch, frames: list, pad_id: int, pin: bool = False) -> Train
         group_ids=list(msg.group_ids),
         group_prompts=list(msg.group_prompts),
         sample_digests=digests,
+        prompts_skipped=msg.prompts_skipped,
     )
 
 

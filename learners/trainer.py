@@ -21,13 +21,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from learners import checkpointing
 from learners.batching import Prefetcher, TrainBatch
+from learners.evaluation import EvalTracker
 from verl_async import protocol as P
 from verl_async.algorithms import grpo_advantages, kl_k3, policy_loss, token_entropy, token_logprobs
 from verl_async.metrics import MetricsWriter
+from verl_async.rewards.aggregate import RunningStats, combine, summarize
 from verl_async.runtime import RunContext
 from verl_async.transport import BufferClient
 from verl_async.weight_sync import (
@@ -57,12 +60,24 @@ class StepStats:
     grad_norm: float
 
 
-def logits_of(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=input_ids, attention_mask=attention_mask).logits  # [N, T, V]
+def logits_of(
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """Logits divided by the sampling temperature: log-probs of the distribution the
+    generators sampled from (vLLM's processed logprobs are taken after the same division)."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # [N, T, V]
+    return logits if temperature == 1.0 else logits / temperature
 
 
 def policy_update(
-    model, optimizer, batch: TrainBatch, advantages: torch.Tensor, algo, backward, clip_grad
+    model,
+    optimizer,
+    batch: TrainBatch,
+    advantages: torch.Tensor,
+    algo,
+    backward,
+    clip_grad,
+    temperature: float = 1.0,
 ) -> StepStats:
     """pi_prox recomputation, then ``algo.minibatches`` optimizer steps over the batch.
 
@@ -70,7 +85,7 @@ def policy_update(
     learner; plain torch under FSDP2 in benchmarks/gpu.py), so both run this exact code.
     """
     with torch.no_grad():
-        logits = logits_of(model, batch.input_ids, batch.attention_mask)
+        logits = logits_of(model, batch.input_ids, batch.attention_mask, temperature)
         logp_prox = token_logprobs(logits, batch.input_ids[:, 1:])  # [N, T-1]
         entropy = token_entropy(logits)
         del logits
@@ -79,7 +94,7 @@ def policy_update(
     totals = dict(loss=0.0, clip=0.0, w_mean=0.0, w_max=0.0, w_clip=0.0, grad=0.0)
     chunks = torch.arange(len(advantages), device=mask.device).chunk(algo.minibatches)
     for idx in chunks:
-        logits = logits_of(model, batch.input_ids[idx], batch.attention_mask[idx])
+        logits = logits_of(model, batch.input_ids[idx], batch.attention_mask[idx], temperature)
         logp = token_logprobs(logits, batch.input_ids[idx, 1:])
         out = policy_loss(
             logp,
@@ -192,6 +207,9 @@ class Learner:
         self.trail = open(ctx.path / "trained.jsonl", "a", buffering=1) if main else None  # noqa: SIM115 (closed in finish())
         self.t_start = time.monotonic()
         self.gen_clock = (0.0, 0.0)  # (blocked, idle) generator seconds at the previous batch
+        # Running statistics of each reward source (``normalize: running``); checkpointed.
+        self.running = {src.name: RunningStats() for src in self.cfg.rewards.sources}
+        self.evals = EvalTracker(self.cfg, self.client, ctx.path) if main else None
         ck = self.cfg.checkpoint
         self.checkpointer = (
             checkpointing.Checkpointer(
@@ -212,6 +230,9 @@ class Learner:
         steps = range(self.steps_done, self.cfg.trainer.total_steps)
         prefill_s = None if resumed else self.wait_for_prefill()
         batches = self.open_prefetcher(steps)
+        self.maybe_evaluate()  # the weights before any (further) training, all of it at
+        if self.evals is not None:  # this version: the baseline every later round is read against
+            self.evals.finish(self.cfg.eval.timeout_s)
         try:
             for step in steps:
                 t0 = time.monotonic()
@@ -221,6 +242,7 @@ class Learner:
                 sync_s = self.publish_weights()
                 self.steps_done = step + 1
                 self.record_trail(step, batch)
+                self.maybe_evaluate()
                 ckpt_s = self.checkpoint()
                 step_s = time.monotonic() - t0
                 self.log_metrics(step, batch, stats, sync_s, step_s, prefill_s, ckpt_s)
@@ -253,6 +275,12 @@ class Learner:
         self.t_start = time.monotonic()
         return seconds
 
+    def maybe_evaluate(self) -> None:
+        """Start an evaluation round when one is due; write the rounds that have finished."""
+        if self.evals is not None:
+            self.evals.maybe_start(self.steps_done, self.version)
+            self.evals.poll()
+
     def open_prefetcher(self, steps: range) -> Prefetcher:
         cfg = self.cfg
         return Prefetcher(
@@ -270,9 +298,11 @@ class Learner:
         return batches.get().to(self.acc.device)
 
     def compute_advantages(self, batch: TrainBatch) -> torch.Tensor:
-        adv = grpo_advantages(
-            batch.rewards.cpu(), batch.group_index.cpu(), self.cfg.algo.normalize_adv_std
-        )
+        """Combine the reward sources into one reward per sample, then GRPO advantages."""
+        group_index = batch.group_index.cpu()
+        rewards = combine(batch.scores, group_index.numpy(), self.cfg.rewards.sources, self.running)
+        batch.rewards = torch.from_numpy(np.asarray(rewards, np.float32))  # [N]
+        adv = grpo_advantages(batch.rewards, group_index, self.cfg.algo.normalize_adv_std)
         return adv.to(self.acc.device)  # [N]
 
     def update(self, batch: TrainBatch, advantages: torch.Tensor) -> StepStats:
@@ -287,6 +317,7 @@ class Learner:
             clip_grad=lambda: self.acc.clip_grad_norm_(
                 self.model.parameters(), self.cfg.learner.grad_clip
             ),
+            temperature=self.cfg.generators.temperature,
         )
         if self.scheduler is not None:
             self.scheduler.step()
@@ -337,6 +368,7 @@ class Learner:
             "wall_s": time.monotonic() - self.t_start,
             "gen_blocked_s": self.gen_clock[0],
             "gen_idle_s": self.gen_clock[1],
+            "reward_running": {k: v.state_dict() for k, v in self.running.items()},
         }
         snap = checkpointing.take_snapshot(
             stager,
@@ -364,6 +396,9 @@ class Learner:
         self.version = info["version"]
         self.t_start = time.monotonic() - info["wall_s"]
         self.gen_clock = (info["gen_blocked_s"], info["gen_idle_s"])
+        for name, state in info.get("reward_running", {}).items():
+            if name in self.running:
+                self.running[name].load_state_dict(state)
         log.info("resumed from %s: step %d, version %d", ckpt.name, self.steps_done, self.version)
         return True
 
@@ -393,6 +428,16 @@ class Learner:
         row["gen_blocked_s"] = round(batch.gen_blocked_s - self.gen_clock[0], 4)
         row["gen_idle_s"] = round(batch.gen_idle_s - self.gen_clock[1], 4)
         self.gen_clock = (batch.gen_blocked_s, batch.gen_idle_s)
+        row["prompts_skipped"] = batch.prompts_skipped
+        row.update(
+            summarize(
+                batch.scores,
+                batch.rewards.numpy(),
+                batch.failed,
+                batch.sample_sources,
+                self.cfg.rewards.sources,
+            )
+        )
         if self.broadcast is not None:
             row["weight_broadcast_s"] = round(self.broadcast.seconds, 4)  # last finished one
         if prefill_s is not None:
@@ -431,6 +476,8 @@ class Learner:
     def finish(self) -> None:
         if self.broadcast is not None:
             self.broadcast.wait()
+        if self.evals is not None:
+            self.evals.finish(self.cfg.eval.timeout_s)  # the final weights' evaluation
         if self.checkpointer is not None:
             self.checkpointer.wait()  # the last checkpoint is committed before we say done
         if self.acc.is_main_process:
@@ -531,11 +578,16 @@ def run_learner(ctx: RunContext) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cfg = ctx.cfg
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    # Parameters and optimizer state stay float32; a bf16/fp16 model.dtype is the compute
+    # dtype (autocast), as the generators' weights are (published tensors are cast on load).
+    mixed = {"float32": "no", "bfloat16": "bf16", "float16": "fp16"}[cfg.model.dtype]
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed)
     torch.manual_seed(cfg.learner.seed)
     ep = ctx.endpoints
-    dtype = getattr(torch, cfg.model.dtype)
-    model = AutoModelForCausalLM.from_pretrained(ep.model_path, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(ep.model_path, dtype=torch.float32)
+    if cfg.learner.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
     pad_id = AutoTokenizer.from_pretrained(ep.model_path).pad_token_id or 0
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.learner.lr, weight_decay=cfg.learner.weight_decay

@@ -54,12 +54,135 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    task: Literal["max_digit"] = "max_digit"
-    """Task: prompt formatting and the 0-1 reward (see verl_async/tasks)."""
     path: str = "configs/data/max_digit.jsonl"
-    """Prompt file (JSONL or Parquet) with ``prompt`` and ``answer`` columns; relative paths are from the working directory."""
+    """Training prompts, JSONL or Parquet, relative to the working directory. Either verl's
+    layout (``prompt``: list of chat messages, ``data_source``, ``reward_model.ground_truth``,
+    ``extra_info``) or the plain one (``prompt``: string, ``answer``). See docs/data.md."""
+    val_path: str = ""
+    """Validation prompts in the same layouts, scored by ``eval`` (empty: no evaluation)."""
     shuffle_seed: int = 0
-    """Seed of the per-epoch prompt order."""
+    """Seed of the per-epoch prompt order (every epoch is a new permutation)."""
+    chat_template: bool = True
+    """Render prompts with the tokenizer's chat template (a plain string prompt becomes one
+    user message). False, or a tokenizer without a template: string prompts go in as they are."""
+    max_prompt_length: NonNegInt = 0
+    """Prompts longer than this many tokens (after the template) are skipped and counted in
+    the buffer's log and ``prompts_skipped``; 0 means generators.max_model_len - max_new_tokens."""
+
+
+class ExactReward(_Section, tag="exact", tag_field="kind", kw_only=True):
+    """1 when the extracted response equals the ground truth (both stripped), else 0."""
+
+    name: str
+    """Name of the source in metrics (``reward/<name>``)."""
+    weight: float = 1.0
+    """Weight of the source in the combined reward."""
+    normalize: Literal["none", "group", "running"] = "none"
+    """Scale before weighting: none; group = (x - group mean) / (group std + 1e-6);
+    running = (x - mean) / (std + 1e-6) over every score of this source so far."""
+    default_score: float = 0.0
+    """Score when the source fails (raises, times out, or its process dies)."""
+    data_sources: list[str] = []
+    """Score only prompts whose ``data_source`` is listed (empty: every prompt)."""
+    extract: Literal["all", "first_word", "last_word"] = "all"
+    """Which part of the response is compared."""
+    case_sensitive: bool = True
+    """Compare with case (false: both sides lower-cased)."""
+
+
+class FormatReward(_Section, tag="format", tag_field="kind", kw_only=True):
+    """1 when the response matches ``pattern`` (Python regex, DOTALL), else 0."""
+
+    name: str
+    """Name of the source in metrics (``reward/<name>``)."""
+    weight: float = 1.0
+    """Weight of the source in the combined reward."""
+    normalize: Literal["none", "group", "running"] = "none"
+    """Scale before weighting (see ``exact``)."""
+    default_score: float = 0.0
+    """Score when the source fails."""
+    data_sources: list[str] = []
+    """Score only prompts whose ``data_source`` is listed (empty: every prompt)."""
+    pattern: str
+    """Regular expression the response must match."""
+    full_match: bool = False
+    """Require the whole response (stripped) to match, instead of a match anywhere."""
+
+
+class MathReward(_Section, tag="math", tag_field="kind", kw_only=True):
+    """1 when the response's final answer equals the ground truth under ``math-verify``
+    (GSM8K ``####``, ``\\boxed{}``, fractions, LaTeX), numeric comparison as the fallback."""
+
+    name: str
+    """Name of the source in metrics (``reward/<name>``)."""
+    weight: float = 1.0
+    """Weight of the source in the combined reward."""
+    normalize: Literal["none", "group", "running"] = "none"
+    """Scale before weighting (see ``exact``)."""
+    default_score: float = 0.0
+    """Score when the source fails."""
+    data_sources: list[str] = []
+    """Score only prompts whose ``data_source`` is listed (empty: every prompt)."""
+
+
+class FunctionReward(_Section, tag="function", tag_field="kind", kw_only=True):
+    """A user function ``module:function`` called with keyword arguments ``prompt``,
+    ``response``, ``ground_truth``, ``data_source``, ``extra_info`` (+ ``kwargs``), returning
+    a float. It runs in a scoring process of its own, never on the engine's event loop."""
+
+    name: str
+    """Name of the source in metrics (``reward/<name>``)."""
+    weight: float = 1.0
+    """Weight of the source in the combined reward."""
+    normalize: Literal["none", "group", "running"] = "none"
+    """Scale before weighting (see ``exact``)."""
+    default_score: float = 0.0
+    """Score when the source fails."""
+    data_sources: list[str] = []
+    """Score only prompts whose ``data_source`` is listed (empty: every prompt)."""
+    function: str
+    """Import path ``package.module:function`` (the module must be importable)."""
+    kwargs: dict[str, Any] = {}
+    """Extra keyword arguments passed on every call."""
+
+
+class ModelReward(_Section, tag="model", tag_field="kind", kw_only=True):
+    """A Hugging Face ``AutoModelForSequenceClassification`` (one output) scoring the
+    chat-templated conversation (prompt messages + response), served by a reward-model
+    process of its own on ``placement.reward_model_devices``."""
+
+    name: str
+    """Name of the source in metrics (``reward/<name>``)."""
+    weight: float = 1.0
+    """Weight of the source in the combined reward."""
+    normalize: Literal["none", "group", "running"] = "none"
+    """Scale before weighting (see ``exact``)."""
+    default_score: float = 0.0
+    """Score when the source fails."""
+    data_sources: list[str] = []
+    """Score only prompts whose ``data_source`` is listed (empty: every prompt)."""
+    path: str
+    """Reward-model directory (config.json, weights, tokenizer)."""
+    batch_size: PosInt = 32
+    """Most conversations per forward pass."""
+    max_length: PosInt = 1024
+    """Conversations are truncated (from the left) to this many tokens."""
+
+
+RewardSource = ExactReward | FormatReward | MathReward | FunctionReward | ModelReward
+
+
+def _default_sources() -> list[RewardSource]:
+    return [ExactReward(name="correct", extract="first_word")]
+
+
+class RewardsConfig(_Section):
+    sources: list[RewardSource] = msgspec.field(default_factory=_default_sources)
+    """Reward sources; a sample's reward is the weighted sum of their (normalised) scores
+    over the sources routed to its ``data_source``."""
+    timeout_s: PosFloat = 30.0
+    """A source that has not scored a group after this long gives its default_score (the
+    scoring process is restarted); counted in ``reward_failed/<name>``."""
 
 
 class BufferConfig(_Section):
@@ -79,7 +202,14 @@ class GeneratorConfig(_Section):
     max_new_tokens: PosInt = 6
     """Generation length cap."""
     temperature: PosFloat = 1.0
-    """Sampling temperature (1.0 keeps behaviour logprobs comparable to the learner's)."""
+    """Sampling temperature; the learner computes its log-probs at the same temperature."""
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    """Nucleus sampling (1.0: off). pi_behav is then the truncated distribution; the
+    off-policy correction absorbs the difference from the learner's."""
+    top_k: NonNegInt = 0
+    """Sample from the k most likely tokens (0: off)."""
+    stop: list[str] = []
+    """Stop strings (not included in the response); the tokenizer's EOS always stops."""
     max_inflight_groups: PosInt = 8
     """Prompt groups a generator keeps in its engine at once (continuous batching depth)."""
     kv_cache_mb: PosInt = 64
@@ -107,6 +237,8 @@ class LearnerConfig(_Section):
     """Torch seed of the learner."""
     warmup_steps: NonNegInt = 0
     """Linear learning-rate warm-up over this many steps, then constant (0: constant from the start)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (less memory, ~30 % more compute)."""
 
 
 class AlgoConfig(_Section):
@@ -122,6 +254,20 @@ class AlgoConfig(_Section):
     """Optimizer steps per batch (the batch is split into this many minibatches)."""
     normalize_adv_std: bool = True
     """Divide group-relative advantages by the group std (GRPO); false gives Dr. GRPO."""
+
+
+class EvalConfig(_Section):
+    every_steps: NonNegInt = 0
+    """Score ``data.val_path`` with the current weights every N steps, before the first step
+    and after the last (0: never). Generators sample the eval prompts beside training work."""
+    samples: PosInt = 1
+    """Samples per eval prompt."""
+    temperature: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """Eval sampling temperature (0: greedy)."""
+    max_prompts: NonNegInt = 0
+    """Evaluate at most this many validation prompts, the first ones (0: all)."""
+    timeout_s: PosFloat = 600.0
+    """The learner waits at most this long for the final evaluation before it stops."""
 
 
 class StalenessConfig(_Section):
@@ -155,6 +301,8 @@ class PlacementConfig(_Section):
     """Device of each generator: 'cpu', 'cpu:N' (pin to core N) or 'cuda:N'; reused round-robin."""
     learner_devices: list[str] = msgspec.field(default_factory=lambda: ["cpu:1"])
     """Device of each learner rank, same forms as generator_devices."""
+    reward_model_devices: list[str] = msgspec.field(default_factory=lambda: ["cpu"])
+    """Device of each ``model`` reward source's process, same forms; reused round-robin."""
 
 
 class TrainerConfig(_Section):
@@ -190,6 +338,8 @@ class RunConfig(_Section):
     generators: GeneratorConfig = msgspec.field(default_factory=GeneratorConfig)
     learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
     algo: AlgoConfig = msgspec.field(default_factory=AlgoConfig)
+    rewards: RewardsConfig = msgspec.field(default_factory=RewardsConfig)
+    eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
     staleness: StalenessConfig = msgspec.field(default_factory=StalenessConfig)
     weights: WeightsConfig = msgspec.field(default_factory=WeightsConfig)
     placement: PlacementConfig = msgspec.field(default_factory=PlacementConfig)
@@ -207,10 +357,11 @@ def _explain(err: msgspec.ValidationError) -> str:
     where = match.group(1) if match else ""
     what = _PATH_RE.sub("", msg)
     unknown = re.match(r"Object contains unknown field `(.+)`", what)
+    where = re.sub(r"\[(\d+)\]", r".\1", where)
     if unknown:
         key = f"{where}.{unknown.group(1)}" if where else unknown.group(1)
         return f"unknown config key '{key}'"
-    where = re.sub(r"\[(\d+)\]", r".\1", where) or "<root>"
+    where = where or "<root>"
     return f"bad value for '{where}': {what[0].lower()}{what[1:]}"
 
 
@@ -277,6 +428,7 @@ def check_consistency(cfg: RunConfig) -> None:
     for key, devices in (
         ("placement.generator_devices", cfg.placement.generator_devices),
         ("placement.learner_devices", cfg.placement.learner_devices),
+        ("placement.reward_model_devices", cfg.placement.reward_model_devices),
     ):
         for dev in devices:
             if not re.fullmatch(r"cpu(:\d+)?|cuda:\d+", dev):
@@ -288,11 +440,52 @@ def check_consistency(cfg: RunConfig) -> None:
             "bad value for 'trainer.prefill_steps': at most staleness.max + 1 and "
             "trainer.total_steps (admission would never let the buffer fill that far)"
         )
+    check_rewards(cfg.rewards)
+    g = cfg.generators
+    if (
+        cfg.data.max_prompt_length
+        and cfg.data.max_prompt_length + g.max_new_tokens > g.max_model_len
+    ):
+        raise ConfigError(
+            "bad value for 'data.max_prompt_length': plus generators.max_new_tokens it exceeds "
+            f"generators.max_model_len ({g.max_model_len})"
+        )
+    if cfg.eval.every_steps and not cfg.data.val_path:
+        raise ConfigError("bad value for 'eval.every_steps': evaluation needs data.val_path")
     if cfg.buffer.host not in ("127.0.0.1", "localhost", "::1"):
         raise ConfigError(
             "bad value for 'buffer.host': only loopback is supported until CurveZMQ "
             "authentication lands; run multi-node jobs through an SSH tunnel for now"
         )
+
+
+def check_rewards(rewards: RewardsConfig) -> None:
+    """Names unique, at least one source, regexes and import paths well formed."""
+    if not rewards.sources:
+        raise ConfigError("bad value for 'rewards.sources': at least one reward source is needed")
+    names = [src.name for src in rewards.sources]
+    for i, src in enumerate(rewards.sources):
+        key = f"rewards.sources.{i}"
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", src.name):
+            raise ConfigError(
+                f"bad value for '{key}.name': '{src.name}' may use only letters, digits, "
+                "'_', '.' and '-' (it names metrics)"
+            )
+        if src.name in names[:i]:
+            raise ConfigError(f"bad value for '{key}.name': '{src.name}' names two sources")
+        if isinstance(src, FormatReward):
+            try:
+                re.compile(src.pattern)
+            except re.error as exc:
+                raise ConfigError(f"bad value for '{key}.pattern': not a regex ({exc})") from None
+        if isinstance(src, FunctionReward) and not re.fullmatch(
+            r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", src.function
+        ):
+            raise ConfigError(
+                f"bad value for '{key}.function': '{src.function}' is not 'package.module:function'"
+            )
+        if isinstance(src, ModelReward) and not src.path:
+            raise ConfigError(f"bad value for '{key}.path': a model reward needs its directory")
 
 
 def to_yaml(cfg: RunConfig) -> str:

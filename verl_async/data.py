@@ -1,37 +1,157 @@
-"""Prompt datasets (JSONL or Parquet, read with pyarrow) and the per-epoch prompt order."""
+"""Prompt datasets (JSONL or Parquet, read with pyarrow), rendering, and the epoch order.
+
+Two layouts are read, told apart by their columns:
+
+- verl's: ``prompt`` is a list of chat messages ``{"role", "content"}``, ``data_source``
+  routes rewards, ``reward_model.ground_truth`` is the reference answer and ``extra_info``
+  is handed to reward functions as it is;
+- plain: ``prompt`` is a string and ``answer`` the reference (``data_source`` and
+  ``extra_info`` optional here too).
+
+``render_prompts`` turns records into the token ids the engine receives: message lists go
+through the tokenizer's chat template with the generation prompt appended, which is what
+``apply_chat_template(messages, add_generation_prompt=True)`` gives; prompts longer than
+the limit are skipped and counted, never truncated (a cut prompt asks another question).
+"""
 
 from __future__ import annotations
 
+import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from verl_async.config import ConfigError
+
+log = logging.getLogger("verl_async.data")
+
+DEFAULT_SOURCE = "default"
 
 
 @dataclass(frozen=True)
 class PromptRecord:
-    prompt: str
-    answer: str
+    prompt: str | list[dict[str, str]]  # a string, or chat messages
+    ground_truth: str
+    data_source: str = DEFAULT_SOURCE
+    extra_info: dict[str, Any] = field(default_factory=dict)
+    prompt_ids: tuple[int, ...] = ()  # filled by render_prompts
 
 
-def load_prompts(path: str | Path) -> list[PromptRecord]:
-    """Read ``prompt`` and ``answer`` columns; one clear error for a missing file or column."""
+def load_prompts(path: str | Path, key: str = "data.path") -> list[PromptRecord]:
+    """Read a prompt file; one clear error naming ``key`` for anything a user must fix."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"bad value for '{key}': file '{path}' does not exist")
+    table = _read_table(path, key)
+    columns = table.column_names
+    if "prompt" not in columns:
+        raise ConfigError(f"bad value for '{key}': '{path}' has no 'prompt' column")
+    if "reward_model" in columns:
+        truths = [_ground_truth(rm, path, key) for rm in table.column("reward_model").to_pylist()]
+    elif "answer" in columns:
+        truths = table.column("answer").to_pylist()
+    else:
+        raise ConfigError(
+            f"bad value for '{key}': '{path}' has neither 'reward_model' (verl layout) nor "
+            "'answer' (plain layout) for the reference answers"
+        )
+    if table.num_rows == 0:
+        raise ConfigError(f"bad value for '{key}': '{path}' holds no prompts")
+    n = table.num_rows
+    sources = table.column("data_source").to_pylist() if "data_source" in columns else [None] * n
+    extras = table.column("extra_info").to_pylist() if "extra_info" in columns else [None] * n
+    records = []
+    for i, (prompt, truth, source, extra) in enumerate(
+        zip(table.column("prompt").to_pylist(), truths, sources, extras, strict=True)
+    ):
+        records.append(
+            PromptRecord(
+                prompt=_prompt(prompt, i, path, key),
+                ground_truth="" if truth is None else str(truth),
+                data_source=str(source) if source else DEFAULT_SOURCE,
+                extra_info=extra if isinstance(extra, dict) else {},
+            )
+        )
+    return records
+
+
+def _read_table(path: Path, key: str):
+    import pyarrow as pa
     import pyarrow.json as pj
     import pyarrow.parquet as pq
 
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"bad value for 'data.path': file '{path}' does not exist")
-    table = pq.read_table(path) if path.suffix == ".parquet" else pj.read_json(path)
-    for column in ("prompt", "answer"):
-        if column not in table.column_names:
-            raise ConfigError(f"bad value for 'data.path': '{path}' has no '{column}' column")
-    if table.num_rows == 0:
-        raise ConfigError(f"bad value for 'data.path': '{path}' holds no prompts")
-    prompts = table.column("prompt").to_pylist()
-    answers = table.column("answer").to_pylist()
-    return [PromptRecord(str(p), str(a)) for p, a in zip(prompts, answers, strict=True)]
+    try:
+        if path.suffix == ".parquet":
+            return pq.read_table(path)
+        if path.stat().st_size == 0:
+            raise ConfigError(f"bad value for '{key}': '{path}' is empty")
+        return pj.read_json(path)
+    except pa.ArrowInvalid as exc:
+        raise ConfigError(f"bad value for '{key}': '{path}' cannot be read ({exc})") from None
+
+
+def _ground_truth(reward_model: Any, path: Path, key: str) -> str | None:
+    if isinstance(reward_model, dict) and "ground_truth" in reward_model:
+        return reward_model["ground_truth"]
+    raise ConfigError(
+        f"bad value for '{key}': '{path}' has a 'reward_model' column without 'ground_truth'"
+    )
+
+
+def _prompt(value: Any, row: int, path: Path, key: str) -> str | list[dict[str, str]]:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(_is_message(m) for m in value):
+        return [{"role": m["role"], "content": m["content"]} for m in value]
+    raise ConfigError(
+        f"bad value for '{key}': row {row} of '{path}' has a prompt that is neither a string "
+        "nor a non-empty list of {role, content} messages"
+    )
+
+
+def _is_message(m: Any) -> bool:
+    return (
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+    )
+
+
+def as_messages(prompt: str | list[dict[str, str]]) -> list[dict[str, str]]:
+    """A prompt as chat messages (a string becomes one user message)."""
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+
+
+def render_prompts(
+    records: list[PromptRecord], tokenizer, chat_template: bool, max_length: int
+) -> tuple[list[PromptRecord], int]:
+    """Token ids for every record; returns (records that fit, number skipped as too long).
+
+    With ``chat_template`` and a tokenizer that has one, every prompt is rendered as chat
+    messages with the generation prompt appended. Otherwise strings are tokenized as they
+    are, and message lists are an error (they only make sense through a template).
+    """
+    templated = chat_template and getattr(tokenizer, "chat_template", None)
+    if chat_template and not templated:
+        log.info("the tokenizer has no chat template: string prompts go in as they are")
+    kept, skipped = [], 0
+    for rec in records:
+        if templated:
+            ids = tokenizer.apply_chat_template(
+                as_messages(rec.prompt), add_generation_prompt=True, tokenize=True
+            )
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        elif isinstance(rec.prompt, str):
+            ids = tokenizer(rec.prompt)["input_ids"]
+        else:
+            raise ConfigError(
+                "bad value for 'data.chat_template': the prompts are chat messages, which need "
+                "a tokenizer with a chat template and data.chat_template=true"
+            )
+        if len(ids) > max_length:
+            skipped += 1
+            continue
+        kept.append(replace(rec, prompt_ids=tuple(int(t) for t in ids)))
+    return kept, skipped
 
 
 def epoch_order(num_prompts: int, epoch: int, seed: int) -> list[int]:
@@ -39,3 +159,9 @@ def epoch_order(num_prompts: int, epoch: int, seed: int) -> list[int]:
     order = list(range(num_prompts))
     random.Random(seed * 1_000_003 + epoch).shuffle(order)
     return order
+
+
+def max_prompt_tokens(cfg) -> int:
+    """``data.max_prompt_length``, or what the engine leaves for a prompt (0 in the config)."""
+    g = cfg.generators
+    return cfg.data.max_prompt_length or g.max_model_len - g.max_new_tokens

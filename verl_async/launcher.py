@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -30,7 +31,14 @@ from pathlib import Path
 import msgspec
 
 from verl_async.checkpoint import MANIFEST, list_checkpoints, newest_valid
-from verl_async.config import ConfigError, RunConfig, load_config, to_yaml
+from verl_async.config import (
+    ConfigError,
+    DataConfig,
+    ModelReward,
+    RunConfig,
+    load_config,
+    to_yaml,
+)
 from verl_async.metrics import complete_lines, read_metrics
 from verl_async.runtime import Endpoints, device_env, free_port, write_endpoints
 
@@ -44,6 +52,11 @@ class Role:
     name: str
     proc: subprocess.Popen
     log_path: Path
+    restart: Callable[[], subprocess.Popen] | None = None  # reward models: start it again
+    restarts: int = 0
+
+
+MAX_RESTARTS = 5  # per reward-model process; a model that keeps dying stops the run
 
 
 def make_run_dir(cfg: RunConfig, run_dir: str | None) -> Path:
@@ -81,7 +94,7 @@ def choose_checkpoint(cfg: RunConfig, run_dir: Path, console) -> Path:
             later.rename(later.with_name(f"damaged_{later.name}"))
         else:
             shutil.rmtree(later)
-    for name in ("metrics.jsonl", "trained.jsonl"):
+    for name in ("metrics.jsonl", "trained.jsonl", "eval.jsonl"):
         truncate_steps(run_dir / name, manifest.step)
     console.print(
         f"resuming from [bold]{ckpt.name}[/] (step {manifest.step}, version {manifest.version})"
@@ -95,9 +108,8 @@ def check_resumable(old: RunConfig, new: RunConfig) -> None:
         a, b = old, new
         for part in key.split("."):
             a, b = getattr(a, part), getattr(b, part)
-        if key == "data":  # the stored path is resolved; compare like with like
-            a = msgspec.structs.replace(a, path=str(Path(a.path).resolve()))
-            b = msgspec.structs.replace(b, path=str(Path(b.path).resolve()))
+        if key == "data":  # the stored paths are resolved; compare like with like
+            a, b = resolve_data_paths(a), resolve_data_paths(b)
         if a != b:
             raise ConfigError(f"'{key}' differs from the run being resumed; it cannot change")
 
@@ -112,12 +124,40 @@ def truncate_steps(path: Path, step: int) -> None:
     os.replace(tmp, path)
 
 
+def resolve_data_paths(data: DataConfig) -> DataConfig:
+    """Data paths made absolute (roles run from the run directory's point of view)."""
+    resolve = lambda p: str(Path(p).resolve()) if p else ""  # noqa: E731
+    return msgspec.structs.replace(data, path=resolve(data.path), val_path=resolve(data.val_path))
+
+
+def resolve_reward_models(cfg: RunConfig) -> RunConfig:
+    """Reward-model directories made absolute, each checked to be a model directory."""
+    sources = []
+    for i, src in enumerate(cfg.rewards.sources):
+        if isinstance(src, ModelReward):
+            path = Path(src.path).resolve()
+            if not (path / "config.json").is_file():
+                raise ConfigError(
+                    f"bad value for 'rewards.sources.{i}.path': '{path}' is not a Hugging Face "
+                    "model directory (no config.json)"
+                )
+            src = msgspec.structs.replace(src, path=str(path))
+        sources.append(src)
+    return msgspec.structs.replace(
+        cfg, rewards=msgspec.structs.replace(cfg.rewards, sources=sources)
+    )
+
+
 def prepare(cfg: RunConfig, run_dir: Path, resume_from: Path | None = None) -> Endpoints:
-    """Resolve paths, build the tiny model if asked, write config.yaml and endpoints.json."""
-    data_path = Path(cfg.data.path)
-    if not data_path.is_absolute():
-        data_path = (Path.cwd() / data_path).resolve()
-    cfg = msgspec.structs.replace(cfg, data=msgspec.structs.replace(cfg.data, path=str(data_path)))
+    """Resolve paths, check the data, build the tiny model if asked, write config.yaml and
+    endpoints.json."""
+    from verl_async.data import load_prompts
+
+    cfg = msgspec.structs.replace(cfg, data=resolve_data_paths(cfg.data))
+    cfg = resolve_reward_models(cfg)
+    load_prompts(cfg.data.path)  # a missing column or an empty file stops the run here
+    if cfg.data.val_path:
+        load_prompts(cfg.data.val_path, "data.val_path")
     if cfg.model.path:
         model_path = Path(cfg.model.path).resolve()
         if not (model_path / "config.json").is_file():
@@ -136,28 +176,57 @@ def prepare(cfg: RunConfig, run_dir: Path, resume_from: Path | None = None) -> E
         weights_port=cfg.weights.port or free_port(host),
         model_path=str(model_path),
         resume_from=str(resume_from or ""),
+        reward_models={
+            src.name: f"tcp://{host}:{free_port(host)}"
+            for src in cfg.rewards.sources
+            if isinstance(src, ModelReward)
+        },
     )
     write_endpoints(run_dir, endpoints)
     return endpoints
 
 
-def spawn(name: str, module: str, run_dir: Path, device: str | None, extra: list[str] = ()) -> Role:
+def spawn(
+    name: str,
+    module: str,
+    run_dir: Path,
+    device: str | None,
+    extra: list[str] = (),
+    restartable: bool = False,
+) -> Role:
     log_path = run_dir / "logs" / f"{name}.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(device_env(device) if device else {})}
-    with open(log_path, "ab") as log_file:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", module, "--run-dir", str(run_dir), *extra],
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-        )
-    return Role(name, proc, log_path)
+
+    def start() -> subprocess.Popen:
+        with open(log_path, "ab") as log_file:
+            return subprocess.Popen(
+                [sys.executable, "-m", module, "--run-dir", str(run_dir), *extra],
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
+
+    return Role(name, start(), log_path, start if restartable else None)
 
 
 def start_roles(cfg: RunConfig, run_dir: Path) -> list[Role]:
     roles = [spawn("buffer", "buffer", run_dir, None)]
+    models = [s for s in cfg.rewards.sources if isinstance(s, ModelReward)]
+    rm_devices = cfg.placement.reward_model_devices
+    for i, src in enumerate(models):
+        device = rm_devices[i % len(rm_devices)]
+        roles.append(
+            spawn(
+                f"reward_model_{src.name}",
+                "reward_model",
+                run_dir,
+                device,
+                ["--name", src.name],
+                True,
+            )
+        )
     roles.append(spawn("learner", "learners", run_dir, cfg.placement.learner_devices[0]))
     devices = cfg.placement.generator_devices
     for i in range(cfg.generators.count):
@@ -215,6 +284,8 @@ def watch(roles: list[Role], cfg: RunConfig, run_dir: Path, console) -> None:
         while True:
             for role in roles:
                 code = role.proc.poll()
+                if code is not None and restarted(role, code, console):
+                    continue
                 if code is not None and (
                     code != 0 or role is not learner and learner.proc.poll() is None
                 ):
@@ -236,6 +307,21 @@ def watch(roles: list[Role], cfg: RunConfig, run_dir: Path, console) -> None:
             if learner.proc.poll() == 0:
                 return
             time.sleep(0.5)
+
+
+def restarted(role: Role, code: int, console) -> bool:
+    """Start a reward-model process again after it died (its clients' requests meanwhile
+    time out and score the source's default); False for every other role, or past the limit."""
+    if role.restart is None or role.restarts >= MAX_RESTARTS:
+        return False
+    role.restarts += 1
+    console.print(
+        f"[yellow]the {role.name} process exited with code {code}; restarting it "
+        f"({role.restarts}/{MAX_RESTARTS}); see {role.log_path}[/]"
+    )
+    _signal_group(role.proc, signal.SIGKILL)  # anything it left behind
+    role.proc = role.restart()
+    return True
 
 
 def wait_for_exit(roles: list[Role], timeout_s: float) -> None:

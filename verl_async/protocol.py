@@ -15,12 +15,12 @@ into an ``Error`` reply.
 from __future__ import annotations
 
 import math
-from typing import Union
+from typing import Any, Union
 
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 _DTYPES = {"float32", "float16", "int32", "int64", "uint8", "bool"}
 # dtype -> name and name -> itemsize, looked up per tensor (``ndarray.dtype.name`` is slow).
@@ -48,14 +48,21 @@ class TensorRef(msgspec.Struct, frozen=True, array_like=True):
 # ----------------------------------------------------------------------------- payloads
 
 
+Message = dict[str, str]  # one chat message: {"role": ..., "content": ...}
+
+
 class PromptGroup(msgspec.Struct, frozen=True, kw_only=True):
-    """One prompt to be sampled ``group_size`` times; ``group_id`` is k in issue order."""
+    """One prompt to be sampled ``group_size`` times; ``group_id`` is k in issue order
+    (for evaluation prompts: the index in the validation set)."""
 
     group_id: int
     prompt_id: int
     epoch: int
-    prompt: str
-    answer: str
+    prompt_ids: list[int]  # [P] what the engine receives (chat template applied, if any)
+    prompt: str | list[Message]  # as the dataset gives it: a string or chat messages
+    ground_truth: str
+    data_source: str = ""
+    extra_info: dict[str, Any] = {}
 
 
 class RolloutGroup(msgspec.Struct, frozen=True, kw_only=True):
@@ -72,8 +79,22 @@ class RolloutGroup(msgspec.Struct, frozen=True, kw_only=True):
     behav_logprobs: TensorRef  # [sum(lengths)] float32, vLLM processed_logprobs
     token_versions: TensorRef  # [sum(lengths)] int32, weights version of each token
     lengths: list[int]
-    rewards: list[float]
+    scores: list[list[float]]  # [S][N] raw score of each reward source (NaN: not routed here)
+    failed: list[int]  # [S] samples whose score is the source's default after a failure
+    data_source: str
     gen_seconds: float
+
+
+class EvalResult(msgspec.Struct, frozen=True, kw_only=True):
+    """One evaluation prompt's samples, scored; versions are those of their first tokens."""
+
+    group_id: int
+    data_source: str
+    scores: list[list[float]]  # [S][n] raw scores, as in RolloutGroup
+    failed: list[int]  # [S]
+    response_lengths: list[int]  # [n] tokens
+    versions: list[int]  # [n] weights version that sampled each response's first token
+    example: str  # the first sample's text (shown in logs)
 
 
 class ParamSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -108,6 +129,13 @@ class PushRollouts(_Msg):
     groups: list[RolloutGroup]
 
 
+class PushEval(_Msg):
+    """Scores of evaluation prompts of round ``round`` (no tokens: they never train)."""
+
+    round: int
+    results: list[EvalResult]
+
+
 class PollVersion(_Msg):
     """Long poll: reply when the target version exceeds ``loaded_version`` or at ``wait_s``."""
 
@@ -132,6 +160,45 @@ class AnnounceWeights(_Msg):
 
 class GetStats(_Msg):
     pass
+
+
+class StartEval(_Msg):
+    """Queue the validation prompts as evaluation round ``round``; generators take them
+    beside training work (no admission: evaluation never trains)."""
+
+    round: int
+    step: int
+    version: int
+
+
+class GetEval(_Msg):
+    """Reply ``EvalReport`` once round ``round`` is complete, ``NotReady`` until then."""
+
+    round: int
+
+
+class ScoreItem(msgspec.Struct, frozen=True, kw_only=True):
+    """One response for one rule-based reward source (index into ``rewards.sources``)."""
+
+    source: int
+    prompt: str | list[Message]
+    response: str
+    ground_truth: str
+    data_source: str = ""
+    extra_info: dict[str, Any] = {}
+
+
+class ScoreRules(_Msg):
+    """To a generator's scoring process: score each item; reply ``Scores``."""
+
+    items: list[ScoreItem]
+
+
+class ScoreConversations(_Msg):
+    """To a reward-model process: score each conversation (prompt messages + the
+    assistant's response as the last message); reply ``Scores``."""
+
+    conversations: list[list[Message]]
 
 
 class SnapshotBuffer(_Msg):
@@ -161,6 +228,8 @@ class Prompts(_Msg):
     groups: list[PromptGroup]
     blocked_by_admission: bool
     exhausted: bool
+    eval_groups: list[PromptGroup] = []  # evaluation prompts of round ``eval_round``
+    eval_round: int = -1
 
 
 class Ack(_Msg):
@@ -181,11 +250,13 @@ class Batch(_Msg):
     sample_group: list[int]  # [N] group id of each sample
     prompt_lengths: list[int]  # [N]
     response_lengths: list[int]  # [N]
-    rewards: list[float]  # [N]
     prompt_ids: TensorRef  # [sum prompt_lengths] int32
     response_ids: TensorRef  # [sum response_lengths] int32
     behav_logprobs: TensorRef  # [sum response_lengths] float32
     token_versions: TensorRef  # [sum response_lengths] int32
+    scores: list[list[float]]  # [N][S] raw score of each reward source (NaN: not routed)
+    failed: list[int]  # [S] samples of this shard whose source failed (default score used)
+    data_sources: list[str]  # data_source of each of group_ids
     dropped_stale: int
     buffer_size: int
     gen_tokens_per_s: float
@@ -193,6 +264,7 @@ class Batch(_Msg):
     gen_blocked_s: float = 0.0  # generators' seconds refused by admission so far (all generators)
     gen_idle_s: float = 0.0  # the part of it with nothing in flight (engine idle)
     group_prompts: list[int] = []  # prompt index of each of group_ids (the audit trail)
+    prompts_skipped: int = 0  # prompts left out of the data set (longer than max_prompt_length)
 
 
 class BufferState(_Msg):
@@ -200,6 +272,22 @@ class BufferState(_Msg):
 
     step: int
     files: dict[str, TensorRef]
+
+
+class Scores(_Msg):
+    """One score per item; ``errors[i]`` is non-empty when item i failed (its score is
+    then the source's default)."""
+
+    scores: list[float]
+    errors: list[str] = []
+
+
+class EvalReport(_Msg):
+    round: int
+    step: int
+    version: int
+    results: list[EvalResult]
+    seconds: float  # from StartEval to the last result
 
 
 class NotReady(_Msg):
@@ -229,6 +317,13 @@ Body = Union[  # noqa: UP007 (msgspec needs a runtime Union of tagged Structs)
     GetBatch,
     AnnounceWeights,
     GetStats,
+    StartEval,
+    GetEval,
+    PushEval,
+    ScoreRules,
+    ScoreConversations,
+    Scores,
+    EvalReport,
     SnapshotBuffer,
     FetchSnapshot,
     Shutdown,

@@ -30,6 +30,8 @@ class Endpoints(msgspec.Struct, frozen=True, kw_only=True):
     """Directory every role loads the initial (version 0) weights from."""
     resume_from: str = ""
     """Checkpoint directory the buffer and learner restore from; empty for a fresh run."""
+    reward_models: dict[str, str] = {}
+    """ZMQ endpoint of each ``model`` reward source's process, by source name."""
 
 
 class RunContext(msgspec.Struct, frozen=True, kw_only=True):

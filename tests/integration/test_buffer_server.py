@@ -18,7 +18,7 @@ from .conftest import ROOT
 
 
 @pytest.fixture
-def buffer_proc(tmp_path, free_port):
+def buffer_proc(tmp_path, free_port, tiny_model):
     cfg = load_config(
         ROOT / "configs/tiny.yaml",
         [
@@ -31,7 +31,9 @@ def buffer_proc(tmp_path, free_port):
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     write_endpoints(
         tmp_path,
-        Endpoints(buffer=endpoint, weights_host="127.0.0.1", weights_port=1, model_path="unused"),
+        Endpoints(
+            buffer=endpoint, weights_host="127.0.0.1", weights_port=1, model_path=str(tiny_model)
+        ),
     )
     proc = subprocess.Popen([sys.executable, "-m", "buffer", "--run-dir", str(tmp_path)], cwd=ROOT)
     yield endpoint, proc
@@ -64,7 +66,9 @@ def test_malformed_messages_get_errors_and_server_keeps_serving(buffer_proc):
         behav_logprobs=frames.add(np.zeros(1, np.float32)),
         token_versions=z,
         lengths=[1],
-        rewards=[0.0],
+        scores=[[0.0]],
+        failed=[0],
+        data_source="default",
         gen_seconds=0.0,
     )
     with pytest.raises(BufferRejected, match="never issued"):
@@ -111,7 +115,9 @@ def test_snapshot_cut_is_taken_at_the_barrier_and_encoded_when_fetched(buffer_pr
             behav_logprobs=frames.add(np.array([-0.1, -0.2, -0.3], np.float32)),
             token_versions=frames.add(np.zeros(3, np.int32)),
             lengths=[3],
-            rewards=[reward],
+            scores=[[reward]],
+            failed=[0],
+            data_source="default",
             gen_seconds=0.0,
         )
         return P.PushRollouts(groups=[g]), frames
@@ -125,7 +131,7 @@ def test_snapshot_cut_is_taken_at_the_barrier_and_encoded_when_fetched(buffer_pr
     files = {name: P.tensor(ref, frames).tobytes() for name, ref in state.files.items()}
     ledger = decode_state(files[LEDGER_FILE])
     stored = rollouts_from_arrow(files[ROLLOUTS_FILE])
-    assert [g.group_id for g in stored] == [0] and stored[0].rewards == [1.0]
+    assert [g.group_id for g in stored] == [0] and stored[0].scores == [[1.0]]
     assert stored[0].responses[0].tolist() == [5, 6, 7]
     assert ledger.reissue == [1] and ledger.next_group == 2 and ledger.stored_groups == 1
 

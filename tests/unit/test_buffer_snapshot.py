@@ -27,15 +27,18 @@ def _group(k, version, rng):
         [rng.integers(0, 50, size=n).astype(np.int32) for n in lengths],
         [rng.normal(size=n).astype(np.float32) for n in lengths],
         [np.full(n, version + (i % 2), np.int32) for i, n in enumerate(lengths)],
-        [float(i % 2) for i in range(len(lengths))],
+        [[float(i % 2), float("nan")] for i in range(len(lengths))],  # [N][S], NaN: not routed
+        [k % 3, 0],
+        f"source{k % 2}",
     )
 
 
 def _same(a: StoredGroup, b: StoredGroup) -> bool:
     arrays = ("responses", "behav_logprobs", "token_versions")
     return (
-        (a.group_id, a.prompt_id, a.generator_id, a.rewards)
-        == (b.group_id, b.prompt_id, b.generator_id, b.rewards)
+        (a.group_id, a.prompt_id, a.generator_id, a.failed, a.data_source)
+        == (b.group_id, b.prompt_id, b.generator_id, b.failed, b.data_source)
+        and np.array_equal(np.array(a.scores), np.array(b.scores), equal_nan=True)
         and np.array_equal(a.prompt_ids, b.prompt_ids)
         and all(
             len(getattr(a, n)) == len(getattr(b, n))

@@ -32,6 +32,22 @@ def test_overrides_apply_with_yaml_values(repo_root):
         ("model.tiny.num_heads=8", "'model.tiny.num_heads'"),
         ("buffer.host=0.0.0.0", "'buffer.host'"),
         ("no_equals_sign", "dotted.key=value"),
+        ("rewards.sources=[{name: a, kind: format}]", "'rewards.sources.0'"),
+        ("rewards.sources=[{name: a, kind: nope}]", "'rewards.sources.0.kind'"),
+        ("rewards.sources=[{name: a, kind: exact, typo: 1}]", "'rewards.sources.0.typo'"),
+        ("rewards.sources=[{name: a, kind: format, pattern: '('}]", "'rewards.sources.0.pattern'"),
+        (
+            "rewards.sources=[{name: a, kind: function, function: x}]",
+            "'rewards.sources.0.function'",
+        ),
+        (
+            "rewards.sources=[{name: a, kind: exact}, {name: a, kind: math}]",
+            "'rewards.sources.1.name'",
+        ),
+        ("rewards.sources=[]", "'rewards.sources'"),
+        ("eval.every_steps=5", "'eval.every_steps'"),
+        ("data.max_prompt_length=60", "'data.max_prompt_length'"),
+        ("generators.top_p=0", "'generators.top_p'"),
     ],
 )
 def test_bad_input_is_one_error_naming_the_key(override, message):
@@ -51,3 +67,19 @@ def test_resolved_yaml_roundtrips(tmp_path):
     path = tmp_path / "config.yaml"
     path.write_text(to_yaml(cfg))
     assert load_config(path) == cfg
+
+
+def test_reward_sources_are_a_tagged_union(tmp_path):
+    cfg = load_config(
+        None,
+        [
+            "rewards.sources=[{name: ok, kind: math, weight: 2},"
+            " {name: fmt, kind: format, pattern: 'Answer: \\d+', normalize: group}]"
+        ],
+    )
+    kinds = [type(s).__name__ for s in cfg.rewards.sources]
+    assert kinds == ["MathReward", "FormatReward"]
+    assert cfg.rewards.sources[0].weight == 2 and cfg.rewards.sources[1].normalize == "group"
+    path = tmp_path / "config.yaml"
+    path.write_text(to_yaml(cfg))
+    assert load_config(path) == cfg  # the kind tag survives the resolved config

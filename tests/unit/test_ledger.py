@@ -24,7 +24,9 @@ def _stored(k, versions, n_tokens=3):
         [z] * len(versions),
         [z.astype(np.float32)] * len(versions),
         [np.full(n_tokens, v, np.int32) for v in versions],
-        [1.0] * len(versions),
+        [[1.0]] * len(versions),
+        [0],
+        "default",
     )
 
 

@@ -1,3 +1,5 @@
+import math
+
 import msgspec
 import numpy as np
 import pytest
@@ -28,13 +30,20 @@ def test_rollout_group_roundtrip_with_tensor_frames():
                 behav_logprobs=frames.add(lp),
                 token_versions=frames.add(np.array([0, 0, 1, 1, 1], np.int32)),
                 lengths=[2, 3],
-                rewards=[1.0, 0.0],
+                scores=[[1.0, 0.0], [0.5, 0.25]],
+                failed=[0, 1],
+                data_source="gsm8k",
                 gen_seconds=0.5,
             )
         ]
     )
     got, frames_in = _roundtrip(body, frames)
     assert got == body
+    # NaN marks a source that is not routed to the group; it must survive msgpack.
+    nan_body = P.PushRollouts(
+        groups=[msgspec.structs.replace(body.groups[0], scores=[[float("nan")]])]
+    )
+    assert math.isnan(_roundtrip(nan_body, frames)[0].groups[0].scores[0][0])
     group = got.groups[0]
     np.testing.assert_array_equal(P.tensor(group.response_ids, frames_in), resp)
     np.testing.assert_array_equal(P.tensor(group.behav_logprobs, frames_in), lp)

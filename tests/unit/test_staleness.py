@@ -26,7 +26,7 @@ def test_eta_zero_admits_only_the_current_step():
 def _group(k: int, version: int) -> StoredGroup:
     z = np.zeros(2, np.int32)
     return StoredGroup(
-        k, 0, 0, z, [z], [z.astype(np.float32)], [np.full(2, version, np.int32)], [0.0]
+        k, 0, 0, z, [z], [z.astype(np.float32)], [np.full(2, version, np.int32)], [[0.0]], [0], ""
     )
 
 

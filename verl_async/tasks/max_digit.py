@@ -1,7 +1,7 @@
 """Toy task for the tiny default: answer with the largest digit of the prompt.
 
 Prompt ``max 3 7 1 4 =``, correct response ``7`` (reward 1 when the first word of the
-response is the answer, else 0). A random tiny model is right about 1/16 of the time;
+response is the answer, else 0: an ``exact`` reward source with ``extract: first_word``). A random tiny model is right about 1/16 of the time;
 always answering ``9`` scores ~0.4; reading the digits scores 1.0. So the reward curve
 shows both the easy gain (output bias) and the real one (attention over the prompt).
 """
@@ -25,11 +25,6 @@ def write_dataset(path: Path, n: int, seed: int = 1234) -> None:
     with open(path, "w") as f:
         for _ in range(n):
             f.write(json.dumps(make_record(rng)) + "\n")
-
-
-def reward(answer: str, response: str) -> float:
-    words = response.split()
-    return 1.0 if words and words[0] == answer else 0.0
 
 
 if __name__ == "__main__":

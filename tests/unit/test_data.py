@@ -1,0 +1,130 @@
+"""Prompt files in verl's and the plain layout, bad files, rendering and the length filter."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from verl_async.config import ConfigError
+from verl_async.data import epoch_order, load_prompts, render_prompts
+
+
+def _verl_parquet(path, rows):
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def _verl_row(i, content="max 1 2 ="):
+    return {
+        "prompt": [{"role": "system", "content": "answer"}, {"role": "user", "content": content}],
+        "data_source": "toy" if i % 2 else "other",
+        "reward_model": {"ground_truth": str(i), "style": "rule"},
+        "extra_info": {"index": i, "split": "train"},
+    }
+
+
+def test_verl_parquet_layout_is_read_as_it_is(tmp_path):
+    recs = load_prompts(_verl_parquet(tmp_path / "d.parquet", [_verl_row(i) for i in range(3)]))
+    assert [r.ground_truth for r in recs] == ["0", "1", "2"]
+    assert [r.data_source for r in recs] == ["other", "toy", "other"]
+    assert recs[1].prompt[1] == {"role": "user", "content": "max 1 2 ="}
+    assert recs[2].extra_info == {"index": 2, "split": "train"}
+
+
+def test_plain_jsonl_layout(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"p{i}", "answer": i}) + "\n" for i in range(2)))
+    recs = load_prompts(path)
+    assert [(r.prompt, r.ground_truth, r.data_source) for r in recs] == [
+        ("p0", "0", "default"),
+        ("p1", "1", "default"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("", "is empty"),
+        ('{"prompt": "x"}\n', "neither 'reward_model'"),
+        ('{"answer": "1"}\n', "no 'prompt' column"),
+        ('{"prompt": 3, "answer": "1"}\n', "neither a string nor"),
+        ("not json\n", "cannot be read"),
+    ],
+)
+def test_bad_files_give_one_error_naming_the_key(tmp_path, content, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=message) as err:
+        load_prompts(path, "data.val_path")
+    assert "'data.val_path'" in str(err.value)
+
+
+def test_missing_file_and_empty_parquet(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_prompts(tmp_path / "nope.parquet")
+    empty = pa.Table.from_pylist([_verl_row(0)]).slice(0, 0)
+    pq.write_table(empty, tmp_path / "e.parquet")
+    with pytest.raises(ConfigError, match="holds no prompts"):
+        load_prompts(tmp_path / "e.parquet")
+
+
+class _Tokenizer:
+    """A stand-in with the two calls render_prompts makes: one token per character."""
+
+    def __init__(self, template):
+        self.chat_template = template
+
+    def __call__(self, text):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        assert add_generation_prompt and tokenize
+        text = "|".join(f"{m['role']}:{m['content']}" for m in messages) + "|assistant:"
+        return [ord(c) for c in text]
+
+
+def test_render_uses_the_template_and_skips_long_prompts(tmp_path):
+    recs = load_prompts(
+        _verl_parquet(tmp_path / "d.parquet", [_verl_row(0, "short"), _verl_row(1, "x" * 50)])
+    )
+    kept, skipped = render_prompts(recs, _Tokenizer("tmpl"), chat_template=True, max_length=40)
+    assert skipped == 1 and len(kept) == 1
+    assert "".join(map(chr, kept[0].prompt_ids)) == "system:answer|user:short|assistant:"
+
+
+def test_strings_go_raw_without_a_template_and_messages_need_one(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"prompt": "ab", "answer": "1"}) + "\n")
+    kept, _ = render_prompts(load_prompts(path), _Tokenizer(None), chat_template=True, max_length=9)
+    assert kept[0].prompt_ids == (97, 98)
+    kept, _ = render_prompts(load_prompts(path), _Tokenizer("t"), chat_template=False, max_length=9)
+    assert kept[0].prompt_ids == (97, 98)
+    messages = load_prompts(_verl_parquet(tmp_path / "m.parquet", [_verl_row(0)]))
+    with pytest.raises(ConfigError, match="data.chat_template"):
+        render_prompts(messages, _Tokenizer(None), chat_template=True, max_length=99)
+
+
+def test_each_epoch_is_a_new_seeded_permutation():
+    a, b = epoch_order(50, 0, seed=3), epoch_order(50, 1, seed=3)
+    assert sorted(a) == sorted(b) == list(range(50)) and a != b
+    assert a == epoch_order(50, 0, seed=3) and a != epoch_order(50, 0, seed=4)
+
+
+def test_gsm8k_rows_are_in_verl_layout_and_load(tmp_path):
+    from verl_async.tasks.gsm8k import to_rows
+
+    rows = to_rows(
+        [
+            {
+                "question": "Tom has 1,200 apples and buys 34. How many?",
+                "answer": "1200+34\n#### 1,234",
+            }
+        ],
+        "train",
+    )
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "g.parquet")
+    (rec,) = load_prompts(tmp_path / "g.parquet")
+    assert rec.ground_truth == "1234" and rec.data_source == "openai/gsm8k"
+    assert rec.prompt[0]["role"] == "user" and "####" in rec.prompt[0]["content"]
+    assert rec.extra_info["solution"].endswith("#### 1,234")

@@ -1,0 +1,133 @@
+"""Reward-model scoring in process: padding, pooling and truncation."""
+
+import time
+
+import pytest
+
+from reward_model.server import (
+    encode,
+    forward,
+    load_reward_model,
+    render,
+    score_conversations,
+)
+from verl_async.tiny_reward_model import build_tiny_reward_model
+
+
+@pytest.fixture(scope="module")
+def rm(tmp_path_factory):
+    path = build_tiny_reward_model(tmp_path_factory.mktemp("rm"))
+    return load_reward_model(str(path), "cpu")
+
+
+def conv(prompt: str, response: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+
+
+CONVS = [
+    conv("max 3 7 1 =", "7"),
+    conv("max 1 =", "1"),
+    conv("max 9 8 7 6 5 4 3 2 1 0 =", "9 9 9 9"),
+    conv("max 2 4 =", "2"),
+]
+
+
+def test_score_alone_equals_score_in_padded_batch(rm):
+    model, tokenizer = rm
+    alone = [score_conversations(model, tokenizer, [c], 8, 64)[0] for c in CONVS]
+    batched = score_conversations(model, tokenizer, CONVS, 8, 64)
+    chunked = score_conversations(model, tokenizer, CONVS, 3, 64)
+    lengths = {len(row) for row in encode(tokenizer, CONVS, 64)}
+    assert len(lengths) == len(CONVS), "the batch must mix lengths, or nothing is padded"
+    assert batched == pytest.approx(alone, abs=1e-5)
+    assert chunked == pytest.approx(alone, abs=1e-5)
+    assert max(alone) - min(alone) > 1e-3, "scores of different conversations look alike"
+
+
+def test_pooling_needs_pad_token_id(rm):
+    model, tokenizer = rm
+    assert model.config.pad_token_id == tokenizer.pad_token_id is not None
+    assert tokenizer.padding_side == "right"
+
+
+def test_left_truncation_keeps_the_end(rm):
+    model, tokenizer = rm
+    long = conv("max " + " ".join(["1"] * 40) + " =", "9 8 7")
+    full = encode(tokenizer, [long], 1000)[0]
+    cut = encode(tokenizer, [long], 6)[0]
+    assert len(full) == 46  # <bos> max 1*40 = 9 8 7
+    assert cut == full[-6:]
+    assert cut[-3:] == tokenizer.convert_tokens_to_ids(["9", "8", "7"])
+    # The forward pass sees only the kept tail.
+    truncated = score_conversations(model, tokenizer, [long], 4, 6)
+    assert truncated == pytest.approx(forward(model, tokenizer, [full[-6:]]), abs=1e-6)
+    assert truncated != pytest.approx(forward(model, tokenizer, [full]), abs=1e-3)
+
+
+def test_render_uses_template_or_role_lines(rm):
+    _, tokenizer = rm
+    text = render(tokenizer, conv("max 1 =", "1"))
+    assert tokenizer.convert_ids_to_tokens(encode(tokenizer, [conv("max 1 =", "1")], 64)[0]) == [
+        "<bos>",
+        "max",
+        "1",
+        "=",
+        "1",
+    ]
+    assert text.startswith("<bos>")
+
+    class NoTemplate:
+        chat_template = None
+
+    assert render(NoTemplate(), conv("a", "b")) == "user: a\nassistant: b"
+
+
+def test_one_failing_request_gets_an_error_the_others_scores(rm, free_port):
+    """Requests drained together are scored together; one that raises is answered alone."""
+    import zmq
+
+    from reward_model.server import RewardModelServer
+    from verl_async import protocol as P
+
+    model, tokenizer = rm
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    server = RewardModelServer(model, tokenizer, endpoint, batch_size=2, max_length=64)
+    real_score = server.score
+    batches = []
+
+    def score(convs):
+        batches.append(len(convs))
+        if any(m["content"] == "boom" for c in convs for m in c):
+            raise ValueError("boom")
+        return real_score(convs)
+
+    server.score = score
+    clients = [zmq.Context.instance().socket(zmq.DEALER) for _ in range(3)]
+    try:
+        asks = [CONVS[:2], [conv("boom", "1")], CONVS[2:]]
+        for rid, (sock, ask) in enumerate(zip(clients, asks, strict=True), start=1):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+            sock.send_multipart(P.encode(P.ScoreConversations(conversations=ask), rid))
+        requests = []
+        deadline = time.monotonic() + 10
+        while len(requests) < 3 and time.monotonic() < deadline:
+            if server.sock.poll(100):
+                requests += server.drain()
+        assert len(requests) == 3
+        server.score_and_reply(requests)
+        replies = []
+        for sock in clients:
+            assert sock.poll(5000)
+            replies.append(P.decode(sock.recv_multipart())[0])
+    finally:
+        for sock in clients:
+            sock.close()
+        server.sock.close(linger=0)
+        server.ctx.term()
+    assert batches[0] == 5  # all three requests in one scoring call first
+    assert [env.request_id for env in replies] == [1, 2, 3]
+    assert isinstance(replies[1].body, P.Error) and "boom" in replies[1].body.message
+    for env, ask in ((replies[0], asks[0]), (replies[2], asks[2])):
+        alone = score_conversations(model, tokenizer, ask, 2, 64)
+        assert env.body.scores == pytest.approx(alone, abs=1e-5)

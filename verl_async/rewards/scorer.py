@@ -1,0 +1,315 @@
+"""The generator's side of scoring: one ``Scorer`` per generator, awaited on its event loop.
+
+    score_group(group, responses) -> GroupScores(scores [S][n], failed [S])
+
+    rule sources   one ``ScoreRules`` request per group to the scoring process
+                   (``worker.py``, a child process of the generator's own)
+    model sources  ``client.score(conversations)`` per source, each conversation being the
+                   prompt messages + {"role": "assistant", "content": response}
+
+All sources of a group run concurrently; every one is bounded by ``rewards.timeout_s``. A
+source that raises, times out, returns garbage or whose process dies scores its
+``default_score`` for the affected samples; those are counted in ``failed[s]`` (the
+learner's ``reward_failed/<name>``) and the first failure of each source is logged once.
+A source not routed to the group's data_source gets NaN.
+
+Isolation: a rule request that gets no reply within ``timeout_s`` (a hanging function) or
+whose scoring process dies (``os._exit``, a segfault) kills the process group and starts
+a fresh process; the request's items get their defaults and errors saying why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from verl_async import protocol as P
+from verl_async.config import ModelReward, RewardsConfig, RewardSource
+from verl_async.rewards.worker import ENV_REWARDS
+
+log = logging.getLogger("verl_async.rewards")
+POLL_S = 0.1  # how often a waiting request looks at the scoring process's exit status
+
+
+class ModelClient(Protocol):
+    """A reward-model client: one score per conversation; raises on timeout or error."""
+
+    async def score(self, conversations: list[list[dict]]) -> list[float]: ...
+
+
+@dataclass
+class GroupScores:
+    scores: list[list[float]]  # [S][n] raw score per source and sample; NaN: not routed
+    failed: list[int]  # [S] samples scored with the source's default after a failure
+
+
+class ScoringFailed(RuntimeError):
+    """The scoring process gave no usable reply (timed out, died, or refused)."""
+
+
+class RuleScorer:
+    """Client of one scoring process; restarts it after a hang or a crash.
+
+    Requests go one at a time (an ``asyncio.Lock``); each has its own deadline of
+    ``timeout_s`` from when it is sent, so a hanging request delays a later one by at most
+    its own timeout, and the later one then runs on a fresh process.
+    """
+
+    def __init__(self, run_dir: str | Path, sources: Sequence[RewardSource], timeout_s: float):
+        self.run_dir = Path(run_dir)
+        self.sources = list(sources)
+        self.timeout_s = timeout_s
+        self.rewards_json = msgspec.json.encode(
+            RewardsConfig(sources=self.sources, timeout_s=timeout_s)
+        ).decode()
+        # AF_UNIX paths are limited to ~107 bytes: a short private directory, not run_dir.
+        self.sock_dir = tempfile.mkdtemp(prefix="verl-rewards-")
+        self.ctx = zmq.asyncio.Context.instance()
+        self.ids = itertools.count(1)
+        self.starts = 0
+        self.lock = asyncio.Lock()
+        self.proc: subprocess.Popen | None = None
+        self.sock: zmq.asyncio.Socket | None = None
+        self.log_file: Any = None
+        self._start()
+
+    # ------------------------------------------------------------------ process
+
+    def _start(self) -> None:
+        self.starts += 1
+        endpoint = f"ipc://{self.sock_dir}/w{self.starts}.sock"
+        logs = self.run_dir / "logs"
+        if self.log_file is None and logs.is_dir():
+            self.log_file = open(logs / f"rewards-{os.getpid()}.log", "ab")  # noqa: SIM115 (closed in close())
+        env = dict(os.environ, **{ENV_REWARDS: self.rewards_json})
+        # The child imports user functions from the working directory (python -m does that).
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "verl_async.rewards.worker"]
+            + ["--run-dir", str(self.run_dir), "--endpoint", endpoint],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=self.log_file,
+            stderr=subprocess.STDOUT if self.log_file is not None else None,
+            start_new_session=True,  # its own process group: a kill takes user children too
+        )
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+
+    def _stop(self) -> None:
+        """Kill the scoring process's whole group, reap it, drop the socket."""
+        if self.sock is not None:
+            self.sock.close(linger=0)
+            self.sock = None
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)  # SIGKILL: reaped within milliseconds
+        self.proc = None
+
+    def restart(self) -> None:
+        self._stop()
+        self._start()
+
+    def close(self) -> None:
+        self._stop()
+        if self.log_file is not None:
+            self.log_file.close()
+            self.log_file = None
+        shutil.rmtree(self.sock_dir, ignore_errors=True)
+
+    # ------------------------------------------------------------------ requests
+
+    async def _exchange(self, body: P.ScoreRules) -> P.Body:
+        """Send ``body``, wait for its reply; raise ScoringFailed on timeout or death."""
+        assert self.sock is not None and self.proc is not None
+        rid = next(self.ids)
+        await self.sock.send_multipart(P.encode(body, rid))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        while True:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise ScoringFailed(f"timed out after {self.timeout_s:g}s")
+            if await self.sock.poll(int(min(POLL_S, remaining) * 1000) + 1, zmq.POLLIN):
+                env, _ = P.decode(await self.sock.recv_multipart())
+                if env.request_id == rid:  # a late reply to an abandoned request is skipped
+                    return env.body
+                continue
+            code = self.proc.poll()
+            if code is not None:
+                raise ScoringFailed(f"scoring process died (exit code {code})")
+
+    async def score(self, items: list[P.ScoreItem]) -> P.Scores:
+        """One score per item, never raises: failures give defaults with errors set."""
+        if not items:
+            return P.Scores(scores=[], errors=[])
+        async with self.lock:
+            try:
+                reply = await self._exchange(P.ScoreRules(items=items))
+            except (ScoringFailed, P.ProtocolError) as exc:
+                self.restart()  # a hung or dead process is replaced before the next request
+                return self.defaults(items, str(exc))
+        if isinstance(reply, P.Error):
+            return self.defaults(items, f"scoring process refused ({reply.code}): {reply.message}")
+        if (
+            not isinstance(reply, P.Scores)
+            or len(reply.scores) != len(items)
+            or len(reply.errors) not in (0, len(items))
+        ):
+            return self.defaults(items, f"bad reply from the scoring process: {reply!r:.200}")
+        errors = list(reply.errors) or [""] * len(items)
+        return P.Scores(scores=list(reply.scores), errors=errors)
+
+    def defaults(self, items: list[P.ScoreItem], error: str) -> P.Scores:
+        return P.Scores(
+            scores=[self.sources[i.source].default_score for i in items],
+            errors=[error] * len(items),
+        )
+
+
+def routed(source: RewardSource, data_source: str) -> bool:
+    """A source scores a prompt when it lists the prompt's data_source or lists none."""
+    return not source.data_sources or data_source in source.data_sources
+
+
+def conversation(prompt: str | list[P.Message], response: str) -> list[dict]:
+    """Prompt messages + the response as the assistant's message (a string prompt becomes
+    one user message)."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return [*(dict(m) for m in messages), {"role": "assistant", "content": response}]
+
+
+class Scorer:
+    """The generator's single entry point for rewards (see the module docstring)."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        rewards_cfg: RewardsConfig,
+        model_clients: dict[str, ModelClient],
+    ) -> None:
+        self.sources = list(rewards_cfg.sources)
+        self.timeout_s = rewards_cfg.timeout_s
+        missing = [
+            s.name
+            for s in self.sources
+            if isinstance(s, ModelReward) and s.name not in model_clients
+        ]
+        if missing:
+            raise ValueError(f"no reward-model client for model sources {missing}")
+        self.model_clients = model_clients
+        self.rules = (
+            RuleScorer(run_dir, self.sources, self.timeout_s)
+            if any(not isinstance(s, ModelReward) for s in self.sources)
+            else None
+        )
+        self.logged: set[str] = set()  # sources whose first failure has been logged
+
+    def _failure(self, s: int, error: str, count: int) -> None:
+        source = self.sources[s]
+        if source.name in self.logged:
+            return
+        self.logged.add(source.name)
+        log.warning(
+            "reward source '%s' failed (%s); %d sample(s) scored default_score %g. Later "
+            "failures of this source are only counted (reward_failed/%s)",
+            source.name,
+            error,
+            count,
+            source.default_score,
+            source.name,
+        )
+
+    async def _score_rules(
+        self, group: P.PromptGroup, responses: list[str], rule_idx: list[int], out: GroupScores
+    ) -> None:
+        items = [
+            P.ScoreItem(
+                source=s,
+                prompt=group.prompt,
+                response=text,
+                ground_truth=group.ground_truth,
+                data_source=group.data_source,
+                extra_info=group.extra_info,
+            )
+            for s in rule_idx
+            for text in responses
+        ]
+        assert self.rules is not None
+        reply = await self.rules.score(items)
+        for k, (item, value, error) in enumerate(
+            zip(items, reply.scores, reply.errors, strict=True)
+        ):
+            out.scores[item.source][k % len(responses)] = float(value)
+            if error:
+                out.failed[item.source] += 1
+                self._failure(item.source, error, 1)
+
+    async def _score_model(
+        self, group: P.PromptGroup, responses: list[str], s: int, out: GroupScores
+    ) -> None:
+        source = self.sources[s]
+        convs = [conversation(group.prompt, text) for text in responses]
+        try:
+            values = await asyncio.wait_for(
+                self.model_clients[source.name].score(convs), self.timeout_s
+            )
+            values = [float(v) for v in values]
+            if len(values) != len(responses) or not all(math.isfinite(v) for v in values):
+                raise ValueError(f"{len(values)} scores (non-finite?) for {len(responses)}")
+        except Exception as exc:  # TimeoutError included; the run goes on with defaults
+            if isinstance(exc, TimeoutError):
+                exc = TimeoutError(f"timed out after {self.timeout_s:g}s")
+            values = [source.default_score] * len(responses)
+            out.failed[s] += len(responses)
+            self._failure(s, repr(exc), len(responses))
+        out.scores[s] = values
+
+    async def score_group(self, group: P.PromptGroup, responses: list[str]) -> GroupScores:
+        """Raw scores [S][n] of the group's responses (NaN where a source is not routed)."""
+        n = len(responses)
+        out = GroupScores(
+            scores=[[math.nan] * n for _ in self.sources], failed=[0] * len(self.sources)
+        )
+        active = [s for s, src in enumerate(self.sources) if routed(src, group.data_source)]
+        rule_idx = [s for s in active if not isinstance(self.sources[s], ModelReward)]
+        jobs = [
+            self._score_model(group, responses, s, out)
+            for s in active
+            if isinstance(self.sources[s], ModelReward)
+        ]
+        if rule_idx and n:
+            jobs.append(self._score_rules(group, responses, rule_idx, out))
+        await asyncio.gather(*jobs)
+        return out
+
+    def close(self) -> None:
+        """Stop the scoring process and close the model clients (idempotent)."""
+        if self.rules is not None:
+            self.rules.close()
+            self.rules = None
+        for client in self.model_clients.values():
+            close = getattr(client, "close", None)
+            # A coroutine close() cannot be awaited here; its owner closes such a client.
+            if callable(close) and not asyncio.iscoroutinefunction(close):
+                close()

@@ -1,0 +1,154 @@
+"""The scoring process: rule rewards run here, never on a generator's event loop.
+
+    python -m verl_async.rewards.worker --run-dir DIR --endpoint ipc:///tmp/x.sock
+
+Binds a ROUTER on ENDPOINT; each ``ScoreRules`` gets one ``Scores`` reply with the same
+request id. An item that raises gets its source's ``default_score`` and ``errors[i] =
+repr(exc)``; the other items are unaffected. A message that does not decode, or is not a
+``ScoreRules``, gets an ``Error`` reply and the process keeps serving.
+
+The sources are ``rewards.sources`` of ``DIR/config.yaml``, or, when the parent sets it,
+the JSON ``RewardsConfig`` in ``$VERL_ASYNC_REWARDS_JSON`` (so the parent's list and the
+``ScoreItem.source`` indices it sends are the same list by construction).
+
+A hang or a crash here (a user function that sleeps, calls ``os._exit`` or segfaults) is
+the parent's business: ``scorer.RuleScorer`` kills this process and starts a fresh one.
+It exits on SIGTERM and when its parent dies. No torch, no transformers: it starts fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from verl_async import protocol as P
+from verl_async.config import (
+    FunctionReward,
+    MathReward,
+    ModelReward,
+    RewardsConfig,
+    load_config,
+)
+from verl_async.rewards.rules import RuleScorerState
+from verl_async.runtime import die_with_parent
+
+ENV_REWARDS = "VERL_ASYNC_REWARDS_JSON"
+POLL_MS = 500  # how often the loop looks at its parent while idle
+log = logging.getLogger("verl_async.rewards")
+
+
+def load_rewards(run_dir: str) -> RewardsConfig:
+    """The parent's rewards config (environment) if given, else the run's config.yaml."""
+    raw = os.environ.get(ENV_REWARDS)
+    if raw:
+        return msgspec.json.decode(raw, type=RewardsConfig)
+    return load_config(Path(run_dir) / "config.yaml").rewards
+
+
+def math_timeout_s(rewards: RewardsConfig) -> int:
+    """math-verify's per-operation timeout: a quarter of the request's, 1..5 whole seconds,
+    so one adversarial answer cannot use up the whole group's deadline alone."""
+    return max(1, min(5, int(rewards.timeout_s / 4)))
+
+
+def score_items(
+    items: list[P.ScoreItem], rewards: RewardsConfig, state: RuleScorerState
+) -> P.Scores:
+    """One score per item; a failing item gets its source's default and an error string."""
+    scores: list[float] = []
+    errors: list[str] = []
+    for item in items:
+        if not 0 <= item.source < len(rewards.sources):
+            scores.append(0.0)
+            errors.append(f"source index {item.source} out of range")
+            continue
+        source = rewards.sources[item.source]
+        try:
+            scores.append(state.score(source, item))
+            errors.append("")
+        except Exception as exc:  # a user function may raise anything; the run goes on
+            scores.append(source.default_score)
+            errors.append(repr(exc)[:2000])
+    return P.Scores(scores=scores, errors=errors)
+
+
+def handle(parts: list, rewards: RewardsConfig, state: RuleScorerState) -> list:
+    """Frames of one request (after the ROUTER identity) -> frames of its reply."""
+    try:
+        env, _ = P.decode(parts)
+    except P.ProtocolError as exc:
+        return P.encode(P.Error(code="bad_message", message=str(exc)))
+    if not isinstance(env.body, P.ScoreRules):
+        message = f"the scoring process serves ScoreRules, not {type(env.body).__name__}"
+        return P.encode(P.Error(code="unsupported", message=message), env.request_id)
+    return P.encode(score_items(env.body.items, rewards, state), env.request_id)
+
+
+def warm_up(rewards: RewardsConfig, state: RuleScorerState) -> None:
+    """Import what the sources need now (sympy, user modules) rather than in a request."""
+    for source in rewards.sources:
+        try:
+            if isinstance(source, MathReward):
+                state.math.module()
+            elif isinstance(source, FunctionReward):
+                state.function(source.function)
+        except Exception as exc:  # the request will report it per item
+            log.warning("reward source '%s' failed to load: %r", source.name, exc)
+
+
+def serve(endpoint: str, rewards: RewardsConfig) -> None:
+    """Answer requests until the parent goes away (or SIGTERM ends the process)."""
+    parent = os.getppid()
+    state = RuleScorerState(math_timeout_s(rewards))
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(endpoint)
+    rule_sources = [s.name for s in rewards.sources if not isinstance(s, ModelReward)]
+    log.info("scoring process up on %s; rule sources %s", endpoint, rule_sources)
+    warm_up(rewards, state)
+    try:
+        while os.getppid() == parent:  # belt and braces beside PR_SET_PDEATHSIG
+            if not sock.poll(POLL_MS):
+                continue
+            identity, *parts = sock.recv_multipart(copy=False)
+            sock.send_multipart([identity, *handle(parts, rewards, state)], copy=False)
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    # SystemExit unwinds through a user function that is running (unless it swallows
+    # BaseException; the parent's SIGKILL covers that).
+    raise SystemExit(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="verl-async rule-reward scoring process")
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--endpoint", required=True, help="ZMQ endpoint to bind (ipc://...)")
+    args = parser.parse_args(argv)
+    faulthandler.enable()  # a segfault in a user function leaves its stack in the log
+    die_with_parent()
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s rewards %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+    serve(args.endpoint, load_rewards(args.run_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
