@@ -61,11 +61,15 @@ def load_context(run_dir: str | Path) -> RunContext:
     return RunContext(run_dir=str(run_dir), cfg=cfg, endpoints=endpoints)
 
 
-def role_args(description: str, with_index: bool = False) -> argparse.Namespace:
+def role_args(
+    description: str, with_index: bool = False, with_name: bool = False
+) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--run-dir", required=True)
     if with_index:
         parser.add_argument("--index", type=int, required=True)
+    if with_name:
+        parser.add_argument("--name", required=True, help="the reward source this process serves")
     return parser.parse_args()
 
 
@@ -131,13 +135,19 @@ def unpin_this_thread() -> None:
         os.sched_setaffinity(0, _UNPINNED)
 
 
-def start_role(name: str, description: str, with_index: bool = False) -> argparse.Namespace:
-    """Common prologue of a role process: arguments, parent-death signal, logging, pinning."""
-    args = role_args(description, with_index)
+def start_role(
+    name: str, description: str, with_index: bool = False, with_name: bool = False
+) -> argparse.Namespace:
+    """Common prologue of a role process: arguments, parent-death signal, logging, pinning.
+
+    ``with_index``: one of several alike (``--index``, generators); ``with_name``: the
+    process serving one named reward source (``--name``, reward models)."""
+    args = role_args(description, with_index, with_name)
     # A crash in native code (SIGSEGV, SIGABRT, ...) leaves every thread's Python stack in
     # the role's log instead of a bare exit code.
     faulthandler.enable()
     die_with_parent()
-    setup_logging(f"{name}{args.index}" if with_index else name)
+    suffix = str(args.index) if with_index else f"[{args.name}]" if with_name else ""
+    setup_logging(name + suffix)
     apply_cpu_pinning()
     return args
