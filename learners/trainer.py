@@ -83,12 +83,15 @@ def policy_update(
 
     ``backward(loss)`` and ``clip_grad() -> norm`` come from the caller (Accelerate in the
     learner; plain torch under FSDP2 in benchmarks/gpu.py), so both run this exact code.
+
+    With one minibatch the gradient pass runs at the weights pi_prox is defined by, so
+    pi_prox is that pass's log-probs, detached: no separate forward (a quarter of the
+    step's compute on a real model).
     """
-    with torch.no_grad():
-        logits = logits_of(model, batch.input_ids, batch.attention_mask, temperature)
-        logp_prox = token_logprobs(logits, batch.input_ids[:, 1:])  # [N, T-1]
-        entropy = token_entropy(logits)
-        del logits
+    one_pass = algo.minibatches == 1
+    logp_prox = entropy = None
+    if not one_pass:
+        logp_prox, entropy = prox_pass(model, batch, temperature)
     mask = batch.loss_mask
     n_tok = mask.sum().clamp(min=1)
     totals = dict(loss=0.0, clip=0.0, w_mean=0.0, w_max=0.0, w_clip=0.0, grad=0.0)
@@ -96,6 +99,11 @@ def policy_update(
     for idx in chunks:
         logits = logits_of(model, batch.input_ids[idx], batch.attention_mask[idx], temperature)
         logp = token_logprobs(logits, batch.input_ids[idx, 1:])
+        if one_pass:
+            logp_prox = logp.detach()  # [N, T-1]
+            with torch.no_grad():
+                entropy = token_entropy(logits.detach())
+        del logits
         out = policy_loss(
             logp,
             logp_prox[idx],
@@ -128,6 +136,13 @@ def policy_update(
         is_clipped_fraction=totals["w_clip"],
         grad_norm=totals["grad"],
     )
+
+
+def prox_pass(model, batch: TrainBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """pi_prox log-probs [N, T-1] and token entropies [N, T] before any update (no grad)."""
+    with torch.no_grad():
+        logits = logits_of(model, batch.input_ids, batch.attention_mask, temperature)
+        return token_logprobs(logits, batch.input_ids[:, 1:]), token_entropy(logits)
 
 
 class BackgroundBroadcast:

@@ -1,0 +1,77 @@
+"""The learner's update on a tiny model: the one-minibatch shortcut for pi_prox."""
+
+import copy
+
+import msgspec
+import numpy as np
+import torch
+
+from learners.batching import collate
+from learners.trainer import logits_of, policy_update, prox_pass
+from verl_async import protocol as P
+from verl_async.algorithms import policy_loss, token_logprobs
+from verl_async.config import AlgoConfig, TinyModelConfig
+from verl_async.tiny_model import build_tiny_model
+
+
+def _batch():
+    rng = np.random.default_rng(0)
+    n, p, r = 4, 5, 3
+    frames = P.Frames()
+    body = P.Batch(
+        step=0,
+        group_ids=[0],
+        sample_group=[0] * n,
+        prompt_lengths=[p] * n,
+        response_lengths=[r] * n,
+        prompt_ids=frames.add(rng.integers(3, 14, n * p, dtype=np.int32)),
+        response_ids=frames.add(rng.integers(3, 14, n * r, dtype=np.int32)),
+        behav_logprobs=frames.add(rng.uniform(-3, -1, n * r).astype(np.float32)),
+        token_versions=frames.add(np.zeros(n * r, np.int32)),
+        scores=[[1.0], [0.0], [1.0], [0.0]],
+        failed=[0],
+        data_sources=["default"],
+        dropped_stale=0,
+        buffer_size=0,
+        gen_tokens_per_s=0.0,
+        wait_s=0.0,
+    )
+    return collate(body, [bytes(b) for b in frames.buffers], pad_id=0)
+
+
+def test_one_minibatch_takes_pi_prox_from_the_gradient_pass(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path = build_tiny_model(tmp_path / "m", TinyModelConfig())
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    reference = copy.deepcopy(model)
+    initial = copy.deepcopy(model)
+    batch = _batch()
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    algo = msgspec.structs.replace(AlgoConfig(), minibatches=1)
+    temperature = 0.7
+
+    # By hand: a separate no-grad pass for pi_prox, then one step.
+    opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    logp_prox, _ = prox_pass(reference, batch, temperature)
+    logits = logits_of(reference, batch.input_ids, batch.attention_mask, temperature)
+    logp = token_logprobs(logits, batch.input_ids[:, 1:])
+    out = policy_loss(
+        logp, logp_prox, batch.behav_logprobs, adv[:, None], batch.loss_mask,
+        algo.correction, algo.clip_eps, algo.is_cap, algo.clip_eps_high,
+    )  # fmt: skip
+    out.loss.backward()
+    opt.step()
+
+    opt2 = torch.optim.SGD(model.parameters(), lr=0.5)
+    stats = policy_update(
+        model, opt2, batch, adv, algo, lambda loss: loss.backward(), lambda: 0.0, temperature
+    )
+    assert abs(stats.loss - out.loss.item()) < 1e-6
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    moved = [
+        (a - b).abs().max() for a, b in zip(model.parameters(), initial.parameters(), strict=True)
+    ]
+    assert max(moved) > 1e-3  # the step really changed the weights
+    assert stats.kl > 0  # pi_prox differs from pi_behav (random behaviour log-probs)
