@@ -226,7 +226,7 @@ class Generator:
                 )
 
 
-def make_scorer(ctx: RunContext) -> Scorer:
+def make_scorer(ctx: RunContext, index: int) -> Scorer:
     """Rule sources in a scoring process of this generator's; model sources through a
     client of each reward-model process (endpoints chosen by the launcher)."""
     clients = {}
@@ -238,7 +238,7 @@ def make_scorer(ctx: RunContext) -> Scorer:
             name: RewardModelClient(endpoint, timeout_s)
             for name, endpoint in ctx.endpoints.reward_models.items()
         }
-    return Scorer(ctx.run_dir, ctx.cfg.rewards, clients)
+    return Scorer(ctx.run_dir, ctx.cfg.rewards, clients, log_name=f"reward_worker{index}")
 
 
 async def run_generator(ctx: RunContext, index: int) -> None:
@@ -259,7 +259,7 @@ async def run_generator(ctx: RunContext, index: int) -> None:
             resolve_backend(cfg.weights.backend),
         )
         tokenizer = AutoTokenizer.from_pretrained(ep.model_path)
-        scorer = make_scorer(ctx)
+        scorer = make_scorer(ctx, index)
         try:
             await Generator(ctx, index, engine, tokenizer, scorer).run()
         finally:

@@ -146,7 +146,7 @@ def test_worker_log_goes_to_run_dir_logs(tmp_path):
         return await scorer.score([item(OK)])
 
     assert run_with_scorer(tmp_path, body, timeout_s=10.0).scores == [1.0]
-    logs = list((tmp_path / "logs").glob("rewards-*.log"))
+    logs = list((tmp_path / "logs").glob("reward_worker*.log"))
     assert len(logs) == 1 and "scoring process up" in logs[0].read_text()
 
 

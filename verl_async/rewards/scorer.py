@@ -72,8 +72,15 @@ class RuleScorer:
     its own timeout, and the later one then runs on a fresh process.
     """
 
-    def __init__(self, run_dir: str | Path, sources: Sequence[RewardSource], timeout_s: float):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        sources: Sequence[RewardSource],
+        timeout_s: float,
+        log_name: str = "reward_worker",
+    ):
         self.run_dir = Path(run_dir)
+        self.log_name = log_name  # logs/<log_name>.log in the run directory
         self.sources = list(sources)
         self.timeout_s = timeout_s
         self.rewards_json = msgspec.json.encode(
@@ -97,7 +104,7 @@ class RuleScorer:
         endpoint = f"ipc://{self.sock_dir}/w{self.starts}.sock"
         logs = self.run_dir / "logs"
         if self.log_file is None and logs.is_dir():
-            self.log_file = open(logs / f"rewards-{os.getpid()}.log", "ab")  # noqa: SIM115 (closed in close())
+            self.log_file = open(logs / f"{self.log_name}.log", "ab")  # noqa: SIM115 (closed in close())
         env = dict(os.environ, **{ENV_REWARDS: self.rewards_json})
         # The child imports user functions from the working directory (python -m does that).
         self.proc = subprocess.Popen(
@@ -207,6 +214,7 @@ class Scorer:
         run_dir: str | Path,
         rewards_cfg: RewardsConfig,
         model_clients: dict[str, ModelClient],
+        log_name: str = "reward_worker",
     ) -> None:
         self.sources = list(rewards_cfg.sources)
         self.timeout_s = rewards_cfg.timeout_s
@@ -219,7 +227,7 @@ class Scorer:
             raise ValueError(f"no reward-model client for model sources {missing}")
         self.model_clients = model_clients
         self.rules = (
-            RuleScorer(run_dir, self.sources, self.timeout_s)
+            RuleScorer(run_dir, self.sources, self.timeout_s, log_name)
             if any(not isinstance(s, ModelReward) for s in self.sources)
             else None
         )
