@@ -6,7 +6,7 @@
                                                              # code-path check on CPU (gloo)
 
 The step is the learner's own code: a ``Batch`` message is collated into pinned host
-memory, copied to the device, and trained with ``learners.trainer.policy_update`` (pi_prox
+memory, copied to the device, and trained with ``learners.update.policy_update`` (pi_prox
 recomputation, then ``algo.minibatches`` decoupled-PPO steps) on a Llama whose decoder
 layers and root are wrapped with FSDP2 ``fully_shard`` (the wrapping Accelerate's FSDP2
 plugin applies). Weights are bf16 on CUDA, float32 on CPU.
@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from learners.batching import collate
-    from learners.trainer import full_state_dict, policy_update
+    from learners.publish import full_state_dict
+    from learners.update import policy_update
     from verl_async.algorithms import grpo_advantages
     from verl_async.config import AlgoConfig
     from verl_async.runtime import free_port

@@ -125,7 +125,7 @@ def main() -> None:
     }
     (args.out / "rewards.json").write_text(json.dumps(summary, indent=1))
     print(
-        f"generation with a reward model: {with_rm:.1f} tok/s vs {without:.1f} without = "
+        f"summary: generation with a reward model: {with_rm:.1f} tok/s vs {without:.1f} without = "
         f"{with_rm / without:.3f}x (target >= 0.9; {args.repeats} ABBA pairs, {machine()})"
     )
 

@@ -288,21 +288,30 @@ def _close(open_since: dict[int, float], generator_id: int, now: float) -> float
 
 
 class TokenRate:
-    """Generated tokens per second over a sliding window (O(1) per event, amortised)."""
+    """Generated tokens per second over a sliding window (O(1) per event, amortised).
+
+    The tokens that arrived in the last ``window_s`` seconds, divided by the window (or by
+    the time since the first event, early in a run). Dividing by the span of the events
+    in the window instead would turn a burst after a quiet spell (a slow generator
+    returning two groups at once) into an absurd rate.
+    """
 
     def __init__(self, window_s: float = 20.0) -> None:
         self.window_s = window_s
         self.events: deque[tuple[float, int]] = deque()
         self.total = 0  # tokens of the events in the window
+        self.first: float | None = None  # time of the first event ever
 
     def add(self, tokens: int, now: float | None = None) -> None:
-        self.events.append((time.monotonic() if now is None else now, tokens))
+        now = time.monotonic() if now is None else now
+        self.first = now if self.first is None else self.first
+        self.events.append((now, tokens))
         self.total += tokens
 
     def rate(self, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now
         while self.events and now - self.events[0][0] > self.window_s:
             self.total -= self.events.popleft()[1]
-        if len(self.events) < 2:
+        if self.first is None or now - self.first <= 0:
             return 0.0
-        return self.total / max(now - self.events[0][0], 1e-3)
+        return self.total / min(self.window_s, now - self.first)

@@ -16,9 +16,7 @@ import json
 import logging
 import os
 import signal
-import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,15 +25,17 @@ import torch
 from learners import checkpointing
 from learners.batching import Prefetcher, TrainBatch
 from learners.evaluation import EvalTracker
+from learners.publish import BackgroundBroadcast, full_state_dict
+from learners.step_metrics import step_row
+from learners.update import StepStats, policy_update
 from verl_async import protocol as P
-from verl_async.algorithms import grpo_advantages, kl_k3, policy_loss, token_entropy, token_logprobs
+from verl_async.algorithms import grpo_advantages
 from verl_async.metrics import MetricsWriter
 from verl_async.rewards.aggregate import RunningStats, combine, summarize
 from verl_async.runtime import RunContext
 from verl_async.transport import BufferClient
 from verl_async.weight_sync import (
     SyncGroup,
-    broadcast_packed,
     join_group,
     pack_weights,
     param_specs,
@@ -46,146 +46,6 @@ from verl_async.weight_sync import (
 log = logging.getLogger("verl_async.learner")
 
 ALTERNATE_ENV = "VERL_ASYNC_BENCH_CKPT_ALTERNATE"
-
-
-@dataclass
-class StepStats:
-    loss: float
-    kl: float
-    entropy: float
-    clip_fraction: float
-    is_weight_mean: float
-    is_weight_max: float
-    is_clipped_fraction: float
-    grad_norm: float
-
-
-def logits_of(
-    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
-) -> torch.Tensor:
-    """Logits divided by the sampling temperature: log-probs of the distribution the
-    generators sampled from (vLLM's processed logprobs are taken after the same division)."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # [N, T, V]
-    return logits if temperature == 1.0 else logits / temperature
-
-
-def policy_update(
-    model,
-    optimizer,
-    batch: TrainBatch,
-    advantages: torch.Tensor,
-    algo,
-    backward,
-    clip_grad,
-    temperature: float = 1.0,
-) -> StepStats:
-    """pi_prox recomputation, then ``algo.minibatches`` optimizer steps over the batch.
-
-    ``backward(loss)`` and ``clip_grad() -> norm`` come from the caller (Accelerate in the
-    learner; plain torch under FSDP2 in benchmarks/gpu.py), so both run this exact code.
-
-    With one minibatch the gradient pass runs at the weights pi_prox is defined by, so
-    pi_prox is that pass's log-probs, detached: no separate forward (a quarter of the
-    step's compute on a real model).
-    """
-    one_pass = algo.minibatches == 1
-    logp_prox = entropy = None
-    if not one_pass:
-        logp_prox, entropy = prox_pass(model, batch, temperature)
-    mask = batch.loss_mask
-    n_tok = mask.sum().clamp(min=1)
-    totals = dict(loss=0.0, clip=0.0, w_mean=0.0, w_max=0.0, w_clip=0.0, grad=0.0)
-    chunks = torch.arange(len(advantages), device=mask.device).chunk(algo.minibatches)
-    for idx in chunks:
-        logits = logits_of(model, batch.input_ids[idx], batch.attention_mask[idx], temperature)
-        logp = token_logprobs(logits, batch.input_ids[idx, 1:])
-        if one_pass:
-            logp_prox = logp.detach()  # [N, T-1]
-            with torch.no_grad():
-                entropy = token_entropy(logits.detach())
-        del logits
-        out = policy_loss(
-            logp,
-            logp_prox[idx],
-            batch.behav_logprobs[idx],
-            advantages[idx, None],
-            mask[idx],
-            algo.correction,
-            algo.clip_eps,
-            algo.is_cap,
-            algo.clip_eps_high,
-        )
-        backward(out.loss)
-        grad = clip_grad()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        k = 1.0 / len(chunks)
-        totals["loss"] += out.loss.item() * k
-        totals["clip"] += out.clip_fraction.item() * k
-        totals["w_mean"] += out.is_weight_mean.item() * k
-        totals["w_max"] = max(totals["w_max"], out.is_weight_max.item())
-        totals["w_clip"] += out.is_clipped_fraction.item() * k
-        totals["grad"] += float(grad) * k
-    return StepStats(
-        loss=totals["loss"],
-        kl=float((kl_k3(logp_prox, batch.behav_logprobs) * mask).sum() / n_tok),
-        entropy=float((entropy[:, :-1] * mask).sum() / n_tok),
-        clip_fraction=totals["clip"],
-        is_weight_mean=totals["w_mean"],
-        is_weight_max=totals["w_max"],
-        is_clipped_fraction=totals["w_clip"],
-        grad_norm=totals["grad"],
-    )
-
-
-def prox_pass(model, batch: TrainBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """pi_prox log-probs [N, T-1] and token entropies [N, T] before any update (no grad)."""
-    with torch.no_grad():
-        logits = logits_of(model, batch.input_ids, batch.attention_mask, temperature)
-        return token_logprobs(logits, batch.input_ids[:, 1:]), token_entropy(logits)
-
-
-class BackgroundBroadcast:
-    """At most one weight broadcast in flight on a thread; its error surfaces at ``wait``.
-
-    The learner packs a copy of the new weights, announces them and starts this; the next
-    step trains while generators pause and receive. Before announcing the next version the
-    learner waits for this one, so generators never skip a version.
-    """
-
-    def __init__(self, group: SyncGroup, timeout_s: float) -> None:
-        self.group = group
-        self.timeout_s = timeout_s
-        self.thread: threading.Thread | None = None
-        self.error: BaseException | None = None
-        self.seconds = 0.0  # duration of the last finished broadcast
-
-    def start(self, buffers: list[torch.Tensor]) -> None:
-        self.wait()
-        self.thread = threading.Thread(
-            target=self._run, args=(buffers,), name="weight-broadcast", daemon=True
-        )
-        self.thread.start()
-
-    def _run(self, buffers: list[torch.Tensor]) -> None:
-        t0 = time.monotonic()
-        try:
-            broadcast_packed(self.group, buffers)
-        except BaseException as exc:  # re-raised in the training thread by wait()
-            self.error = exc
-        self.seconds = time.monotonic() - t0
-
-    def wait(self) -> None:
-        if self.thread is not None:
-            self.thread.join(self.timeout_s)
-            if self.thread.is_alive():
-                raise TimeoutError(
-                    f"weight broadcast not finished after weights.timeout_s={self.timeout_s:.0f}s; "
-                    "is every generator alive? (see logs/generator*.log)"
-                )
-            self.thread = None
-        if self.error is not None:
-            raise self.error
 
 
 class Learner:
@@ -524,68 +384,6 @@ def fetch_buffer_files(endpoint: str, timeout_s: float, step: int) -> dict[str, 
     finally:
         client.close()
     return {name: memoryview(P.tensor(ref, frames)) for name, ref in reply.files.items()}
-
-
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Unsharded tensors by HF name; DTensor shards are gathered (a collective on every rank)."""
-    out = {}
-    for name, tensor in model.state_dict().items():
-        if hasattr(tensor, "full_tensor"):
-            tensor = tensor.full_tensor()
-        out[name] = tensor.detach()
-    return out
-
-
-def step_row(
-    step: int,
-    version: int,
-    max_staleness: int,
-    batch: TrainBatch,
-    s: StepStats,
-    sync_s: float,
-    step_s: float,
-    wall_s: float,
-) -> dict:
-    """One metrics.jsonl line. Staleness is measured against the version trained at (= step).
-
-    ``staleness_hist[k]`` counts the samples of staleness k, for k = 0 .. max(eta, max seen);
-    ``inflight_update_samples`` counts samples whose tokens span more than one version.
-    """
-    mask = batch.loss_mask > 0
-    versions = batch.token_versions.masked_fill(~mask, 1 << 30)
-    oldest = versions.min(dim=1).values  # [N]
-    newest = batch.token_versions.max(dim=1).values
-    stale = (step - oldest).float()
-    n_resp = int(mask.sum())
-    seen = int(stale.max()) if len(stale) else 0
-    hist = torch.bincount(stale.long().clamp(min=0), minlength=max(max_staleness, seen) + 1)
-    return {
-        "step": step,
-        "version": version,
-        "wall_s": round(wall_s, 3),
-        "step_s": round(step_s, 4),
-        "reward_mean": float(batch.rewards.mean()) if len(batch.rewards) else 0.0,
-        "samples": len(batch.rewards),
-        "tokens": int(batch.attention_mask.sum()),
-        "response_tokens": n_resp,
-        "staleness_mean": float(stale.mean()) if len(stale) else 0.0,
-        "staleness_max": seen,
-        "staleness_hist": hist.tolist(),
-        "inflight_update_samples": int((newest > oldest).sum()),
-        "dropped_stale": batch.dropped_stale,
-        "gen_tokens_per_s": round(batch.gen_tokens_per_s, 2),
-        "buffer_size": batch.buffer_size,
-        "learner_wait_s": round(batch.wait_s, 4),
-        "weight_sync_s": round(sync_s, 4),
-        "loss": s.loss,
-        "kl": s.kl,
-        "entropy": s.entropy,
-        "clip_fraction": s.clip_fraction,
-        "is_weight_mean": s.is_weight_mean,
-        "is_weight_max": s.is_weight_max,
-        "is_clipped_fraction": s.is_clipped_fraction,
-        "grad_norm": s.grad_norm,
-    }
 
 
 def run_learner(ctx: RunContext) -> None:

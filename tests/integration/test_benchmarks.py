@@ -132,3 +132,40 @@ def test_gpu_script_code_path_on_cpu(tmp_path):
 def test_gpu_script_on_cuda(tmp_path):
     _run("gpu.py", ["--layers", "2", "--hidden", "256", "--steps", "1", "--out", str(tmp_path)])
     assert json.loads((tmp_path / "gpu.json").read_text())["device"] != "cpu"
+
+
+def test_rewards(tmp_path):
+    out = _run("rewards.py", ["--repeats", "1", "--prefill", "1", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "rewards.json").read_text())
+    assert [r["arm"] for r in result["runs"]] == ["without", "with"]
+    assert all(r["tokens_per_s"] > 0 and r["rm_failed"] == 0 for r in result["runs"])
+    assert result["ratio"] > 0 and "with a reward model" in out
+
+
+def test_generation_cpu_on_the_tiny_model(tmp_path, tiny_model):
+    out = _run(
+        "generation_cpu.py",
+        ["--model", str(tiny_model), "--prompts", "4", "--max-tokens", "4"]
+        + ["--only", "hf", "vllm-project-pin", "--out", str(tmp_path)],
+    )
+    table = json.loads((tmp_path / "generation_cpu.json").read_text())
+    assert [r["setting"] for r in table] == ["hf", "vllm-project-pin"]
+    assert all(r["tokens"] == 16 for r in table), table  # 4 prompts x 4 tokens, eos ignored
+    assert "| vllm-project-pin |" in out
+
+
+def test_plot_run(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": i, "reward_mean": i / 4, "reward/correct": i / 5} for i in range(4)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "eval.jsonl").write_text(json.dumps({"step": 0, "eval/reward/correct": 0.5}) + "\n")
+    res = subprocess.run(
+        [sys.executable, "benchmarks/plot_run.py", str(run), str(tmp_path / "c.png")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"

@@ -68,11 +68,11 @@ async def _engine_sample(cfg, model, ids):
 
 
 def _learner_logprobs(model_dir, prompt_ids, response_ids, temperature):
-    """What the learner computes for the response tokens (learners/trainer.py)."""
+    """What the learner computes for the response tokens (learners/update.py)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from learners.trainer import logits_of
+    from learners.update import logits_of
     from verl_async.algorithms import token_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

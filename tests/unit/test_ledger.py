@@ -89,6 +89,10 @@ def test_token_rate_window():
     rate.add(100, now=1.0)
     assert rate.rate(now=2.0) == pytest.approx(100.0)
     assert rate.rate(now=20.0) == 0.0
+    # A burst after a quiet spell is averaged over the window, not over the burst.
+    rate.add(100, now=30.0)
+    rate.add(100, now=30.001)
+    assert rate.rate(now=30.002) == pytest.approx(20.0)
 
 
 def test_admission_clock_counts_refusals_until_work_and_idle_only_with_nothing_in_flight():

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from learners.batching import collate
-from learners.trainer import logits_of, policy_update, prox_pass
+from learners.update import logits_of, policy_update, prox_pass
 from verl_async import protocol as P
 from verl_async.algorithms import policy_loss, token_logprobs
 from verl_async.config import AlgoConfig, TinyModelConfig
