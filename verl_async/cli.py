@@ -5,6 +5,7 @@
     verl-async ckpt list RUN_DIR
     verl-async ckpt verify RUN_DIR [--step N]
     verl-async export RUN_DIR [--step N] OUT_DIR
+    verl-async model smollm2-135m DIR
 
 Parses and validates the config before anything imports torch or vLLM, so mistakes are
 reported in a fraction of a second and ``--help`` is instant.
@@ -15,6 +16,9 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+
+# Models ``verl-async model`` can build (see verl_async/models.py).
+MODELS = ("smollm2-135m",)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("run_dir")
     export.add_argument("out_dir")
     export.add_argument("--step", type=int, help="checkpoint step (default: newest valid)")
+    model = sub.add_parser(
+        "model", help="build a real model as a Hugging Face directory (no model hub needed)"
+    )
+    model.add_argument("name", choices=MODELS, help="which model")
+    model.add_argument("out_dir", help="directory to write (kept if already complete)")
     return parser
 
 
@@ -63,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         return _export(args)
+    if args.command == "model":
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        return _model(args)
     return _run(parser, args, extra)
 
 
@@ -166,6 +179,18 @@ def _export(args) -> int:
         print(f"verl-async: {exc}", file=sys.stderr)
         return 1
     print(f"exported {ckpt.name} to {out}")
+    return 0
+
+
+def _model(args) -> int:
+    from verl_async.models import MissingExtraError, build_smollm2
+
+    try:
+        out = build_smollm2(args.out_dir)
+    except MissingExtraError as exc:
+        print(f"verl-async: {exc}", file=sys.stderr)
+        return 1
+    print(f"{args.name} is in {out}")
     return 0
 
 
