@@ -70,8 +70,8 @@ class DataConfig(_Section):
     the buffer's log and ``prompts_skipped``; 0 means generators.max_model_len - max_new_tokens."""
 
 
-class ExactReward(_Section, tag="exact", tag_field="kind", kw_only=True):
-    """1 when the extracted response equals the ground truth (both stripped), else 0."""
+class _RewardSource(_Section, kw_only=True):
+    """What every reward source has; ``kind`` (the tag) picks the subclass."""
 
     name: str
     """Name of the source in metrics (``reward/<name>``)."""
@@ -84,83 +84,47 @@ class ExactReward(_Section, tag="exact", tag_field="kind", kw_only=True):
     """Score when the source fails (raises, times out, or its process dies)."""
     data_sources: list[str] = []
     """Score only prompts whose ``data_source`` is listed (empty: every prompt)."""
+
+
+class ExactReward(_RewardSource, tag="exact", tag_field="kind", kw_only=True):
+    """1 when the extracted response equals the ground truth (both stripped), else 0."""
+
     extract: Literal["all", "first_word", "last_word"] = "all"
     """Which part of the response is compared."""
     case_sensitive: bool = True
     """Compare with case (false: both sides lower-cased)."""
 
 
-class FormatReward(_Section, tag="format", tag_field="kind", kw_only=True):
+class FormatReward(_RewardSource, tag="format", tag_field="kind", kw_only=True):
     """1 when the response matches ``pattern`` (Python regex, DOTALL), else 0."""
 
-    name: str
-    """Name of the source in metrics (``reward/<name>``)."""
-    weight: float = 1.0
-    """Weight of the source in the combined reward."""
-    normalize: Literal["none", "group", "running"] = "none"
-    """Scale before weighting (see ``exact``)."""
-    default_score: float = 0.0
-    """Score when the source fails."""
-    data_sources: list[str] = []
-    """Score only prompts whose ``data_source`` is listed (empty: every prompt)."""
     pattern: str
     """Regular expression the response must match."""
     full_match: bool = False
     """Require the whole response (stripped) to match, instead of a match anywhere."""
 
 
-class MathReward(_Section, tag="math", tag_field="kind", kw_only=True):
+class MathReward(_RewardSource, tag="math", tag_field="kind", kw_only=True):
     """1 when the response's final answer equals the ground truth under ``math-verify``
     (GSM8K ``####``, ``\\boxed{}``, fractions, LaTeX), numeric comparison as the fallback."""
 
-    name: str
-    """Name of the source in metrics (``reward/<name>``)."""
-    weight: float = 1.0
-    """Weight of the source in the combined reward."""
-    normalize: Literal["none", "group", "running"] = "none"
-    """Scale before weighting (see ``exact``)."""
-    default_score: float = 0.0
-    """Score when the source fails."""
-    data_sources: list[str] = []
-    """Score only prompts whose ``data_source`` is listed (empty: every prompt)."""
 
-
-class FunctionReward(_Section, tag="function", tag_field="kind", kw_only=True):
+class FunctionReward(_RewardSource, tag="function", tag_field="kind", kw_only=True):
     """A user function ``module:function`` called with keyword arguments ``prompt``,
     ``response``, ``ground_truth``, ``data_source``, ``extra_info`` (+ ``kwargs``), returning
     a float. It runs in a scoring process of its own, never on the engine's event loop."""
 
-    name: str
-    """Name of the source in metrics (``reward/<name>``)."""
-    weight: float = 1.0
-    """Weight of the source in the combined reward."""
-    normalize: Literal["none", "group", "running"] = "none"
-    """Scale before weighting (see ``exact``)."""
-    default_score: float = 0.0
-    """Score when the source fails."""
-    data_sources: list[str] = []
-    """Score only prompts whose ``data_source`` is listed (empty: every prompt)."""
     function: str
     """Import path ``package.module:function`` (the module must be importable)."""
     kwargs: dict[str, Any] = {}
     """Extra keyword arguments passed on every call."""
 
 
-class ModelReward(_Section, tag="model", tag_field="kind", kw_only=True):
+class ModelReward(_RewardSource, tag="model", tag_field="kind", kw_only=True):
     """A Hugging Face ``AutoModelForSequenceClassification`` (one output) scoring the
     chat-templated conversation (prompt messages + response), served by a reward-model
     process of its own on ``placement.reward_model_devices``."""
 
-    name: str
-    """Name of the source in metrics (``reward/<name>``)."""
-    weight: float = 1.0
-    """Weight of the source in the combined reward."""
-    normalize: Literal["none", "group", "running"] = "none"
-    """Scale before weighting (see ``exact``)."""
-    default_score: float = 0.0
-    """Score when the source fails."""
-    data_sources: list[str] = []
-    """Score only prompts whose ``data_source`` is listed (empty: every prompt)."""
     path: str
     """Reward-model directory (config.json, weights, tokenizer)."""
     batch_size: PosInt = 32

@@ -46,3 +46,12 @@ def processes_mentioning(text: str) -> list[int]:
         if text in cmdline:
             pids.append(int(entry.name))
     return pids
+
+
+def cmdline(pid: int) -> str:
+    """The command line of process ``pid`` ('' once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""

@@ -13,7 +13,7 @@ import pytest
 
 from verl_async.tiny_reward_model import build_tiny_reward_model
 
-from .conftest import ROOT, processes_mentioning, run_cli
+from .conftest import ROOT, cmdline, processes_mentioning, run_cli
 
 SOURCES = (
     "rewards.sources=["
@@ -130,7 +130,7 @@ def test_a_dead_reward_model_is_restarted_and_the_run_goes_on(tmp_path, reward_m
         while time.monotonic() < deadline and not (metrics.exists() and len(_rows(metrics)) >= 5):
             assert proc.poll() is None, proc.stderr.read()[-3000:]
             time.sleep(0.3)
-        victims = [p for p in processes_mentioning(str(run_dir)) if "-m reward_model" in _cmd(p)]
+        victims = [p for p in processes_mentioning(str(run_dir)) if "-m reward_model" in cmdline(p)]
         assert len(victims) == 1, "reward-model process not found"
         os.kill(victims[0], signal.SIGKILL)
         _, err = proc.communicate(timeout=400)
@@ -148,11 +148,3 @@ def test_a_dead_reward_model_is_restarted_and_the_run_goes_on(tmp_path, reward_m
     assert "reward source 'rm' failed" in (run_dir / "logs/generator0.log").read_text()
     time.sleep(1)
     assert not processes_mentioning(str(run_dir)), "processes outlived the run"
-
-
-def _cmd(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""

@@ -12,7 +12,7 @@ import pytest
 
 from verl_async.metrics import REQUIRED_FIELDS
 
-from .conftest import ROOT, processes_mentioning, run_cli
+from .conftest import ROOT, cmdline, processes_mentioning, run_cli
 
 
 def _rows(run_dir):
@@ -95,7 +95,7 @@ def test_a_dying_generator_stops_the_run_with_its_name(tmp_path):
         ):
             assert proc.poll() is None, proc.stderr.read()[-3000:]
             time.sleep(0.5)
-        victims = [p for p in processes_mentioning(str(run_dir)) if "generators" in _cmdline(p)]
+        victims = [p for p in processes_mentioning(str(run_dir)) if "generators" in cmdline(p)]
         assert victims, "generator process not found"
         os.kill(victims[0], signal.SIGKILL)
         _, err = proc.communicate(timeout=120)
@@ -106,11 +106,3 @@ def test_a_dying_generator_stops_the_run_with_its_name(tmp_path):
     assert "generator0" in err and "exited with code" in err
     time.sleep(1)
     assert not processes_mentioning(str(run_dir)), "processes outlived the failed run"
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
