@@ -61,13 +61,14 @@ async def _produce(endpoint: str, index: int, size: int, window: int) -> None:
     """The generator's client side: GetPrompts, then each group through ``RolloutPusher``."""
     from generators.main import RolloutPusher
     from verl_async import protocol as P
+    from verl_async.rewards.scorer import GroupScores
     from verl_async.transport import AsyncBufferClient
 
     client = AsyncBufferClient(endpoint, 60.0)
     pusher = RolloutPusher(client, index)
     resp, logprobs, versions = rollout_arrays(size)
     packed = (resp, logprobs, versions, [len(resp)])
-    prompt = list(range(8))
+    scored = GroupScores(scores=[[1.0]], failed=[0])  # one reward source, one sample
 
     inflight: set[asyncio.Task] = set()
     exhausted = False
@@ -79,7 +80,7 @@ async def _produce(endpoint: str, index: int, size: int, window: int) -> None:
             )
             exhausted = reply.exhausted
             inflight |= {
-                asyncio.create_task(pusher.push(g, prompt, packed, [1.0], 0.0))
+                asyncio.create_task(pusher.push(g, packed, scored, 0.0))
                 for g in reply.groups
             }
         if inflight:
