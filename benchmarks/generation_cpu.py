@@ -207,14 +207,17 @@ def run_hf(model: str, texts: list[str], samples: int, max_tokens: int) -> dict:
 
 
 def run_vllm(setting: Setting, model: str, texts: list[str], samples: int, max_tokens: int):
+    from transformers import AutoConfig
     from vllm import LLM, SamplingParams
 
+    # 256 covers a chat-templated prompt and the new tokens; smaller models may hold less.
+    context = min(256, AutoConfig.from_pretrained(model).max_position_embeddings)
     t0 = time.perf_counter()
     llm = LLM(
         model,
         dtype="float32",
         seed=0,
-        max_model_len=256,
+        max_model_len=context,
         kv_cache_memory_bytes=KV_CACHE_MB << 20,
         **setting.engine_args,
     )
