@@ -80,8 +80,7 @@ async def _produce(endpoint: str, index: int, size: int, window: int) -> None:
             )
             exhausted = reply.exhausted
             inflight |= {
-                asyncio.create_task(pusher.push(g, packed, scored, 0.0))
-                for g in reply.groups
+                asyncio.create_task(pusher.push(g, packed, scored, 0.0)) for g in reply.groups
             }
         if inflight:
             done, inflight = await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
