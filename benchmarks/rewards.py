@@ -1,15 +1,18 @@
 """Generation throughput with a reward model attached, against the same run without one.
 
     python benchmarks/rewards.py [--config configs/tiny.yaml] [--repeats 2] [--prefill 3]
-                                 [--reward-model DIR] [--out runs/rewards] [key=value ...]
+                                 [--reward-model DIR] [--out runs/rewards] [--whole-rows]
+                                 [key=value ...]
 
 Each run is ``verl-async train CONFIG`` with ``trainer.prefill_steps = P`` and
 ``trainer.total_steps = P`` (eta = P - 1): the learner waits until the generators have
 filled the buffer with P steps of scored groups, so ``prefill_s`` in metrics.jsonl is
 generation alone (sampling and scoring, nothing else). Both arms use the config's reward
 sources; the "with" arm adds a ``model`` source served by its own reward-model process
-(``placement.reward_model_devices``). Runs go in ABBA order; the summary is the ratio of
-generated tokens per second, with / without (target >= 0.9).
+(``placement.reward_model_devices``); ``--whole-rows`` adds a third arm whose reward model
+forwards every conversation whole (``share_prefix: false``). Runs go in ABBA order (ABC
+CBA with three arms); the summary is the ratio of generated tokens per second, with /
+without (target >= 0.9).
 
 The reward model: ``--reward-model DIR``, or else one built here. For the tiny default
 it is the tiny sequence classifier; for a real policy it is the policy's own backbone with
@@ -53,14 +56,22 @@ def build_reward_model(args) -> Path:
     return out
 
 
-def sources_with_model(args, rm: Path) -> str:
+def sources_with_model(args, rm: Path, share_prefix: bool = True) -> str:
     from verl_async.config import load_config
 
     cfg = load_config(args.config, args.override)
     import msgspec
 
     sources = [msgspec.to_builtins(s) for s in cfg.rewards.sources]
-    sources.append({"name": "rm", "kind": "model", "path": str(rm), "weight": 0.1})
+    sources.append(
+        {
+            "name": "rm",
+            "kind": "model",
+            "path": str(rm),
+            "weight": 0.1,
+            "share_prefix": share_prefix,
+        }
+    )
     return "rewards.sources=" + json.dumps(sources)
 
 
@@ -99,14 +110,21 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=3, help="steps of groups per run")
     parser.add_argument("--reward-model", help="reward-model directory (default: built)")
     parser.add_argument("--out", type=Path, default=ROOT / "runs/rewards")
+    parser.add_argument(
+        "--whole-rows",
+        action="store_true",
+        help="a third arm: the reward model forwards every row whole (share_prefix=false)",
+    )
     parser.add_argument("override", nargs="*", help="dotted.key=value for every run")
     args = parser.parse_args()
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
-    with_model = [sources_with_model(args, build_reward_model(args))]
+    rm = build_reward_model(args)
+    order = [("without", []), ("with", [sources_with_model(args, rm)])]
+    if args.whole_rows:
+        order.append(("whole", [sources_with_model(args, rm, share_prefix=False)]))
     results = []
     for i in range(args.repeats):
-        order = [("without", []), ("with", with_model)]
         for arm, extra in order if i % 2 == 0 else order[::-1]:
             res = generation_run(f"{arm}{i}", extra, args)
             results.append({**res, "arm": arm})
@@ -115,19 +133,26 @@ def main() -> None:
                 f"{res['samples_per_s']:7.2f} samples/s  reward-model failures {res['rm_failed']}",
                 flush=True,
             )
-    without = mean(r["tokens_per_s"] for r in results if r["arm"] == "without")
-    with_rm = mean(r["tokens_per_s"] for r in results if r["arm"] == "with")
+    rate = {arm: mean(r["tokens_per_s"] for r in results if r["arm"] == arm) for arm, _ in order}
     summary = {
         "config": str(args.config),
         "machine": machine(),
         "runs": results,
-        "ratio": with_rm / without,
+        "ratio": rate["with"] / rate["without"],
     }
+    if args.whole_rows:
+        summary["ratio_whole_rows"] = rate["whole"] / rate["without"]
     (args.out / "rewards.json").write_text(json.dumps(summary, indent=1))
     print(
-        f"summary: generation with a reward model: {with_rm:.1f} tok/s vs {without:.1f} without = "
-        f"{with_rm / without:.3f}x (target >= 0.9; {args.repeats} ABBA pairs, {machine()})"
+        f"summary: generation with a reward model: {rate['with']:.1f} tok/s vs "
+        f"{rate['without']:.1f} without = {summary['ratio']:.3f}x "
+        f"(target >= 0.9; {args.repeats} ABBA rounds, {machine()})"
     )
+    if args.whole_rows:
+        print(
+            f"  whole rows (share_prefix=false): {rate['whole']:.1f} tok/s = "
+            f"{summary['ratio_whole_rows']:.3f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ generator's own and model rewards to their reward-model processes (verl_async/re
 the loop only awaits their replies, each with a deadline.
 
 The engine does continuous batching: up to ``max_inflight_groups * group_size`` requests
-are in flight, and a group's samples are separate requests so they share the prompt's
+are in flight (a group's slot is freed when its sampling ends; at most
+``max_inflight_groups`` more groups wait for their scores), and a group's samples are separate requests so they share the prompt's
 prefix cache. The version reported to the buffer is the one *loaded*, never the newest
 published: admission depends on it (verl_async/staleness.py).
 """
@@ -111,7 +112,8 @@ class Generator:
         self.buffer = AsyncBufferClient(ctx.endpoints.buffer, self.cfg.buffer.request_timeout_s)
         self.stop = False
         self.failure: BaseException | None = None  # first error of a group or the weight loop
-        self.inflight: set[asyncio.Task] = set()
+        self.inflight: set[asyncio.Task] = set()  # groups being sampled
+        self.scoring: set[asyncio.Task] = set()  # groups sampled, being scored and pushed
         self.pusher = RolloutPusher(self.buffer, index, on_error=self._finished)
 
     async def run(self) -> None:
@@ -121,7 +123,7 @@ class Generator:
             await self.sample_loop()
         finally:
             weights.cancel()
-            for task in self.inflight:
+            for task in self.inflight | self.scoring:
                 task.cancel()
             self.buffer.close()
         if self.failure is not None:
@@ -130,8 +132,11 @@ class Generator:
     # ------------------------------------------------------------------ sampling
 
     async def sample_loop(self) -> None:
+        limit = self.cfg.generators.max_inflight_groups
         while not self.stop:
-            room = self.cfg.generators.max_inflight_groups - len(self.inflight)
+            room = limit - len(self.inflight)
+            if len(self.scoring) >= limit:
+                room = 0  # scoring lags behind sampling: take no more prompts until it catches up
             fetched = 0
             # Asked even once training prompts are exhausted: evaluation prompts may come.
             if room > 0:
@@ -150,13 +155,14 @@ class Generator:
             if fetched == 0:
                 await self._wait_for_room()
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro, into: set[asyncio.Task] | None = None) -> None:
         task = asyncio.create_task(coro)
-        self.inflight.add(task)
+        (self.inflight if into is None else into).add(task)
         task.add_done_callback(self._finished)
 
     def _finished(self, task: asyncio.Task) -> None:
         self.inflight.discard(task)
+        self.scoring.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("%s failed: %r", task.get_coro().__name__, task.exception())
             self.failure = self.failure or task.exception()
@@ -164,7 +170,11 @@ class Generator:
 
     async def _wait_for_room(self) -> None:
         """Sleep until a group finishes, the loaded version changes, or 50 ms pass."""
-        waiters = [asyncio.ensure_future(self.engine.version_changed.wait()), *self.inflight]
+        waiters = [
+            asyncio.ensure_future(self.engine.version_changed.wait()),
+            *self.inflight,
+            *self.scoring,
+        ]
         await asyncio.wait(waiters, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
         waiters[0].cancel()
 
@@ -177,9 +187,18 @@ class Generator:
         return samples, texts, await self.scorer.score_group(group, texts)
 
     async def generate_group(self, group: P.PromptGroup) -> None:
+        """Sample the group; then its slot goes to the next prompt while a task of its
+        own scores and pushes it (a slow reward model does not idle the engine)."""
         t0 = time.perf_counter()
         n = self.cfg.generators.group_size
-        samples, _, scored = await self.sample_and_score(group, n, self.train_sampling)
+        samples = await asyncio.gather(
+            *(self.engine.sample(group.prompt_ids, self.train_sampling) for _ in range(n))
+        )
+        self._spawn(self.score_and_push(group, samples, t0), into=self.scoring)
+
+    async def score_and_push(self, group: P.PromptGroup, samples: list, t0: float) -> None:
+        texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
+        scored = await self.scorer.score_group(group, texts)
         await self.pusher.push(group, pack_samples(samples), scored, time.perf_counter() - t0)
 
     async def evaluate_group(self, round_: int, group: P.PromptGroup) -> None:

@@ -35,7 +35,8 @@ def main() -> None:
     args = start_role("reward_model", "verl-async reward-model process", with_name=True)
     import torch
 
-    from reward_model.server import RewardModelServer, load_reward_model
+    from reward_model.scoring import load_reward_model
+    from reward_model.server import RewardModelServer
 
     ctx = load_context(args.run_dir)
     source = find_source(ctx.cfg, args.name)
@@ -46,7 +47,9 @@ def main() -> None:
     )
     model, tokenizer = load_reward_model(source.path, device, dtype)
     log.info("loaded %s on %s (%s)", source.path, device, dtype)
-    server = RewardModelServer(model, tokenizer, endpoint, source.batch_size, source.max_length)
+    server = RewardModelServer(
+        model, tokenizer, endpoint, source.batch_size, source.max_length, source.share_prefix
+    )
     signal.signal(signal.SIGTERM, lambda signum, frame: setattr(server, "terminated", True))
     server.serve()
 

@@ -10,8 +10,9 @@ it has outstanding; ROUTER_MANDATORY makes a reply to a vanished client raise (l
 instead of vanishing silently.
 
 Batching across clients: the loop sleeps until the socket is readable, drains every
-message already queued, scores all their conversations together (sorted by length, in
-chunks of ``batch_size``) and replies to each request. A message that does not decode or
+message already queued, scores them together (``reward_model.scoring.score_requests``: a
+request's shared prompt forwarded once, other rows pooled across requests in chunks of
+``batch_size``) and replies to each request. A message that does not decode or
 is not ``ScoreConversations`` gets an ``Error`` reply and a log line; a request whose
 scoring raises gets an ``Error`` reply of its own; the loop goes on. Shutdown: SIGTERM sets
 ``terminated`` (checked at least every ``POLL_MS``); the socket closes with linger=0.
@@ -20,105 +21,19 @@ scoring raises gets an ``Error`` reply of its own; the loop goes on. Shutdown: S
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
+from reward_model.scoring import score_requests
 from verl_async import protocol as P
 
 log = logging.getLogger("verl_async.reward_model")
 POLL_MS = 200  # longest sleep before the loop looks at ``terminated`` again
+LOAD_LOG_S = 30.0  # a load line (busy share, conversations scored) this often while serving
 MAX_DRAIN = 1024  # messages taken per wake-up, so one flood cannot starve the replies
-
-
-# ----------------------------------------------------------------------------- scoring
-
-
-def load_reward_model(path: str, device: str, dtype: str = "float32") -> tuple[Any, Any]:
-    """(model in eval mode on ``device``, tokenizer), both ready for ``score_conversations``."""
-    import torch
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForSequenceClassification.from_pretrained(
-        path, num_labels=1, dtype=getattr(torch, dtype)
-    )
-    prepare(model, tokenizer)
-    return model.to(device).eval(), tokenizer
-
-
-def prepare(model: Any, tokenizer: Any) -> None:
-    """Make padding, truncation and pooling agree between tokenizer and model."""
-    if tokenizer.pad_token is None:
-        if tokenizer.eos_token is None:
-            raise ValueError("the reward model's tokenizer has neither a pad nor an eos token")
-        tokenizer.pad_token = tokenizer.eos_token
-    # The head pools the rightmost token that is not ``config.pad_token_id``; with it unset
-    # (or different from what the tokenizer pads with) padded rows would be scored at a pad.
-    model.config.pad_token_id = tokenizer.pad_token_id
-    model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
-    # Right padding: a row keeps the positions it has alone (with absolute position
-    # embeddings a left-padded row would be shifted; RoPE models do not care).
-    tokenizer.padding_side = "right"
-    # Keep the end of the conversation (the response being judged) when it is too long.
-    tokenizer.truncation_side = "left"
-
-
-def render(tokenizer: Any, conversation: list[dict[str, str]]) -> str:
-    """The conversation as text: the tokenizer's chat template, else "role: content" lines."""
-    if tokenizer.chat_template:
-        return tokenizer.apply_chat_template(conversation, tokenize=False)
-    return "\n".join(f"{m['role']}: {m['content']}" for m in conversation)
-
-
-def encode(tokenizer: Any, conversations: list[list[dict[str, str]]], max_length: int) -> list:
-    """Token ids of each conversation, truncated from the left to ``max_length``."""
-    if not conversations:
-        return []
-    texts = [render(tokenizer, conv) for conv in conversations]
-    # A chat template writes its own special tokens (BOS included); plain text needs them.
-    special = not tokenizer.chat_template
-    enc = tokenizer(texts, truncation=True, max_length=max_length, add_special_tokens=special)
-    return list(enc["input_ids"])
-
-
-def forward(model: Any, tokenizer: Any, rows: list[list[int]]) -> list[float]:
-    """Scores of one padded batch: logits[:, 0], pooled by the model at the last real token."""
-    import torch
-
-    padded = tokenizer.pad({"input_ids": rows}, padding=True, return_tensors="pt")
-    device = next(model.parameters()).device
-    with torch.inference_mode():
-        logits = model(
-            input_ids=padded["input_ids"].to(device),
-            attention_mask=padded["attention_mask"].to(device),
-        ).logits
-    return logits[:, 0].float().cpu().tolist()
-
-
-def score_conversations(
-    model: Any,
-    tokenizer: Any,
-    conversations: list[list[dict[str, str]]],
-    batch_size: int,
-    max_length: int,
-) -> list[float]:
-    """One score per conversation, in order; forwards of at most ``batch_size`` rows.
-
-    Rows are sorted by length before chunking so a batch pads little; a row's score does
-    not depend on its batch mates (right padding, pooling at the last non-pad token).
-    """
-    rows = encode(tokenizer, conversations, max_length)
-    order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
-    scores = [0.0] * len(rows)
-    for start in range(0, len(order), batch_size):
-        chunk = order[start : start + batch_size]
-        for i, value in zip(
-            chunk, forward(model, tokenizer, [rows[i] for i in chunk]), strict=True
-        ):
-            scores[i] = value
-    return scores
 
 
 # ----------------------------------------------------------------------------- serving
@@ -135,12 +50,19 @@ class RewardModelServer:
     """Serves ``ScoreConversations`` for one model (see the module docstring)."""
 
     def __init__(
-        self, model: Any, tokenizer: Any, endpoint: str, batch_size: int, max_length: int
+        self,
+        model: Any,
+        tokenizer: Any,
+        endpoint: str,
+        batch_size: int,
+        max_length: int,
+        share_prefix: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.max_length = max_length
+        self.share_prefix = share_prefix
         self.endpoint = endpoint
         self.terminated = False  # set by the SIGTERM handler
         self.ctx = zmq.Context()
@@ -154,10 +76,22 @@ class RewardModelServer:
     def serve(self) -> None:
         """Sleep until readable, drain what is queued, score it together, reply; repeat."""
         log.info("serving on %s (batch_size %d)", self.endpoint, self.batch_size)
+        since, busy, scored = time.monotonic(), 0.0, 0
         try:
             while not self.terminated:
                 if self.sock.poll(POLL_MS):
-                    self.score_and_reply(self.drain())
+                    t0 = time.monotonic()
+                    requests = self.drain()
+                    self.score_and_reply(requests)
+                    busy += time.monotonic() - t0
+                    scored += sum(len(r.conversations) for r in requests)
+                if (elapsed := time.monotonic() - since) >= LOAD_LOG_S:
+                    if scored:
+                        log.info(
+                            "busy %.0f%% of the last %.0fs: %d conversations (%.1f/s busy)",
+                            100 * busy / elapsed, elapsed, scored, scored / max(busy, 1e-9),
+                        )  # fmt: skip
+                    since, busy, scored = time.monotonic(), 0.0, 0
         finally:
             self.sock.close(linger=0)
             self.ctx.term()
@@ -195,9 +129,8 @@ class RewardModelServer:
         """Score all requests in one go; if that raises, each alone (to blame the right one)."""
         if not requests:
             return
-        convs = [conv for r in requests for conv in r.conversations]
         try:
-            scores = self.score(convs)
+            scores = self.score([r.conversations for r in requests])
         except Exception as exc:  # some request is bad; find which below
             if len(requests) == 1:
                 self.fail(requests[0], exc)
@@ -205,15 +138,18 @@ class RewardModelServer:
             for request in requests:
                 self.score_and_reply([request])
             return
-        start = 0
-        for r in requests:
-            part = scores[start : start + len(r.conversations)]
-            start += len(r.conversations)
+        for r, part in zip(requests, scores, strict=True):
             self.send(r.identity, r.request_id, P.Scores(scores=part, errors=[""] * len(part)))
 
-    def score(self, convs: list[list[dict[str, str]]]) -> list[float]:
-        return score_conversations(
-            self.model, self.tokenizer, convs, self.batch_size, self.max_length
+    def score(self, requests: list[list[list[dict[str, str]]]]) -> list[list[float]]:
+        """Scores of each request's conversations (``scoring.score_requests``)."""
+        return score_requests(
+            self.model,
+            self.tokenizer,
+            requests,
+            self.batch_size,
+            self.max_length,
+            self.share_prefix,
         )
 
     def fail(self, request: Request, exc: Exception) -> None:

@@ -131,6 +131,9 @@ class ModelReward(_RewardSource, tag="model", tag_field="kind", kw_only=True):
     """Most conversations per forward pass."""
     max_length: PosInt = 1024
     """Conversations are truncated (from the left) to this many tokens."""
+    share_prefix: bool = True
+    """Forward the prompt a group's conversations share once and only the responses on top
+    of its key/value cache (same scores, less compute); false forwards every row whole."""
 
 
 RewardSource = ExactReward | FormatReward | MathReward | FunctionReward | ModelReward
@@ -175,7 +178,8 @@ class GeneratorConfig(_Section):
     stop: list[str] = []
     """Stop strings (not included in the response); the tokenizer's EOS always stops."""
     max_inflight_groups: PosInt = 8
-    """Prompt groups a generator keeps in its engine at once (continuous batching depth)."""
+    """Prompt groups a generator keeps in its engine at once (continuous batching depth);
+    as many more, already sampled, may be waiting for their scores."""
     kv_cache_mb: PosInt = 64
     """KV-cache size per engine, MiB."""
     max_model_len: PosInt = 64

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from reward_model.server import load_reward_model, score_conversations
+from reward_model.scoring import load_reward_model, score_conversations
 from verl_async import protocol as P
 from verl_async.config import load_config, to_yaml
 from verl_async.rewards.model_client import (

@@ -45,7 +45,7 @@ def _stored_rollouts(run_dir):
 def test_model_and_rule_rewards_score_real_rollouts(tmp_path, reward_model_dir):
     from transformers import AutoTokenizer
 
-    from reward_model.server import load_reward_model, score_conversations
+    from reward_model.scoring import load_reward_model, score_conversations
 
     val = tmp_path / "val.jsonl"
     val.write_text(

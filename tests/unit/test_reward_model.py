@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from reward_model.server import (
+from reward_model.scoring import (
     encode,
     forward,
     load_reward_model,
@@ -95,11 +95,11 @@ def test_one_failing_request_gets_an_error_the_others_scores(rm, free_port):
     real_score = server.score
     batches = []
 
-    def score(convs):
-        batches.append(len(convs))
-        if any(m["content"] == "boom" for c in convs for m in c):
+    def score(requests):
+        batches.append(sum(len(convs) for convs in requests))
+        if any(m["content"] == "boom" for convs in requests for c in convs for m in c):
             raise ValueError("boom")
-        return real_score(convs)
+        return real_score(requests)
 
     server.score = score
     clients = [zmq.Context.instance().socket(zmq.DEALER) for _ in range(3)]
@@ -131,3 +131,53 @@ def test_one_failing_request_gets_an_error_the_others_scores(rm, free_port):
     for env, ask in ((replies[0], asks[0]), (replies[2], asks[2])):
         alone = score_conversations(model, tokenizer, ask, 2, 64)
         assert env.body.scores == pytest.approx(alone, abs=1e-5)
+
+
+# One prompt group: a long shared prompt, responses of different lengths (so suffixes pad).
+GROUP = [conv("max 3 1 4 1 5 9 2 6 5 3 5 =", r) for r in ("9", "9 9", "5 3 5 8 9", "1", "9")]
+
+
+def test_shared_prompt_scores_equal_whole_rows(rm):
+    from reward_model.scoring import score_requests, shared_prefix_length
+
+    model, tokenizer = rm
+    rows = encode(tokenizer, GROUP, 64)
+    assert shared_prefix_length(rows, 64) == 14  # <bos> max + 11 digits + "=": 14 tokens
+    whole = score_conversations(model, tokenizer, GROUP, 8, 64)
+    other = CONVS[:3]  # no common prefix of 8 tokens: pooled whole with the rest
+    shared, pooled = score_requests(model, tokenizer, [GROUP, other], 2, 64, share_prefix=True)
+    assert shared == pytest.approx(whole, abs=1e-5)
+    assert pooled == pytest.approx(score_conversations(model, tokenizer, other, 8, 64), abs=1e-5)
+    assert whole[0] == pytest.approx(whole[4], abs=1e-6)  # equal rows, equal scores
+    assert max(whole) - min(whole) > 1e-3
+
+
+def test_shared_prefix_length_edge_cases(rm):
+    from reward_model.scoring import MIN_SHARED_PREFIX, shared_prefix_length
+
+    _, tokenizer = rm
+    rows = encode(tokenizer, GROUP, 64)
+    assert shared_prefix_length(rows[:1], 64) == 0  # one row: nothing to share
+    assert shared_prefix_length(rows, max(map(len, rows))) == 0  # a row may be truncated
+    twins = [rows[0], list(rows[0])]
+    assert shared_prefix_length(twins, 64) == len(rows[0]) - 1  # a suffix is left to pool
+    short = encode(tokenizer, [conv("max 1 =", "1"), conv("max 1 =", "2")], 64)
+    assert len(short[0]) - 1 < MIN_SHARED_PREFIX
+    assert shared_prefix_length(short, 64) == 0
+
+
+def test_server_shares_prefix_per_request(rm, monkeypatch):
+    """The server passes requests, not a flat list, so a group's prompt is computed once."""
+    from reward_model import scoring
+
+    model, tokenizer = rm
+    calls = []
+    real = scoring.forward_shared
+    monkeypatch.setattr(
+        scoring,
+        "forward_shared",
+        lambda m, rows, n: calls.append((len(rows), n)) or real(m, rows, n),
+    )
+    scores = scoring.score_requests(model, tokenizer, [GROUP, GROUP[:2]], 4, 64)
+    assert calls == [(4, 14), (1, 14), (2, 14)]  # chunks of batch_size=4, then the second
+    assert scores[1] == pytest.approx(scores[0][:2], abs=1e-5)
