@@ -5,7 +5,7 @@ from verl_async.runtime import load_context, start_role
 
 def main() -> None:
     args = start_role("learner", "verl-async learner")
-    from learners.trainer import run_learner
+    from learners.setup import run_learner
 
     try:
         run_learner(load_context(args.run_dir))

@@ -40,8 +40,11 @@ class TrainBatch:
     group_prompts: list[int]  # prompt index of each group
     sample_digests: list[int]  # crc32 of each sample's (group, index), tokens, logprobs, versions
     prompts_skipped: int  # prompts the buffer left out as too long
-    # [N] combined reward of each sample, set by the learner's compute_advantages
-    rewards: torch.Tensor | None = None
+    # Set by the learner's compute_advantages:
+    rewards: torch.Tensor | None = None  # [N] combined reward of each sample
+    logp_prox: torch.Tensor | None = None  # [N, T-1] pi_prox, when needed before the update
+    logp_ref: torch.Tensor | None = None  # [N, T-1] the reference policy (algo.kl)
+    values: torch.Tensor | None = None  # [N, T-1] the critic's, before its update (gae)
 
     def to(self, device: torch.device) -> TrainBatch:
         moved = {

@@ -22,8 +22,11 @@ everything else in JSON)::
 
     learner/model.safetensors     full (unsharded) weights by Hugging Face name
     learner/state.safetensors     optimizer state tensors ("optim.<param>.<key>"), RNG states
+    learner/critic.safetensors    the critic's weights (algo.adv_estimator: gae only)
+    learner/critic_state.safetensors  its optimizer state tensors
     learner/trainer_state.json    step, version, counters, optimizer param groups and
-                                  scalars, scheduler state, Python RNG (readable)
+                                  scalars, scheduler state, Python RNG, KL controller
+                                  and critic optimizer scalars (readable)
     buffer/ledger.json            buffer/snapshot.py
     buffer/rollouts.arrow
     manifest.json                 written last: the commit
@@ -172,44 +175,52 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def split_state(optimizer: dict, rng: dict) -> tuple[dict[str, torch.Tensor], dict]:
-    """Optimizer state_dict and RNG state -> (tensors for safetensors, JSON-able rest)."""
+def split_optimizer(optimizer: dict, prefix: str = "optim") -> tuple[dict[str, torch.Tensor], dict]:
+    """An optimizer state_dict -> (tensors named "<prefix>.<param>.<key>", JSON-able rest)."""
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict] = {}
     for param, entries in optimizer["state"].items():
         for key, value in entries.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"optim.{param}.{key}"] = value
+                tensors[f"{prefix}.{param}.{key}"] = value
             else:
                 scalars.setdefault(str(param), {})[key] = value
+    return tensors, {"param_groups": optimizer["param_groups"], "scalars": scalars}
+
+
+def join_optimizer(tensors: dict[str, torch.Tensor], rest: dict, prefix: str = "optim") -> dict:
+    """Inverse of ``split_optimizer`` (tensors of other prefixes are ignored)."""
+    state: dict[int, dict] = {}
+    for param, entries in rest["scalars"].items():
+        state.setdefault(int(param), {}).update(entries)
+    for name, tensor in tensors.items():
+        kind, _, tail = name.partition(".")
+        if kind == prefix:
+            param, _, key = tail.partition(".")
+            state.setdefault(int(param), {})[key] = tensor
+    return {"state": state, "param_groups": rest["param_groups"]}
+
+
+def split_state(optimizer: dict, rng: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """Optimizer state_dict and RNG state -> (tensors for safetensors, JSON-able rest)."""
+    tensors, optim_rest = split_optimizer(optimizer)
     tensors["rng.torch"] = rng["torch"]
     for i, cuda in enumerate(rng.get("cuda", [])):
         tensors[f"rng.cuda.{i}"] = cuda
-    rest = {
-        "optimizer": {"param_groups": optimizer["param_groups"], "scalars": scalars},
-        "python_rng": rng["python"],
-    }
-    return tensors, rest
+    return tensors, {"optimizer": optim_rest, "python_rng": rng["python"]}
 
 
 def join_state(tensors: dict[str, torch.Tensor], rest: dict) -> tuple[dict, dict]:
     """Inverse of ``split_state``: (optimizer state_dict, rng state)."""
-    state: dict[int, dict] = {}
-    for param, entries in rest["optimizer"]["scalars"].items():
-        state.setdefault(int(param), {}).update(entries)
-    cuda = []
-    for name, tensor in tensors.items():
-        kind, _, tail = name.partition(".")
-        if kind == "optim":
-            param, _, key = tail.partition(".")
-            state.setdefault(int(param), {})[key] = tensor
-        elif tail.startswith("cuda."):
-            cuda.append((int(tail[5:]), tensor))
+    cuda = [
+        (int(name[len("rng.cuda.") :]), t)
+        for name, t in tensors.items()
+        if name.startswith("rng.cuda.")
+    ]
     rng = {"torch": tensors["rng.torch"], "python": rest["python_rng"]}
     if cuda:
         rng["cuda"] = [t for _, t in sorted(cuda, key=lambda c: c[0])]
-    optimizer = {"state": state, "param_groups": rest["optimizer"]["param_groups"]}
-    return optimizer, rng
+    return join_optimizer(tensors, rest["optimizer"]), rng
 
 
 def take_snapshot(
@@ -221,17 +232,23 @@ def take_snapshot(
     scheduler: dict | None,
     info: dict,
     buffer_files: Callable[[], dict[str, bytes | memoryview]],
+    critic: tuple[dict[str, torch.Tensor], dict] | None = None,
 ) -> Snapshot:
     """Stage everything into host memory (the part of a checkpoint the step waits for).
 
-    ``buffer_files`` returns the buffer's files; the writer thread calls it."""
+    ``buffer_files`` returns the buffer's files; the writer thread calls it. ``critic`` is
+    the critic's (weights, optimizer state_dict) when the run trains one."""
     tensors, rest = split_state(optimizer, rng_state())
     state = {"step": step, "version": version, **info, **rest, "scheduler": scheduler}
     files = {
         "learner/model.safetensors": stager.stage("model", model, {"format": "pt"}),
         "learner/state.safetensors": stager.stage("state", tensors),
-        "learner/trainer_state.json": [json.dumps(state, indent=1).encode()],
     }
+    if critic is not None:
+        critic_tensors, state["critic_optimizer"] = split_optimizer(critic[1])
+        files["learner/critic.safetensors"] = stager.stage("critic", critic[0], {"format": "pt"})
+        files["learner/critic_state.safetensors"] = stager.stage("critic_state", critic_tensors)
+    files["learner/trainer_state.json"] = [json.dumps(state, indent=1).encode()]
     return Snapshot(
         step,
         version,
@@ -406,8 +423,11 @@ def _make_durable(paths: list[Path]) -> None:
         fsync_dir(directory)
 
 
-def load(ckpt: Path, model: torch.nn.Module, optimizer, scheduler) -> dict:
-    """Restore a checkpoint's learner files into live objects; returns the JSON state."""
+def load(ckpt: Path, model: torch.nn.Module, optimizer, scheduler, critic=None) -> dict:
+    """Restore a checkpoint's learner files into live objects; returns the JSON state.
+
+    ``critic`` is (critic model, critic optimizer) when the run trains one; a checkpoint
+    written without a critic cannot resume a run with one (and the other way round)."""
     from safetensors.torch import load_file
 
     learner = ckpt / "learner"
@@ -417,5 +437,15 @@ def load(ckpt: Path, model: torch.nn.Module, optimizer, scheduler) -> dict:
     optimizer.load_state_dict(optimizer_state)
     if scheduler is not None and state["scheduler"] is not None:
         scheduler.load_state_dict(state["scheduler"])
+    has_critic = "critic_optimizer" in state
+    if has_critic != (critic is not None):
+        raise ValueError(
+            f"{ckpt} was written {'with' if has_critic else 'without'} a critic and this run "
+            f"has {'one' if critic is not None else 'none'} (algo.adv_estimator changed?)"
+        )
+    if critic is not None:
+        critic[0].load_state_dict(load_file(learner / "critic.safetensors"))
+        tensors = load_file(learner / "critic_state.safetensors")
+        critic[1].load_state_dict(join_optimizer(tensors, state["critic_optimizer"]))
     set_rng_state(rng)
     return state

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import resource
+
 import torch
 
 from learners.batching import TrainBatch
@@ -57,4 +59,43 @@ def step_row(
         "is_weight_max": s.is_weight_max,
         "is_clipped_fraction": s.is_clipped_fraction,
         "grad_norm": s.grad_norm,
+        # Peak resident memory of the learner process so far (Linux reports KiB).
+        "learner_peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
     }
+
+
+def algo_metrics(batch: TrainBatch, s: StepStats, critic, adv, kl_ctrl) -> dict:
+    """The names verl users look for: actor/..., critic/... (``critic`` is the critic's
+    ``CriticStats`` or None; ``adv`` the step's ``Advantages``)."""
+    mask = batch.loss_mask > 0
+    a = adv.advantages[mask]
+    row = {
+        "actor/pg_loss": s.loss,
+        "actor/pg_clipfrac": s.clip_fraction,
+        "actor/pg_clipfrac_lower": s.clip_fraction_lower,
+        "actor/ppo_kl": s.ppo_kl,
+        "actor/entropy": s.entropy,
+        "actor/grad_norm": s.grad_norm,
+        "critic/advantages/mean": float(a.mean()) if len(a) else 0.0,
+        "critic/advantages/std": float(a.std()) if len(a) > 1 else 0.0,
+    }
+    if torch.cuda.is_available():
+        row["learner_peak_gpu_mib"] = round(torch.cuda.max_memory_allocated() / 2**20)
+    if s.kl_loss is not None:
+        row["actor/kl_loss"] = s.kl_loss
+    if adv.kl_in_reward is not None:
+        row["actor/reward_kl_penalty"] = adv.kl_in_reward
+        row["actor/reward_kl_penalty_coeff"] = kl_ctrl.value
+    if adv.returns is not None:
+        row["critic/returns/mean"] = float(adv.returns[mask].mean()) if mask.any() else 0.0
+    if critic is not None:
+        row.update(
+            {
+                "critic/vf_loss": critic.vf_loss,
+                "critic/vf_clipfrac": critic.vf_clipfrac,
+                "critic/vf_explained_var": critic.vf_explained_var,
+                "critic/grad_norm": critic.grad_norm,
+                "critic/values/mean": critic.values_mean,
+            }
+        )
+    return row

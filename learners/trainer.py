@@ -15,31 +15,35 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import time
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import torch
 
 from learners import checkpointing
+from learners.advantages import Advantages, estimate, kl_controller
 from learners.batching import Prefetcher, TrainBatch
+from learners.critic import (
+    CriticStats,
+    critic_update,
+    critic_values,
+    reference_logprobs,
+)
 from learners.evaluation import EvalTracker
 from learners.publish import BackgroundBroadcast, full_state_dict
-from learners.step_metrics import step_row
-from learners.update import StepStats, policy_update
+from learners.step_metrics import algo_metrics, step_row
+from learners.update import StepStats, policy_update, prox_pass
 from verl_async import protocol as P
-from verl_async.algorithms import grpo_advantages
 from verl_async.metrics import MetricsWriter
 from verl_async.rewards.aggregate import RunningStats, combine, summarize
 from verl_async.runtime import RunContext
 from verl_async.transport import BufferClient
 from verl_async.weight_sync import (
     SyncGroup,
-    join_group,
     pack_weights,
     param_specs,
-    resolve_backend,
     send_weights,
 )
 
@@ -58,6 +62,9 @@ class Learner:
         group: SyncGroup | None,
         pad_id: int,
         scheduler=None,
+        critic=None,
+        critic_optimizer=None,
+        reference=None,
     ) -> None:
         self.ctx = ctx
         self.cfg = ctx.cfg
@@ -69,6 +76,15 @@ class Learner:
         self.scheduler = scheduler
         self.group = group
         self.pad_id = pad_id
+        self.critic = critic  # algo.adv_estimator: gae
+        self.raw_critic = accelerator.unwrap_model(critic) if critic is not None else None
+        self.critic_optimizer = critic_optimizer
+        self.reference = reference  # algo.kl.in_reward or algo.kl.loss_coef > 0
+        self.kl_ctrl = kl_controller(self.cfg.algo.kl)  # checkpointed
+        self.algo = msgspec.structs.replace(  # the divisor of seq-mean-token-sum-norm resolved
+            self.cfg.algo,
+            loss_scale_factor=self.cfg.algo.loss_scale_factor or self.cfg.generators.max_new_tokens,
+        )
         self.version = 0
         self.steps_done = 0
         self.broadcast = (  # None: no group, or broadcasts inside the step
@@ -113,14 +129,22 @@ class Learner:
                 t0 = time.monotonic()
                 batch = self.collect(batches)
                 advantages = self.compute_advantages(batch)
-                stats = self.update(batch, advantages)
+                stats, critic_stats = self.update(batch, advantages)
                 sync_s = self.publish_weights()
                 self.steps_done = step + 1
                 self.record_trail(step, batch)
                 self.maybe_evaluate()
                 ckpt_s = self.checkpoint()
                 step_s = time.monotonic() - t0
-                self.log_metrics(step, batch, stats, sync_s, step_s, prefill_s, ckpt_s)
+                self.log_metrics(
+                    step,
+                    batch,
+                    (stats, critic_stats, advantages),
+                    sync_s,
+                    step_s,
+                    prefill_s,
+                    ckpt_s,
+                )
                 prefill_s = None
         except KeyboardInterrupt:  # SIGTERM from the launcher (Ctrl-C) lands here too
             log.warning("interrupted after %d steps", self.steps_done)
@@ -172,31 +196,72 @@ class Learner:
     def collect(self, batches: Prefetcher) -> TrainBatch:
         return batches.get().to(self.acc.device)
 
-    def compute_advantages(self, batch: TrainBatch) -> torch.Tensor:
-        """Combine the reward sources into one reward per sample, then GRPO advantages."""
+    def compute_advantages(self, batch: TrainBatch) -> Advantages:
+        """Combine the reward sources into one reward per sample, then the estimator's
+        per-token advantages, with what it needs first: reference log-probs, pi_prox for
+        a KL in the reward, the critic's values (learners/advantages.py)."""
         group_index = batch.group_index.cpu()
         rewards = combine(batch.scores, group_index.numpy(), self.cfg.rewards.sources, self.running)
         batch.rewards = torch.from_numpy(np.asarray(rewards, np.float32))  # [N]
-        adv = grpo_advantages(batch.rewards, group_index, self.cfg.algo.normalize_adv_std)
-        return adv.to(self.acc.device)  # [N]
+        algo, temperature = self.cfg.algo, self.cfg.generators.temperature
+        if self.reference is not None:
+            batch.logp_ref = reference_logprobs(self.reference, batch, temperature)
+        if algo.kl.in_reward:  # the KL of the policy the update starts from
+            batch.logp_prox, _ = prox_pass(self.model, batch, temperature)
+        if self.critic is not None:
+            with torch.no_grad():
+                batch.values = critic_values(self.critic, batch)
+        device = self.acc.device
+        return estimate(
+            algo,
+            batch.rewards.to(device),
+            group_index.to(device),
+            batch.loss_mask,
+            batch.values,
+            batch.logp_prox,
+            batch.logp_ref,
+            self.kl_ctrl,
+        )
 
-    def update(self, batch: TrainBatch, advantages: torch.Tensor) -> StepStats:
+    def update(self, batch: TrainBatch, adv: Advantages) -> tuple[StepStats, CriticStats | None]:
+        """The critic's steps (gae), then the actor's; during ``critic.warmup_steps`` the
+        actor's losses are computed but its weights stay."""
+        cfg, critic_stats = self.cfg, None
+        if self.critic is not None:
+            self.critic.train()
+            critic_stats = critic_update(
+                self.critic,
+                self.critic_optimizer,
+                batch,
+                batch.values,
+                adv.returns,
+                self.algo,
+                cfg.critic.cliprange_value,
+                backward=self.acc.backward,
+                clip_grad=lambda: self.acc.clip_grad_norm_(
+                    self.critic.parameters(), cfg.critic.grad_clip
+                ),
+            )
+        warming = self.critic is not None and self.steps_done < cfg.critic.warmup_steps
         self.model.train()
         stats = policy_update(
             self.model,
             self.optimizer,
             batch,
-            advantages,
-            self.cfg.algo,
+            adv.advantages,
+            self.algo,
             backward=self.acc.backward,
             clip_grad=lambda: self.acc.clip_grad_norm_(
-                self.model.parameters(), self.cfg.learner.grad_clip
+                self.model.parameters(), cfg.learner.grad_clip
             ),
-            temperature=self.cfg.generators.temperature,
+            temperature=cfg.generators.temperature,
+            logp_prox=batch.logp_prox,
+            logp_ref=batch.logp_ref,
+            step=not warming,
         )
-        if self.scheduler is not None:
+        if self.scheduler is not None and not warming:
             self.scheduler.step()
-        return stats
+        return stats, critic_stats
 
     def publish_weights(self, new_version: bool = True) -> float:
         """Gather full tensors on every rank, then rank 0 announces and broadcasts them.
@@ -244,6 +309,7 @@ class Learner:
             "gen_blocked_s": self.gen_clock[0],
             "gen_idle_s": self.gen_clock[1],
             "reward_running": {k: v.state_dict() for k, v in self.running.items()},
+            "kl_ctrl": self.kl_ctrl.state_dict(),
         }
         snap = checkpointing.take_snapshot(
             stager,
@@ -256,6 +322,9 @@ class Learner:
             lambda: fetch_buffer_files(
                 self.ctx.endpoints.buffer, self.cfg.buffer.request_timeout_s, step
             ),
+            critic=None
+            if self.critic is None
+            else (full_state_dict(self.raw_critic), self.critic_optimizer.state_dict()),
         )
         self.client.receive(cut)
         self.checkpointer.save(snap)
@@ -266,7 +335,8 @@ class Learner:
         if not self.ctx.endpoints.resume_from:
             return False
         ckpt = Path(self.ctx.endpoints.resume_from)
-        info = checkpointing.load(ckpt, self.raw_model, self.optimizer, self.scheduler)
+        critic = None if self.critic is None else (self.raw_critic, self.critic_optimizer)
+        info = checkpointing.load(ckpt, self.raw_model, self.optimizer, self.scheduler, critic)
         self.steps_done = info["step"]
         self.version = info["version"]
         self.t_start = time.monotonic() - info["wall_s"]
@@ -274,6 +344,8 @@ class Learner:
         for name, state in info.get("reward_running", {}).items():
             if name in self.running:
                 self.running[name].load_state_dict(state)
+        if "kl_ctrl" in info:
+            self.kl_ctrl.load_state_dict(info["kl_ctrl"])
         log.info("resumed from %s: step %d, version %d", ckpt.name, self.steps_done, self.version)
         return True
 
@@ -281,7 +353,7 @@ class Learner:
         self,
         step: int,
         batch: TrainBatch,
-        stats: StepStats,
+        update: tuple[StepStats, CriticStats | None, Advantages],
         sync_s: float,
         step_s: float,
         prefill_s: float | None = None,
@@ -289,6 +361,7 @@ class Learner:
     ) -> None:
         if self.metrics is None:
             return
+        stats, critic_stats, adv = update
         row = step_row(
             step,
             self.version,
@@ -299,6 +372,7 @@ class Learner:
             step_s,
             time.monotonic() - self.t_start,
         )
+        row.update(algo_metrics(batch, stats, critic_stats, adv, self.kl_ctrl))
         # Admission's hold on the generators since the previous batch (summed over generators).
         row["gen_blocked_s"] = round(batch.gen_blocked_s - self.gen_clock[0], 4)
         row["gen_idle_s"] = round(batch.gen_idle_s - self.gen_clock[1], 4)
@@ -384,53 +458,3 @@ def fetch_buffer_files(endpoint: str, timeout_s: float, step: int) -> dict[str, 
     finally:
         client.close()
     return {name: memoryview(P.tensor(ref, frames)) for name, ref in reply.files.items()}
-
-
-def run_learner(ctx: RunContext) -> None:
-    from accelerate import Accelerator
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    cfg = ctx.cfg
-    # Parameters and optimizer state stay float32; a bf16/fp16 model.dtype is the compute
-    # dtype (autocast), as the generators' weights are (published tensors are cast on load).
-    mixed = {"float32": "no", "bfloat16": "bf16", "float16": "fp16"}[cfg.model.dtype]
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed)
-    torch.manual_seed(cfg.learner.seed)
-    ep = ctx.endpoints
-    model = AutoModelForCausalLM.from_pretrained(ep.model_path, dtype=torch.float32)
-    if cfg.learner.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        model.config.use_cache = False
-    pad_id = AutoTokenizer.from_pretrained(ep.model_path).pad_token_id or 0
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.learner.lr, weight_decay=cfg.learner.weight_decay
-    )
-    warmup = cfg.learner.warmup_steps
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
-    )
-    model, optimizer = accelerator.prepare(model, optimizer)
-    group = None
-    if accelerator.is_main_process:
-        log.info("waiting for %d generator(s) to join the weight-sync group", cfg.generators.count)
-        group = join_group(
-            ep.weights_host,
-            ep.weights_port,
-            0,
-            1 + cfg.generators.count,
-            resolve_backend(cfg.weights.backend),
-            cfg.weights.join_timeout_s,
-        )
-        log.info("weight-sync group ready")
-    # SIGTERM (the launcher's stop, e.g. on Ctrl-C) unwinds the loop like Ctrl-C would, so
-    # an in-progress checkpoint write is finished (or abandoned uncommitted) before exit.
-    signal.signal(signal.SIGTERM, _interrupt)
-    learner = Learner(ctx, accelerator, model, optimizer, group, pad_id, scheduler)
-    try:
-        learner.train()
-    finally:
-        learner.close()
-
-
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt

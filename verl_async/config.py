@@ -209,6 +209,35 @@ class LearnerConfig(_Section):
     """Recompute activations in the backward pass (less memory, ~30 % more compute)."""
 
 
+KLPenalty = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
+LossAggMode = Literal[
+    "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+]
+
+
+class KLConfig(_Section):
+    """KL between the policy and a frozen reference (docs/algorithms.md)."""
+
+    ref_path: str = ""
+    """Reference weights; empty: the initial policy (``model.path`` or the built tiny model)."""
+    in_reward: bool = False
+    """Subtract coef * KL from each response token's reward (verl's use_kl_in_reward)."""
+    penalty: KLPenalty = "kl"
+    """Estimator of the in-reward KL: kl/k1, abs, mse/k2, low_var_kl/k3."""
+    coef: Annotated[float, msgspec.Meta(ge=0)] = 0.001
+    """Initial in-reward KL coefficient."""
+    controller: Literal["fixed", "adaptive"] = "fixed"
+    """fixed: coef stays; adaptive: coef moves so the measured KL tracks ``target_kl``."""
+    target_kl: PosFloat = 0.1
+    """Adaptive controller's target KL per sequence."""
+    horizon: PosInt = 10000
+    """Adaptive controller's horizon in samples."""
+    loss_coef: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """Weight of a KL loss term in the actor loss (0: off; verl's kl_loss_coef)."""
+    loss_type: KLPenalty = "low_var_kl"
+    """Estimator of the KL loss term."""
+
+
 class AlgoConfig(_Section):
     correction: Literal["none", "tis", "decoupled"] = "decoupled"
     """Off-policy correction: none (pi/pi_behav), tis (truncated pi_prox/pi_behav), decoupled (AReaL)."""
@@ -222,6 +251,49 @@ class AlgoConfig(_Section):
     """Optimizer steps per batch (the batch is split into this many minibatches)."""
     normalize_adv_std: bool = True
     """Divide group-relative advantages by the group std (GRPO); false gives Dr. GRPO."""
+    adv_estimator: Literal["grpo", "gae", "rloo", "reinforce_plus_plus"] = "grpo"
+    """Advantage estimator (docs/algorithms.md): grpo (group-relative), gae (PPO with the
+    ``critic``), rloo (leave-one-out baseline), reinforce_plus_plus (discounted returns
+    whitened over the batch)."""
+    gamma: Fraction = 1.0
+    """Discount of gae and reinforce_plus_plus."""
+    lam: Fraction = 1.0
+    """GAE lambda."""
+    clip_ratio_c: Annotated[float, msgspec.Meta(gt=1)] | None = 3.0
+    """Dual-clip constant: for negative advantages the per-token loss is at most
+    -A * clip_ratio_c (as verl; empty turns dual-clip off)."""
+    loss_agg_mode: LossAggMode = "token-mean"
+    """How per-token losses become one number: token-mean, seq-mean-token-sum,
+    seq-mean-token-mean or seq-mean-token-sum-norm (docs/algorithms.md)."""
+    loss_scale_factor: PosFloat | None = None
+    """seq-mean-token-sum-norm's constant divisor; empty: generators.max_new_tokens (the
+    response horizon, as verl divides by its padded response length)."""
+    entropy_coeff: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """Entropy bonus: the actor loss subtracts entropy_coeff times the aggregated entropy."""
+    kl: KLConfig = msgspec.field(default_factory=KLConfig)
+    """KL to a frozen reference policy, in the reward and/or as a loss term."""
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.kl.in_reward or self.kl.loss_coef > 0
+
+
+class CriticConfig(_Section):
+    """The value model of ``algo.adv_estimator: gae``, trained in the learner process."""
+
+    path: str = ""
+    """Critic weights (a token-classification or causal-LM directory); empty: the
+    policy's initial weights with a fresh scalar head."""
+    lr: PosFloat = 1e-5
+    """Critic learning rate (AdamW)."""
+    weight_decay: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """Critic AdamW weight decay."""
+    grad_clip: PosFloat = 1.0
+    """Critic gradient-norm clip."""
+    cliprange_value: PosFloat = 0.5
+    """New values are clipped to old value +- this in the value loss (as verl)."""
+    warmup_steps: NonNegInt = 0
+    """The first N steps train only the critic; the actor's weights stay as they are."""
 
 
 class EvalConfig(_Section):
@@ -306,6 +378,7 @@ class RunConfig(_Section):
     generators: GeneratorConfig = msgspec.field(default_factory=GeneratorConfig)
     learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
     algo: AlgoConfig = msgspec.field(default_factory=AlgoConfig)
+    critic: CriticConfig = msgspec.field(default_factory=CriticConfig)
     rewards: RewardsConfig = msgspec.field(default_factory=RewardsConfig)
     eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
     staleness: StalenessConfig = msgspec.field(default_factory=StalenessConfig)

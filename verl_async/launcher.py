@@ -148,6 +148,32 @@ def resolve_reward_models(cfg: RunConfig) -> RunConfig:
     )
 
 
+def resolve_learner_models(cfg: RunConfig) -> RunConfig:
+    """``critic.path`` and ``algo.kl.ref_path`` made absolute, each checked (when set and
+    used) to be a model directory."""
+
+    def resolve(key: str, value: str) -> str:
+        if not value:
+            return value
+        path = Path(value).resolve()
+        if not (path / "config.json").is_file():
+            raise ConfigError(
+                f"bad value for '{key}': '{path}' is not a Hugging Face model directory "
+                "(no config.json)"
+            )
+        return str(path)
+
+    algo, critic = cfg.algo, cfg.critic
+    if algo.adv_estimator == "gae":
+        critic = msgspec.structs.replace(critic, path=resolve("critic.path", critic.path))
+    if algo.uses_reference:
+        kl = msgspec.structs.replace(
+            algo.kl, ref_path=resolve("algo.kl.ref_path", algo.kl.ref_path)
+        )
+        algo = msgspec.structs.replace(algo, kl=kl)
+    return msgspec.structs.replace(cfg, algo=algo, critic=critic)
+
+
 def prepare(cfg: RunConfig, run_dir: Path, resume_from: Path | None = None) -> Endpoints:
     """Resolve paths, check the data, build the tiny model if asked, write config.yaml and
     endpoints.json."""
@@ -155,6 +181,7 @@ def prepare(cfg: RunConfig, run_dir: Path, resume_from: Path | None = None) -> E
 
     cfg = msgspec.structs.replace(cfg, data=resolve_data_paths(cfg.data))
     cfg = resolve_reward_models(cfg)
+    cfg = resolve_learner_models(cfg)
     load_prompts(cfg.data.path)  # a missing column or an empty file stops the run here
     if cfg.data.val_path:
         load_prompts(cfg.data.val_path, "data.val_path")

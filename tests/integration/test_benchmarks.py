@@ -142,6 +142,18 @@ def test_rewards(tmp_path):
     assert result["ratio"] > 0 and "with a reward model" in out
 
 
+def test_estimators(tmp_path):
+    out = _run(
+        "estimators.py",
+        ["--cases", "gae", "--steps", "3", "--window", "2", "--out", str(tmp_path)],
+    )
+    (res,) = json.loads((tmp_path / "estimators.json").read_text())["runs"]
+    assert res["case"] == "gae" and res["steps"] == 3
+    assert res["step_s_median"] > 0 and res["peak_rss_mib"] > 0 and len(res["curve"]) == 3
+    assert (tmp_path / "estimators.png").is_file()
+    assert "gae: step time 1.00x gae" in out
+
+
 def test_generation_cpu_on_the_tiny_model(tmp_path, tiny_model):
     out = _run(
         "generation_cpu.py",

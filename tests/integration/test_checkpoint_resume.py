@@ -147,15 +147,28 @@ def _settle(run_dir: Path) -> None:
     assert not processes_mentioning(str(run_dir)), "processes outlived SIGKILL of the tree"
 
 
+# PPO with a critic and a KL loss to the reference: the learner holds three models, and
+# the critic's weights and optimizer are part of every checkpoint.
+CRITIC_AND_REFERENCE = ["algo.adv_estimator=gae", "critic.lr=1e-3", "algo.kl.loss_coef=0.01"]
+
+
 @pytest.fixture(scope="module")
 def crashed_and_resumed(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("crash")
+    return _crash_and_resume(tmp_path_factory.mktemp("crash"), [])
+
+
+@pytest.fixture(scope="module")
+def crashed_and_resumed_with_critic(tmp_path_factory) -> Path:
+    return _crash_and_resume(tmp_path_factory.mktemp("crash_critic"), CRITIC_AND_REFERENCE)
+
+
+def _crash_and_resume(tmp: Path, extra: list[str]) -> Path:
     data = tmp / "prompts.jsonl"
     lines = (ROOT / "configs/data/max_digit.jsonl").read_text().splitlines()[: B * STEPS]
     data.write_text("\n".join(lines) + "\n")
     run_dir = tmp / "run"
-    train = ["train", "configs/tiny.yaml", *_overrides(data)]
-    resume = ["train", "configs/tiny.yaml", "--resume", str(run_dir), *_overrides(data)]
+    train = ["train", "configs/tiny.yaml", *_overrides(data), *extra]
+    resume = ["train", "configs/tiny.yaml", "--resume", str(run_dir), *_overrides(data), *extra]
 
     # 1. Between checkpoints: step 6 committed, steps 7..8 trained, step 9 not reached.
     proc = _launch([*train, "--run-dir", str(run_dir)])
@@ -201,7 +214,21 @@ def crashed_and_resumed(tmp_path_factory) -> Path:
 
 
 def test_every_prompt_is_trained_exactly_once_across_three_crashes(crashed_and_resumed):
-    run_dir = crashed_and_resumed
+    _audit_exactly_once(crashed_and_resumed)
+
+
+def test_exactly_once_holds_with_a_critic_and_a_reference(crashed_and_resumed_with_critic):
+    run_dir = crashed_and_resumed_with_critic
+    _audit_exactly_once(run_dir)
+    for ckpt in list_checkpoints(run_dir):
+        if (ckpt / MANIFEST).is_file():
+            assert (ckpt / "learner" / "critic.safetensors").is_file()
+            assert (ckpt / "learner" / "critic_state.safetensors").is_file()
+    rows = _rows(run_dir / "metrics.jsonl")
+    assert all("critic/vf_loss" in r and "actor/kl_loss" in r for r in rows)
+
+
+def _audit_exactly_once(run_dir: Path) -> None:
     trail = _rows(run_dir / "trained.jsonl")
     rows = _rows(run_dir / "metrics.jsonl")
     assert [t["step"] for t in trail] == [r["step"] for r in rows] == list(range(STEPS))

@@ -48,6 +48,12 @@ def test_overrides_apply_with_yaml_values(repo_root):
         ("eval.every_steps=5", "'eval.every_steps'"),
         ("data.max_prompt_length=60", "'data.max_prompt_length'"),
         ("generators.top_p=0", "'generators.top_p'"),
+        ("algo.adv_estimator=ppo", "'algo.adv_estimator'"),
+        ("algo.loss_agg_mode=sum", "'algo.loss_agg_mode'"),
+        ("algo.clip_ratio_c=0.5", "'algo.clip_ratio_c'"),
+        ("algo.kl.loss_type=full", "'algo.kl.loss_type'"),
+        ("algo.kl.typo=1", "unknown config key 'algo.kl.typo'"),
+        ("critic.cliprange_value=0", "'critic.cliprange_value'"),
     ],
 )
 def test_bad_input_is_one_error_naming_the_key(override, message):
@@ -83,3 +89,19 @@ def test_reward_sources_are_a_tagged_union(tmp_path):
     path = tmp_path / "config.yaml"
     path.write_text(to_yaml(cfg))
     assert load_config(path) == cfg  # the kind tag survives the resolved config
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["algo.adv_estimator=gae", "critic.path=/nonexistent"], "'critic.path'"),
+        (["algo.kl.loss_coef=0.1", "algo.kl.ref_path=/nonexistent"], "'algo.kl.ref_path'"),
+    ],
+)
+def test_learner_model_directories_are_checked_before_the_run(overrides, key):
+    from verl_async.launcher import resolve_learner_models
+
+    with pytest.raises(ConfigError, match=key):
+        resolve_learner_models(load_config(None, overrides))
+    # Unused (no gae, no reference): not read, so not checked.
+    resolve_learner_models(load_config(None, [overrides[1]]))

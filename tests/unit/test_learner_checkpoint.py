@@ -176,3 +176,44 @@ def test_staged_files_are_valid_safetensors_with_every_dtype_aligned(tmp_path):
     assert stager.files["x"] is first  # same shapes: the buffer is reused
     stager.stage("x", {**tensors, "b_f32": torch.zeros(4)})
     assert stager.files["x"] is not first  # new shapes: laid out again
+
+
+def test_the_critic_and_its_optimizer_are_restored_with_the_actor(tmp_path):
+    model, opt, sched = _trainer(0)
+    critic, critic_opt, _ = _trainer(2)
+    x = torch.randn(16, 4)
+    for _ in range(2):
+        _step(model, opt, sched, x)
+        critic(x).pow(2).mean().backward()
+        critic_opt.step()
+        critic_opt.zero_grad()
+    writer = checkpointing.Checkpointer(tmp_path, keep_last=2, timeout_s=30, meta={})
+    snap = checkpointing.take_snapshot(
+        writer.stager(), 2, 2, model.state_dict(), opt.state_dict(), sched.state_dict(),
+        {"wall_s": 0.0, "gen_blocked_s": 0.0, "gen_idle_s": 0.0, "kl_ctrl": {"value": 0.3}},
+        lambda: {"ledger.json": b"{}"},
+        critic=(critic.state_dict(), critic_opt.state_dict()),
+    )  # fmt: skip
+    writer.save(snap)
+    assert writer.wait()
+    ckpt = step_dir(tmp_path, 2)
+    assert verify(ckpt) == []
+    assert {"learner/critic.safetensors", "learner/critic_state.safetensors"} <= set(
+        read_manifest(ckpt).files
+    )
+
+    fresh, fresh_opt, fresh_sched = _trainer(1)
+    fresh_critic, fresh_critic_opt, _ = _trainer(3)
+    info = checkpointing.load(ckpt, fresh, fresh_opt, fresh_sched, (fresh_critic, fresh_critic_opt))
+    assert info["kl_ctrl"] == {"value": 0.3}
+    for a, b in zip(critic.parameters(), fresh_critic.parameters(), strict=True):
+        assert torch.equal(a, b)
+    # The optimizer state came back too: the next step is the same step.
+    for c, o in ((critic, critic_opt), (fresh_critic, fresh_critic_opt)):
+        c(x).pow(2).mean().backward()
+        o.step()
+    for a, b in zip(critic.parameters(), fresh_critic.parameters(), strict=True):
+        assert torch.equal(a, b)
+    # A run without a critic cannot take this checkpoint (nor the other way round).
+    with pytest.raises(ValueError, match="written with a critic"):
+        checkpointing.load(ckpt, fresh, fresh_opt, fresh_sched)

@@ -1,0 +1,98 @@
+"""The critic and the reference on the tiny model: layout, learning, frozen weights."""
+
+import msgspec
+import torch
+
+from learners.critic import (
+    critic_update,
+    critic_values,
+    load_critic,
+    load_reference,
+    reference_logprobs,
+)
+from learners.update import policy_update, prox_pass
+from verl_async.config import AlgoConfig, KLConfig, RunConfig, TinyModelConfig
+from verl_async.tiny_model import build_tiny_model
+
+from .test_policy_update import _batch
+
+
+def _cfg(**algo) -> RunConfig:
+    cfg = RunConfig()
+    return msgspec.structs.replace(cfg, algo=msgspec.structs.replace(cfg.algo, **algo))
+
+
+def test_critic_values_align_with_targets_and_fit_returns(tmp_path):
+    path = build_tiny_model(tmp_path / "m", TinyModelConfig())
+    torch.manual_seed(0)
+    critic = load_critic(str(path))
+    assert critic.config.num_labels == 1
+    batch = _batch()
+    values = critic_values(critic, batch)
+    assert values.shape == batch.loss_mask.shape  # [N, T-1]: V before each target token
+    returns = torch.tensor([1.0, 0.0, 1.0, 0.0])[:, None] * batch.loss_mask
+    cfg = _cfg(minibatches=2)
+    cfg = msgspec.structs.replace(cfg, critic=msgspec.structs.replace(cfg.critic, lr=1e-2))
+    opt = torch.optim.AdamW(critic.parameters(), lr=cfg.critic.lr)
+    losses = []
+    for _ in range(15):
+        with torch.no_grad():
+            old = critic_values(critic, batch)
+        stats = critic_update(
+            critic, opt, batch, old, returns, cfg.algo, cfg.critic.cliprange_value,
+            lambda loss: loss.backward(), lambda: 0.0,
+        )  # fmt: skip
+        losses.append(stats.vf_loss)
+    assert losses[-1] < 0.2 * losses[0], losses
+    assert 0 <= stats.vf_clipfrac <= 1
+    # No dropout before the head: two no-grad passes in train mode agree.
+    critic.train()
+    with torch.no_grad():
+        torch.testing.assert_close(critic_values(critic, batch), critic_values(critic, batch))
+
+
+def test_kl_loss_to_the_reference_starts_at_zero_and_leaves_the_reference_alone(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path = build_tiny_model(tmp_path / "m", TinyModelConfig())
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ref = load_reference(str(path), torch.device("cpu"), torch.float32)
+    assert not any(p.requires_grad for p in ref.parameters())
+    before = [p.clone() for p in ref.parameters()]
+    batch = _batch()
+    logp_ref = reference_logprobs(ref, batch, temperature=1.0)
+    logp_prox, _ = prox_pass(model, batch, 1.0)
+    torch.testing.assert_close(logp_ref, logp_prox)  # the reference is the initial policy
+    algo = msgspec.structs.replace(
+        AlgoConfig(), minibatches=1, kl=KLConfig(loss_coef=1.0, loss_type="low_var_kl")
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    first = policy_update(
+        model, opt, batch, adv, algo, lambda loss: loss.backward(), lambda: 0.0, 1.0,
+        logp_ref=logp_ref,
+    )  # fmt: skip
+    second = policy_update(
+        model, opt, batch, adv, algo, lambda loss: loss.backward(), lambda: 0.0, 1.0,
+        logp_ref=logp_ref,
+    )  # fmt: skip
+    assert abs(first.kl_loss) < 1e-6  # identical weights: k3 is 0
+    assert second.kl_loss > 1e-4  # one step later the policy has moved
+    for a, b in zip(ref.parameters(), before, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_warmup_steps_compute_losses_without_moving_the_actor(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path = build_tiny_model(tmp_path / "m", TinyModelConfig())
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    before = [p.clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    stats = policy_update(
+        model, opt, _batch(), torch.tensor([1.0, -1.0, 0.5, -0.5]), AlgoConfig(),
+        lambda loss: loss.backward(), lambda: 0.0, step=False,
+    )  # fmt: skip
+    assert stats.loss != 0 and stats.grad_norm == 0
+    for a, b in zip(model.parameters(), before, strict=True):
+        assert torch.equal(a, b)

@@ -1,0 +1,65 @@
+"""The PPO family's pure tensor functions: advantage estimators, KL penalties and
+controllers, losses, and per-token log-probs and entropies (see docs/algorithms.md)."""
+
+from verl_async.algos.advantages import (
+    gae_advantages,
+    group_ids,
+    grpo_advantages,
+    grpo_outcome_advantages,
+    reinforce_plus_plus_advantages,
+    reinforce_plus_plus_baseline_advantages,
+    remax_advantages,
+    rloo_advantages,
+)
+from verl_async.algos.kl import (
+    KL_KINDS,
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty,
+    kl_k3,
+    kl_penalty,
+    make_kl_controller,
+)
+from verl_async.algos.losses import (
+    AGG_MODES,
+    LossOutput,
+    agg_loss,
+    entropy_loss,
+    explained_variance,
+    policy_loss,
+    value_loss,
+)
+from verl_async.algos.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from verl_async.algos.tokens import entropy_from_logits, token_entropy, token_logprobs
+
+__all__ = [
+    "AGG_MODES",
+    "KL_KINDS",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "LossOutput",
+    "agg_loss",
+    "apply_kl_penalty",
+    "entropy_from_logits",
+    "entropy_loss",
+    "explained_variance",
+    "gae_advantages",
+    "group_ids",
+    "grpo_advantages",
+    "grpo_outcome_advantages",
+    "kl_k3",
+    "kl_penalty",
+    "make_kl_controller",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "policy_loss",
+    "reinforce_plus_plus_advantages",
+    "reinforce_plus_plus_baseline_advantages",
+    "remax_advantages",
+    "rloo_advantages",
+    "token_entropy",
+    "token_logprobs",
+    "value_loss",
+]
