@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     from learners.batching import collate
     from learners.publish import full_state_dict
     from learners.update import policy_update
-    from verl_async.algorithms import grpo_advantages
+    from verl_async.algos import grpo_advantages
     from verl_async.config import AlgoConfig
     from verl_async.runtime import free_port
     from verl_async.weight_sync import join_group, param_specs, send_weights

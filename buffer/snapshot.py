@@ -9,7 +9,7 @@ The snapshot is taken *as of step s*: groups that the learner's prefetcher alrea
 for steps >= s go back into it, because a learner restored at step s has not trained on
 them. Groups issued but not returned go into ``reissue``; after a restore they are issued
 again (first, in id order) and generated from scratch. Together this is the exactly-once
-rule of DESIGN.md: every group of steps >= s is either stored here or will be issued.
+rule: every group of steps >= s is either stored here or will be issued.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import torch
 
 from learners.batching import TrainBatch
 from learners.update import logits_of
-from verl_async.algorithms import token_logprobs
+from verl_async.algos import token_logprobs
 from verl_async.algos.losses import agg_loss, explained_variance, value_loss
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from learners.batching import TrainBatch
-from verl_async.algorithms import (
+from verl_async.algos import (
     LossOutput,
     kl_k3,
     policy_loss,

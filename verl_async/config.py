@@ -198,7 +198,7 @@ class LearnerConfig(_Section):
     grad_clip: PosFloat = 1.0
     """Max gradient norm."""
     groups_per_step: PosInt = 8
-    """Prompt groups per learner step (B in DESIGN.md's admission rule)."""
+    """Prompt groups per learner step (B in the admission rule of verl_async/staleness.py)."""
     prefetch: bool = True
     """Fetch the next batch in a background thread while the current step trains."""
     seed: int = 0

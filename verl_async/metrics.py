@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-# DESIGN.md's run-directory contract: every line carries at least these keys.
+# The run-directory contract (README.md, "Run directory"): every line carries at least these keys.
 REQUIRED_FIELDS = (
     "step",
     "version",

@@ -1,6 +1,6 @@
 """Staleness control: the one place that decides how old a sample may be.
 
-Invariant (DESIGN.md): no sample whose staleness exceeds eta (``staleness.max``) ever
+Invariant: no sample whose staleness exceeds eta (``staleness.max``) ever
 enters a gradient step, where
 
     staleness(sample, step s) = learner version at s  -  oldest token version in the sample

@@ -6,7 +6,7 @@ import torch
 
 from learners.batching import collate
 from verl_async import protocol as P
-from verl_async.algorithms import policy_loss, token_logprobs
+from verl_async.algos import policy_loss, token_logprobs
 from verl_async.config import TinyModelConfig
 from verl_async.tiny_model import build_tiny_model
 

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from verl_async.algorithms import grpo_advantages, kl_k3, policy_loss
+from verl_async.algos import grpo_advantages, kl_k3, policy_loss
 
 
 def test_grpo_advantages_hand_computed():

@@ -12,8 +12,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import verl_async.algorithms as legacy
-from verl_async import algos
 from verl_async.algos import (
     AGG_MODES,
     AdaptiveKLController,
@@ -56,16 +54,6 @@ def t(rows) -> torch.Tensor:
 def close(actual, expected, **kw):
     expected = torch.as_tensor(expected, dtype=actual.dtype)
     torch.testing.assert_close(actual, expected, **({"rtol": 1e-9, "atol": 1e-9} | kw))
-
-
-# ----------------------------------------------------------------------------- re-exports
-
-
-def test_every_algos_name_is_importable_from_the_legacy_module():
-    for name in algos.__all__:
-        assert getattr(legacy, name) is getattr(algos, name)
-    for name in ("grpo_advantages", "policy_loss", "LossOutput", "token_logprobs"):
-        assert name in legacy.__all__
 
 
 # ----------------------------------------------------------------------------- masked ops
