@@ -178,34 +178,30 @@ class Generator:
         await asyncio.wait(waiters, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
         waiters[0].cancel()
 
-    async def sample_and_score(self, group: P.PromptGroup, n: int, how: Sampling):
-        """``n`` samples of the group's prompt (the token ids the buffer rendered), scored."""
-        samples = await asyncio.gather(
-            *(self.engine.sample(group.prompt_ids, how) for _ in range(n))
-        )
+    async def sample(self, group: P.PromptGroup, n: int, how: Sampling) -> list:
+        """``n`` samples of the group's prompt (the token ids the buffer rendered)."""
+        return await asyncio.gather(*(self.engine.sample(group.prompt_ids, how) for _ in range(n)))
+
+    async def score(self, group: P.PromptGroup, samples: list) -> tuple[list[str], GroupScores]:
+        """The samples' texts and their scores."""
         texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
-        return samples, texts, await self.scorer.score_group(group, texts)
+        return texts, await self.scorer.score_group(group, texts)
 
     async def generate_group(self, group: P.PromptGroup) -> None:
         """Sample the group; then its slot goes to the next prompt while a task of its
         own scores and pushes it (a slow reward model does not idle the engine)."""
         t0 = time.perf_counter()
-        n = self.cfg.generators.group_size
-        samples = await asyncio.gather(
-            *(self.engine.sample(group.prompt_ids, self.train_sampling) for _ in range(n))
-        )
+        samples = await self.sample(group, self.cfg.generators.group_size, self.train_sampling)
         self._spawn(self.score_and_push(group, samples, t0), into=self.scoring)
 
     async def score_and_push(self, group: P.PromptGroup, samples: list, t0: float) -> None:
-        texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
-        scored = await self.scorer.score_group(group, texts)
+        _, scored = await self.score(group, samples)
         await self.pusher.push(group, pack_samples(samples), scored, time.perf_counter() - t0)
 
     async def evaluate_group(self, round_: int, group: P.PromptGroup) -> None:
         """An evaluation prompt: sampled with the eval settings, only its scores go back."""
-        samples, texts, scored = await self.sample_and_score(
-            group, self.cfg.eval.samples, self.eval_sampling
-        )
+        samples = await self.sample(group, self.cfg.eval.samples, self.eval_sampling)
+        texts, scored = await self.score(group, samples)
         result = P.EvalResult(
             group_id=group.group_id,
             data_source=group.data_source,

@@ -98,5 +98,5 @@ def estimate(
             per_sample = rloo_advantages(totals, group_index)
         else:
             raise ValueError(f"unknown adv_estimator '{kind}'")
-        adv = per_sample[:, None].to(mask.dtype) * mask
+        adv = per_sample[:, None].to(mask.dtype)  # broadcast over the sample's tokens
     return Advantages(adv * mask, returns, tokens, kl_mean)

@@ -4,7 +4,7 @@ Both live in the learner process; generators never hold them.
 
 Critic. A token-classification model with one output: the policy's backbone (or
 ``critic.path``) with a fresh scalar head, trained by its own AdamW (``critic.lr``) on the
-clipped value loss. ``values(batch)`` gives V at every position t of the targets' layout
+clipped value loss. ``critic_values`` gives V at every position t of the targets' layout
 ([N, T-1]): the value of the state after token t, i.e. before the response token t+1 is
 generated, which is where GAE needs it (as verl takes ``values[:, -R-1:-1]``). Its weights
 and optimizer state are part of every checkpoint.
@@ -23,7 +23,8 @@ import torch
 from learners.batching import TrainBatch
 from learners.update import logits_of
 from verl_async.algos import token_logprobs
-from verl_async.algos.losses import agg_loss, explained_variance, value_loss
+from verl_async.algos.losses import explained_variance, value_loss
+from verl_async.algos.masked import masked_mean
 
 
 @dataclass
@@ -33,7 +34,6 @@ class CriticStats:
     vf_explained_var: float
     grad_norm: float
     values_mean: float
-    returns_mean: float
 
 
 def load_critic(path: str, dtype: torch.dtype = torch.float32):
@@ -63,9 +63,9 @@ def reference_logprobs(ref, batch: TrainBatch, temperature: float) -> torch.Tens
         return token_logprobs(logits, batch.input_ids[:, 1:])
 
 
-def critic_values(critic, batch: TrainBatch) -> torch.Tensor:
-    """V at each target position [N, T-1] (float32)."""
-    out = critic(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+def critic_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """V at each target position [N, T-1] (float32) of ids [N, T]."""
+    out = critic(input_ids=input_ids, attention_mask=attention_mask).logits
     return out[:, :-1, 0].float()
 
 
@@ -86,11 +86,7 @@ def critic_update(
     chunks = torch.arange(len(mask), device=mask.device).chunk(algo.minibatches)
     totals = dict(loss=0.0, clip=0.0, grad=0.0)
     for idx in chunks:
-        values = (
-            critic(input_ids=batch.input_ids[idx], attention_mask=batch.attention_mask[idx])
-            .logits[:, :-1, 0]
-            .float()
-        )
+        values = critic_values(critic, batch.input_ids[idx], batch.attention_mask[idx])
         loss, clipfrac = value_loss(
             values,
             old_values[idx],
@@ -113,6 +109,5 @@ def critic_update(
         vf_clipfrac=totals["clip"],
         vf_explained_var=float(explained_variance(old_values, returns, mask)),
         grad_norm=totals["grad"],
-        values_mean=float(agg_loss(old_values, mask, "token-mean")),
-        returns_mean=float(agg_loss(returns, mask, "token-mean")),
+        values_mean=float(masked_mean(old_values, mask)),
     )

@@ -203,14 +203,14 @@ class Learner:
         group_index = batch.group_index.cpu()
         rewards = combine(batch.scores, group_index.numpy(), self.cfg.rewards.sources, self.running)
         batch.rewards = torch.from_numpy(np.asarray(rewards, np.float32))  # [N]
-        algo, temperature = self.cfg.algo, self.cfg.generators.temperature
+        algo, temperature = self.algo, self.cfg.generators.temperature
         if self.reference is not None:
             batch.logp_ref = reference_logprobs(self.reference, batch, temperature)
         if algo.kl.in_reward:  # the KL of the policy the update starts from
             batch.logp_prox, _ = prox_pass(self.model, batch, temperature)
         if self.critic is not None:
             with torch.no_grad():
-                batch.values = critic_values(self.critic, batch)
+                batch.values = critic_values(self.critic, batch.input_ids, batch.attention_mask)
         device = self.acc.device
         return estimate(
             algo,

@@ -130,18 +130,26 @@ def resolve_data_paths(data: DataConfig) -> DataConfig:
     return msgspec.structs.replace(data, path=resolve(data.path), val_path=resolve(data.val_path))
 
 
+def model_dir(key: str, value: str) -> str:
+    """``value`` (the config key ``key``) as an absolute path to a Hugging Face model
+    directory; a ``ConfigError`` naming the key if it holds no config.json."""
+    path = Path(value).resolve()
+    if not (path / "config.json").is_file():
+        raise ConfigError(
+            f"bad value for '{key}': '{path}' is not a Hugging Face model directory "
+            "(no config.json)"
+        )
+    return str(path)
+
+
 def resolve_reward_models(cfg: RunConfig) -> RunConfig:
     """Reward-model directories made absolute, each checked to be a model directory."""
     sources = []
     for i, src in enumerate(cfg.rewards.sources):
         if isinstance(src, ModelReward):
-            path = Path(src.path).resolve()
-            if not (path / "config.json").is_file():
-                raise ConfigError(
-                    f"bad value for 'rewards.sources.{i}.path': '{path}' is not a Hugging Face "
-                    "model directory (no config.json)"
-                )
-            src = msgspec.structs.replace(src, path=str(path))
+            src = msgspec.structs.replace(
+                src, path=model_dir(f"rewards.sources.{i}.path", src.path)
+            )
         sources.append(src)
     return msgspec.structs.replace(
         cfg, rewards=msgspec.structs.replace(cfg.rewards, sources=sources)
@@ -151,18 +159,7 @@ def resolve_reward_models(cfg: RunConfig) -> RunConfig:
 def resolve_learner_models(cfg: RunConfig) -> RunConfig:
     """``critic.path`` and ``algo.kl.ref_path`` made absolute, each checked (when set and
     used) to be a model directory."""
-
-    def resolve(key: str, value: str) -> str:
-        if not value:
-            return value
-        path = Path(value).resolve()
-        if not (path / "config.json").is_file():
-            raise ConfigError(
-                f"bad value for '{key}': '{path}' is not a Hugging Face model directory "
-                "(no config.json)"
-            )
-        return str(path)
-
+    resolve = lambda key, value: model_dir(key, value) if value else value  # noqa: E731
     algo, critic = cfg.algo, cfg.critic
     if algo.adv_estimator == "gae":
         critic = msgspec.structs.replace(critic, path=resolve("critic.path", critic.path))

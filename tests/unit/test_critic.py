@@ -28,7 +28,7 @@ def test_critic_values_align_with_targets_and_fit_returns(tmp_path):
     critic = load_critic(str(path))
     assert critic.config.num_labels == 1
     batch = _batch()
-    values = critic_values(critic, batch)
+    values = critic_values(critic, batch.input_ids, batch.attention_mask)
     assert values.shape == batch.loss_mask.shape  # [N, T-1]: V before each target token
     returns = torch.tensor([1.0, 0.0, 1.0, 0.0])[:, None] * batch.loss_mask
     cfg = _cfg(minibatches=2)
@@ -37,7 +37,7 @@ def test_critic_values_align_with_targets_and_fit_returns(tmp_path):
     losses = []
     for _ in range(15):
         with torch.no_grad():
-            old = critic_values(critic, batch)
+            old = critic_values(critic, batch.input_ids, batch.attention_mask)
         stats = critic_update(
             critic, opt, batch, old, returns, cfg.algo, cfg.critic.cliprange_value,
             lambda loss: loss.backward(), lambda: 0.0,
@@ -48,7 +48,10 @@ def test_critic_values_align_with_targets_and_fit_returns(tmp_path):
     # No dropout before the head: two no-grad passes in train mode agree.
     critic.train()
     with torch.no_grad():
-        torch.testing.assert_close(critic_values(critic, batch), critic_values(critic, batch))
+        ids, mask = batch.input_ids, batch.attention_mask
+        torch.testing.assert_close(
+            critic_values(critic, ids, mask), critic_values(critic, ids, mask)
+        )
 
 
 def test_kl_loss_to_the_reference_starts_at_zero_and_leaves_the_reference_alone(tmp_path):
