@@ -11,8 +11,9 @@ recomputation, then ``algo.minibatches`` decoupled-PPO steps) on a Llama whose d
 layers and root are wrapped with FSDP2 ``fully_shard`` (the wrapping Accelerate's FSDP2
 plugin applies). Weights are bf16 on CUDA, float32 on CPU.
 
-Publication is timed as the learner does it: ``full_state_dict`` (``full_tensor()`` on
-every rank) and ``send_weights`` from rank 0 in packed buckets over a weight-sync group.
+Publication is timed as the learner does it: bucket by bucket, ``full_tensor()`` of the
+bucket's parameters on every rank, then rank 0 packs it and broadcasts it over a
+weight-sync group.
 No vLLM runs here, so that group has the learner alone (world size 1): the figure is the
 gather + packing + collective launch cost, not a transfer to generators.
 
@@ -58,8 +59,9 @@ def init_distributed(device: str) -> tuple[int, int, torch.device]:
 
 
 def build_model(args, dev: torch.device, dtype: torch.dtype):
-    from torch.distributed.fsdp import fully_shard
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from learners.setup import fsdp2
 
     config = LlamaConfig(
         vocab_size=args.vocab,
@@ -73,11 +75,8 @@ def build_model(args, dev: torch.device, dtype: torch.dtype):
     )
     torch.manual_seed(0)
     with torch.device(dev):
-        model = LlamaForCausalLM(config).to(dtype)
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    return model
+        model = LlamaForCausalLM(config)  # float32 parameters, as the learner keeps them
+    return fsdp2(model, dtype)  # the learner's sharding; dtype is the compute dtype
 
 
 def batch_message(args, rank: int):
@@ -108,6 +107,17 @@ def batch_message(args, rank: int):
     return body, [bytes(b) for b in frames.buffers]
 
 
+# Dense bf16 peak of the accelerators we know (vendor data sheets); --peak-tflops otherwise.
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+
+
+def _gpu_kind(dev: torch.device) -> str:
+    if dev.type != "cuda":
+        return ""
+    name = torch.cuda.get_device_name(dev)
+    return next((kind for kind in PEAK_BF16_TFLOPS if kind in name), "")
+
+
 def sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -124,19 +134,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=5, help="timed steps (after 2 warm-up steps)")
     ap.add_argument("--bucket-mb", type=int, default=64)
+    ap.add_argument("--peak-tflops", type=float, default=0.0, help="for MFU (default: known GPUs)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs/gpu")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("summary: skipped, no CUDA device (use --device cpu for a code-path check)")
         return 0
 
-    from learners.batching import collate
-    from learners.publish import full_state_dict
+    from learners.batching import collate, copy_to_device, wait_for_copy
+    from learners.publish import gathered_buckets
     from learners.update import policy_update
     from verl_async.algos import grpo_advantages
     from verl_async.config import AlgoConfig
     from verl_async.runtime import free_port
-    from verl_async.weight_sync import join_group, param_specs, send_weights
+    from verl_async.weight_sync import (
+        broadcast_bucket,
+        join_group,
+        pack_bucket,
+        param_specs,
+        plan_buckets,
+    )
 
     rank, world, dev = init_distributed(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -149,19 +166,37 @@ def main(argv: list[str] | None = None) -> int:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
-    step_times, tokens = [], 0
-    for i in range(2 + args.steps):
-        sync(dev)
-        t0 = time.perf_counter()
-        batch = collate(body, frames, pad_id=0, pin=dev.type == "cuda").to(dev)
+    def train_step(batch) -> None:
         rewards = torch.from_numpy(batch.scores[:, 0])  # one source, weight 1
         adv = grpo_advantages(rewards, batch.group_index.cpu()).to(dev)
         model.train()
         policy_update(model, optimizer, batch, adv, algo, torch.Tensor.backward, clip_grad)
-        sync(dev)
-        if i >= 2:
-            step_times.append(time.perf_counter() - t0)
-        tokens = int(batch.attention_mask.sum()) * world
+
+    def timed_steps(overlap: bool) -> list[float]:
+        """Steps fed from pinned host memory: the copy inline before each step, or (the
+        learner's prefetch) issued on a side stream while the previous step computes."""
+        side = torch.cuda.Stream(dev) if overlap else None
+        pending = copy_to_device(collate(body, frames, pad_id=0, pin=pin), dev, side)
+        times = []
+        for i in range(2 + args.steps):
+            sync(dev)
+            t0 = time.perf_counter()
+            if overlap:
+                batch = wait_for_copy(*pending)
+                pending = copy_to_device(collate(body, frames, pad_id=0, pin=pin), dev, side)
+            else:
+                batch = collate(body, frames, pad_id=0, pin=pin).to(dev)
+            train_step(batch)
+            sync(dev)
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+        return times
+
+    pin = dev.type == "cuda"
+    step_times = timed_steps(overlap=False)
+    overlap_times = timed_steps(overlap=True) if dev.type == "cuda" else []
+    tokens = sum(p + r for p, r in zip(body.prompt_lengths, body.response_lengths, strict=True))
+    tokens *= world
 
     group = None
     if rank == 0:
@@ -171,13 +206,15 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(1 + args.steps):
         sync(dev)
         t0 = time.perf_counter()
-        tensors = full_state_dict(model)
-        if group is not None:
-            specs = param_specs(tensors.items())
-            nbytes = send_weights(group, tensors, specs, args.bucket_mb << 20)
+        state = model.state_dict()
+        buckets = plan_buckets(param_specs(state.items()), args.bucket_mb << 20)
+        nbytes = 0
+        for bucket, tensors in gathered_buckets(state, buckets):
+            if group is not None:
+                broadcast_bucket(group, pack_bucket(bucket, tensors))
+                nbytes += bucket.nbytes
         sync(dev)
         publish_times.append(time.perf_counter() - t0)
-        del tensors
     publish_times = publish_times[1:]  # the first one allocates the buckets
 
     if rank == 0:
@@ -185,6 +222,11 @@ def main(argv: list[str] | None = None) -> int:
         pub_s = statistics.median(publish_times)
         params = sum(p.numel() for p in model.parameters())  # global sizes (DTensor)
         peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else 0.0
+        # Training is ~6 FLOPs per parameter and token (forward + backward), and the
+        # pi_prox pass before the minibatches ~2 more.
+        flops = (6 + 2 * (algo.minibatches > 1)) * params * tokens
+        per_device = flops / step_s / world / 1e12
+        peak_tflops = args.peak_tflops or PEAK_BF16_TFLOPS.get(_gpu_kind(dev), 0.0)
         result = {
             "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
             "world_size": world,
@@ -195,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
             "publish_s": publish_times,
             "publish_bytes": nbytes,
             "peak_gib": peak,
+            "overlapped_step_s": overlap_times,
+            "tflops_per_device": per_device,
+            "mfu": per_device / peak_tflops if peak_tflops else None,
         }
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "gpu.json").write_text(json.dumps(result, indent=1))
@@ -206,12 +251,20 @@ def main(argv: list[str] | None = None) -> int:
         print("| | median s | rate |")
         print("|---|---|---|")
         print(f"| learner step (FSDP2) | {step_s:.3f} | {tokens / step_s:,.0f} tokens/s |")
+        if overlap_times:
+            over_s = statistics.median(overlap_times)
+            print(
+                f"| same, batch copied on a side stream during the previous step | {over_s:.3f} "
+                f"| {tokens / over_s:,.0f} tokens/s ({over_s / step_s:.2f}x the step) |"
+            )
         print(
             f"| gather shards + broadcast ({nbytes / 2**20:.0f} MiB) | {pub_s:.3f} "
             f"| {nbytes / pub_s / 1e9:.2f} GB/s |"
         )
+        mfu = f", MFU {result['mfu']:.1%}" if result["mfu"] else ""
         print(
-            f"summary: {tokens / step_s:,.0f} tokens/s per step on {world} x {result['device']}; "
+            f"summary: {tokens / step_s:,.0f} tokens/s per step on {world} x {result['device']} "
+            f"({per_device:.3g} TFLOP/s per device{mfu}); "
             f"publish {pub_s * 1000:.0f} ms ({pub_s / step_s:.1%} of a step); peak {peak:.1f} GiB"
         )
     dist.destroy_process_group()

@@ -9,7 +9,7 @@ Each run is ``verl-async train CONFIG`` with ``trainer.prefill_steps = P`` and
 filled the buffer with P steps of scored groups, so ``prefill_s`` in metrics.jsonl is
 generation alone (sampling and scoring, nothing else). Both arms use the config's reward
 sources; the "with" arm adds a ``model`` source served by its own reward-model process
-(``placement.reward_model_devices``); ``--whole-rows`` adds a third arm whose reward model
+(``placement.reward_models``); ``--whole-rows`` adds a third arm whose reward model
 forwards every conversation whole (``share_prefix: false``). Runs go in ABBA order (ABC
 CBA with three arms); the summary is the ratio of generated tokens per second, with /
 without (target >= 0.9).

@@ -43,13 +43,19 @@ class StoredGroup:
 
 @dataclass
 class StepBatch:
-    """All samples of one step that passed the staleness check, grouped per rank."""
+    """All samples of one step that passed the staleness check, and their split over ranks.
+
+    Every rank is sent the whole step (its advantages, reward normalisation and metrics
+    are computed over the global batch) and trains on its own shard of it.
+    """
 
     step: int
-    shards: list[list[StoredGroup]]  # [world_size] groups per rank
+    groups: list[StoredGroup]  # kept samples only
+    shards: list[list[tuple[int, int]]]  # [world_size] (position in groups, sample index)
     dropped_stale: int
     consumed: list[StoredGroup]  # the step's groups as returned (before the staleness check)
     served: set[int] = field(default_factory=set)
+    encoded: tuple | None = None  # the Batch message, built once: every rank gets the same
 
 
 @dataclass
@@ -231,20 +237,27 @@ def filter_stale(
     return kept, dropped
 
 
-def shard_groups(groups: list[StoredGroup], world_size: int) -> list[list[StoredGroup]]:
-    """Token-balanced split across ranks, whole groups per rank (advantages stay local).
+def shard_samples(groups: list[StoredGroup], world_size: int) -> list[list[tuple[int, int]]]:
+    """Token-balanced split of the step's samples over ``world_size`` ranks.
 
-    Longest-processing-time greedy: heaviest group first onto the lightest rank.
+    Longest-processing-time greedy over samples (prompt + response tokens): the heaviest
+    sample first onto the lightest rank (ties: fewer samples, then lower rank). The token
+    loads of any two ranks then differ by at most one sample's tokens. Groups may span
+    ranks: advantages are computed over the whole step on every rank. Each shard lists
+    (position in ``groups``, sample index) in batch order.
     """
-    shards: list[list[StoredGroup]] = [[] for _ in range(world_size)]
+    sizes = [
+        ((gi, i), len(g.prompt_ids) + len(r))
+        for gi, g in enumerate(groups)
+        for i, r in enumerate(g.responses)
+    ]
+    shards: list[list[tuple[int, int]]] = [[] for _ in range(world_size)]
     load = [0] * world_size
-    for g in sorted(groups, key=lambda g: g.num_tokens, reverse=True):
-        r = min(range(world_size), key=load.__getitem__)
-        shards[r].append(g)
-        load[r] += g.num_tokens
-    for shard in shards:
-        shard.sort(key=lambda g: g.group_id)
-    return shards
+    for key, tokens in sorted(sizes, key=lambda s: s[1], reverse=True):
+        r = min(range(world_size), key=lambda k: (load[k], len(shards[k]), k))
+        shards[r].append(key)
+        load[r] += tokens
+    return [sorted(shard) for shard in shards]
 
 
 class AdmissionClock:

@@ -36,7 +36,7 @@ from buffer.ledger import (
     StoredGroup,
     TokenRate,
     filter_stale,
-    shard_groups,
+    shard_samples,
 )
 from buffer.snapshot import (
     LEDGER_FILE,
@@ -276,16 +276,27 @@ class BufferServer:
                     req.step,
                 )
             self.dropped_stale_total += dropped
-            step = StepBatch(req.step, shard_groups(kept, req.world_size), dropped, groups)
+            step = StepBatch(req.step, kept, shard_samples(kept, req.world_size), dropped, groups)
             self.steps[req.step] = step
-            for old in [s for s in self.steps if s < req.step - 1]:
+            for old in [s for s in self.steps if s < req.step - self.KEEP_STEPS_BEHIND]:
                 del self.steps[old]
         step.served.add(req.rank)
         return self._encode_shard(step, req.rank)
 
     def _encode_shard(self, step: StepBatch, rank: int):
-        groups = step.shards[rank]
-        samples = [(g, i) for g in groups for i in range(len(g.responses))]
+        """The whole step, samples ordered rank by rank (``shard_sizes``); encoded once, so
+        every rank receives the same message."""
+        if len(step.shards) <= rank:
+            raise ValueError(
+                f"rank {rank} asked for step {step.step} cut for {len(step.shards)} ranks"
+            )
+        if step.encoded is None:
+            step.encoded = self._encode_step(step)
+        return step.encoded
+
+    def _encode_step(self, step: StepBatch):
+        groups = step.groups
+        samples = [(groups[gi], i) for shard in step.shards for gi, i in shard]
         frames = P.Frames()
         cat = lambda arrays, dt: np.concatenate(arrays, dtype=dt) if arrays else np.zeros(0, dt)  # noqa: E731
         blocked_s, idle_s = self.clock.totals(time.monotonic())
@@ -294,6 +305,8 @@ class BufferServer:
             group_ids=[g.group_id for g in groups],
             group_prompts=[g.prompt_id for g in groups],
             sample_group=[g.group_id for g, _ in samples],
+            sample_index=[i for _, i in samples],
+            shard_sizes=[len(shard) for shard in step.shards],
             prompt_lengths=[len(g.prompt_ids) for g, _ in samples],
             response_lengths=[len(g.responses[i]) for g, i in samples],
             scores=[g.scores[i] for g, i in samples],
@@ -354,6 +367,12 @@ class BufferServer:
         return P.NotReady(step=body.step, missing_groups=self.ledger.missing_for(body.step))
 
     # ------------------------------------------------------------------ checkpoints
+
+    # Step batches kept behind the newest one asked for: a checkpoint at step s stores the
+    # groups of steps >= s already handed out. A rank's prefetcher runs up to two steps
+    # ahead of the step it trains, and with several ranks one of them may be one step
+    # further than the rank 0 taking the checkpoint.
+    KEEP_STEPS_BEHIND = 3
 
     # Cuts kept for FetchSnapshot; the learner has at most two writes in flight, more
     # means a learner died between the two requests, and the oldest cut is dropped.

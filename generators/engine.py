@@ -18,8 +18,11 @@ EXTENSION = "generators.vllm_extension.WeightSyncExtension"
 log = logging.getLogger("verl_async.generator")
 
 
-def start_engine(cfg: RunConfig, model_path: str, seed: int):
-    """AsyncLLM with the weight-sync worker extension; logprobs after temperature/top-p."""
+def start_engine(cfg: RunConfig, model_path: str, seed: int, tensor_parallel_size: int = 1):
+    """AsyncLLM with the weight-sync worker extension; logprobs after temperature/top-p.
+
+    ``tensor_parallel_size``: vLLM workers the engine spans (its placement group's GPUs,
+    ``placement.tensor_parallel_size``); each of them joins the weight-sync group."""
     from vllm import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -31,6 +34,7 @@ def start_engine(cfg: RunConfig, model_path: str, seed: int):
         model=model_path,
         dtype=cfg.model.dtype,
         seed=seed,
+        tensor_parallel_size=tensor_parallel_size,
         max_model_len=g.max_model_len,
         max_num_seqs=num_seqs,
         **budget,

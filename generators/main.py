@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from generators.engine import Engine, Sampling, pack_samples, start_engine
+from verl_async import placement
 from verl_async import protocol as P
 from verl_async.rewards.scorer import GroupScores, Scorer
 from verl_async.runtime import RunContext
@@ -261,7 +262,10 @@ async def run_generator(ctx: RunContext, index: int) -> None:
 
     cfg = ctx.cfg
     ep = ctx.endpoints
-    llm = start_engine(cfg, ep.model_path, seed=cfg.learner.seed * 1000 + index)
+    tp = placement.tensor_parallel_size(placement.generator_groups(cfg)[index])
+    llm = start_engine(
+        cfg, ep.model_path, seed=cfg.learner.seed * 1000 + index, tensor_parallel_size=tp
+    )
     engine = Engine(llm, cfg)
     del llm  # the Engine owns it from here (and drops it at shutdown)
     try:
@@ -269,8 +273,8 @@ async def run_generator(ctx: RunContext, index: int) -> None:
         await engine.join_weight_sync(
             ep.weights_host,
             ep.weights_port,
-            1 + cfg.generators.count,
-            1 + index,
+            placement.sync_world_size(cfg),  # every vLLM worker of every engine is a member
+            placement.sync_rank_offset(cfg, index),
             resolve_backend(cfg.weights.backend),
         )
         tokenizer = AutoTokenizer.from_pretrained(ep.model_path)

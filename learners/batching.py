@@ -17,7 +17,10 @@ from verl_async.transport import BufferClient
 
 @dataclass
 class TrainBatch:
-    """One rank's samples, right-padded. T = longest prompt + response in the batch."""
+    """A step's samples, right-padded. T = longest prompt + response in the batch.
+
+    With several learner ranks it holds the whole step, rows ordered rank by rank
+    (``shard_sizes``); learners/distributed.py cuts out a rank's own rows."""
 
     step: int
     input_ids: torch.Tensor  # [N, T] long
@@ -40,6 +43,7 @@ class TrainBatch:
     group_prompts: list[int]  # prompt index of each group
     sample_digests: list[int]  # crc32 of each sample's (group, index), tokens, logprobs, versions
     prompts_skipped: int  # prompts the buffer left out as too long
+    shard_sizes: list[int]  # [ranks] rows of each rank's shard, in order
     # Set by the learner's compute_advantages:
     rewards: torch.Tensor | None = None  # [N] combined reward of each sample
     logp_prox: torch.Tensor | None = None  # [N, T-1] pi_prox, when needed before the update
@@ -69,10 +73,11 @@ def collate(msg: P.Batch, frames: list, pad_id: int, pin: bool = False) -> Train
     vers_pad = np.full((n, width - 1), -1, np.int64)
     po = ro = 0
     digests = []
-    index_in_group: dict[int, int] = {}
+    seen: dict[int, int] = {}  # without sample_index: samples come in group order
     for i, (p, r) in enumerate(zip(msg.prompt_lengths, msg.response_lengths, strict=True)):
         # A rollout is (group id, sample index); the digest also covers what it holds.
-        j = index_in_group[msg.sample_group[i]] = index_in_group.get(msg.sample_group[i], -1) + 1
+        g = msg.sample_group[i]
+        j = seen[g] = msg.sample_index[i] if msg.sample_index else seen.get(g, -1) + 1
         digest = zlib.crc32(f"{msg.sample_group[i]}.{j}".encode())
         for part in (resp[ro : ro + r], behav[ro : ro + r], vers[ro : ro + r]):
             digest = zlib.crc32(part.tobytes(), digest)
@@ -110,6 +115,7 @@ def collate(msg: P.Batch, frames: list, pad_id: int, pin: bool = False) -> Train
         group_prompts=list(msg.group_prompts),
         sample_digests=digests,
         prompts_skipped=msg.prompts_skipped,
+        shard_sizes=list(msg.shard_sizes) or [n],
     )
 
 
@@ -139,10 +145,38 @@ def fetch_batch(
             )
 
 
-class Prefetcher:
-    """Background thread that fetches step s+1 while step s trains (own socket, own thread).
+def copy_to_device(batch: TrainBatch, device: torch.device, stream=None):
+    """(batch on ``device``, event or None). With a CUDA ``stream`` the copy from pinned
+    host memory is issued on it and returns at once; ``wait_for_copy`` joins it."""
+    if stream is None:
+        return batch.to(device), None
+    with torch.cuda.stream(stream):
+        moved = batch.to(device)
+        copied = torch.cuda.Event()
+        copied.record(stream)
+    return moved, copied
 
-    Pinned host memory on CUDA so the copy to the device overlaps compute.
+
+def wait_for_copy(batch: TrainBatch, copied) -> TrainBatch:
+    """Make the current stream wait for a side-stream copy (not the host), and tell the
+    allocator the tensors are used on the current stream from now on."""
+    if copied is not None:
+        current = torch.cuda.current_stream(batch.input_ids.device)
+        current.wait_event(copied)
+        for value in vars(batch).values():
+            if isinstance(value, torch.Tensor) and value.is_cuda:
+                value.record_stream(current)
+    return batch
+
+
+class Prefetcher:
+    """Hands the learner each step's batch; by default fetched ahead of time.
+
+    ``background`` (``learner.prefetch``): a thread with its own socket fetches step s+1
+    while step s trains. On CUDA the batch is collated into pinned host memory and copied
+    to ``device`` on a side stream by that thread, so the host-to-device copy overlaps the
+    current step's compute too; ``get`` makes the compute stream wait for that copy only.
+    Without ``background`` each batch is fetched and copied when the step asks for it.
     """
 
     def __init__(
@@ -153,21 +187,35 @@ class Prefetcher:
         rank: int,
         world: int,
         pad_id: int,
-        pin: bool,
+        device: torch.device,
         deadline_s: float,
+        background: bool = True,
     ) -> None:
         self.q: queue.Queue = queue.Queue(maxsize=1)
         self.deadline_s = deadline_s
-        self.args = (endpoint, timeout_s, steps, rank, world, pad_id, pin)
-        self.thread = threading.Thread(target=self._run, name="prefetch", daemon=True)
-        self.thread.start()
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.args = (endpoint, timeout_s, steps, rank, world, pad_id)
+        self.thread = None
+        if background:
+            self.thread = threading.Thread(target=self._run, name="prefetch", daemon=True)
+            self.thread.start()
+        else:
+            self.client = BufferClient(endpoint, timeout_s)
+            self.steps = iter(steps)
+
+    def _fetch(self, client: BufferClient, step: int, stream=None):
+        _, _, _, rank, world, pad_id = self.args
+        batch = fetch_batch(client, step, rank, world, pad_id, self.cuda, self.deadline_s)
+        return copy_to_device(batch, self.device, stream)
 
     def _run(self) -> None:
-        endpoint, timeout_s, steps, rank, world, pad_id, pin = self.args
+        endpoint, timeout_s, steps = self.args[:3]
         client = BufferClient(endpoint, timeout_s)
+        stream = torch.cuda.Stream(self.device) if self.cuda else None
         try:
             for step in steps:
-                self.q.put(fetch_batch(client, step, rank, world, pad_id, pin, self.deadline_s))
+                self.q.put(self._fetch(client, step, stream))
         except BaseException as exc:  # handed to the training thread, which raises it
             self.q.put(exc)
         finally:
@@ -175,9 +223,17 @@ class Prefetcher:
 
     def get(self) -> TrainBatch:
         t0 = time.monotonic()
-        item = self.q.get(timeout=self.deadline_s + 30)
+        if self.thread is None:
+            item = self._fetch(self.client, next(self.steps))
+        else:
+            item = self.q.get(timeout=self.deadline_s + 30)
         if isinstance(item, BaseException):
             raise item
+        batch = wait_for_copy(*item)
         # What the learner actually waited, not how long the batch took to complete.
-        item.wait_s = time.monotonic() - t0
-        return item
+        batch.wait_s = time.monotonic() - t0
+        return batch
+
+    def close(self) -> None:
+        if self.thread is None:
+            self.client.close()

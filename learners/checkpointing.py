@@ -59,6 +59,7 @@ from pathlib import Path
 
 import torch
 
+from learners.state_dicts import load_model_state, load_optimizer_state
 from verl_async import runtime
 from verl_async.checkpoint import (
     FileEntry,
@@ -423,18 +424,21 @@ def _make_durable(paths: list[Path]) -> None:
         fsync_dir(directory)
 
 
-def load(ckpt: Path, model: torch.nn.Module, optimizer, scheduler, critic=None) -> dict:
+def load(
+    ckpt: Path, model: torch.nn.Module, optimizer, scheduler, critic=None, world: int = 1
+) -> dict:
     """Restore a checkpoint's learner files into live objects; returns the JSON state.
 
     ``critic`` is (critic model, critic optimizer) when the run trains one; a checkpoint
-    written without a critic cannot resume a run with one (and the other way round)."""
+    written without a critic cannot resume a run with one (and the other way round).
+    ``world`` > 1: every rank of an FSDP2 job calls this and keeps its shards."""
     from safetensors.torch import load_file
 
     learner = ckpt / "learner"
-    model.load_state_dict(load_file(learner / "model.safetensors"))
+    load_model_state(model, load_file(learner / "model.safetensors"), world)
     state = json.loads((learner / "trainer_state.json").read_text())
     optimizer_state, rng = join_state(load_file(learner / "state.safetensors"), state)
-    optimizer.load_state_dict(optimizer_state)
+    load_optimizer_state(model, optimizer, optimizer_state, world)
     if scheduler is not None and state["scheduler"] is not None:
         scheduler.load_state_dict(state["scheduler"])
     has_critic = "critic_optimizer" in state
@@ -444,8 +448,10 @@ def load(ckpt: Path, model: torch.nn.Module, optimizer, scheduler, critic=None) 
             f"has {'one' if critic is not None else 'none'} (algo.adv_estimator changed?)"
         )
     if critic is not None:
-        critic[0].load_state_dict(load_file(learner / "critic.safetensors"))
+        load_model_state(critic[0], load_file(learner / "critic.safetensors"), world)
         tensors = load_file(learner / "critic_state.safetensors")
-        critic[1].load_state_dict(join_optimizer(tensors, state["critic_optimizer"]))
+        load_optimizer_state(
+            critic[0], critic[1], join_optimizer(tensors, state["critic_optimizer"]), world
+        )
     set_rng_state(rng)
     return state

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from learners.batching import TrainBatch
+from learners.plan import Minibatch, micro_rows, plan_update
 from learners.update import logits_of
 from verl_async.algos import token_logprobs
 from verl_async.algos.losses import explained_variance, value_loss
@@ -79,35 +80,39 @@ def critic_update(
     cliprange_value: float,
     backward,
     clip_grad,
+    plan: list[Minibatch] | None = None,
 ) -> CriticStats:
-    """``algo.minibatches`` AdamW steps on the clipped value loss (verl's semantics:
-    0.5 * max((V - R)^2, (clip(V, V_old +- c) - R)^2), aggregated by ``loss_agg_mode``)."""
+    """One AdamW step per minibatch of ``plan`` (learners/plan.py; by default
+    ``algo.minibatches`` chunks of this batch) on the clipped value loss (verl's
+    semantics: 0.5 * max((V - R)^2, (clip(V, V_old +- c) - R)^2), aggregated by
+    ``loss_agg_mode``). ``old_values`` and ``returns`` are this batch's rows."""
     mask = batch.loss_mask
-    chunks = torch.arange(len(mask), device=mask.device).chunk(algo.minibatches)
-    totals = dict(loss=0.0, clip=0.0, grad=0.0)
-    for idx in chunks:
-        values = critic_values(critic, batch.input_ids[idx], batch.attention_mask[idx])
-        loss, clipfrac = value_loss(
-            values,
-            old_values[idx],
-            returns[idx],
-            mask[idx],
-            cliprange_value,
-            algo.loss_agg_mode,
-            algo.loss_scale_factor,
-        )
-        backward(loss)
-        grad = clip_grad()
+    if plan is None:
+        plan = plan_update(mask, batch.attention_mask, [len(mask)], 0, algo.minibatches)
+    losses, clips, grads = [], [], []
+    for mb in plan:
+        agg = mb.agg_kwargs(algo.loss_scale_factor)
+        mb_loss = 0.0
+        for idx in mb.micro:
+            rows, rows_mask = micro_rows(idx, mask)
+            values = critic_values(critic, batch.input_ids[rows], batch.attention_mask[rows])
+            loss, clipfrac = value_loss(
+                values, old_values[rows], returns[rows], rows_mask, cliprange_value,
+                algo.loss_agg_mode, **agg,
+            )  # fmt: skip
+            backward(loss)
+            if len(idx):
+                mb_loss += float(loss.detach())
+                clips.append((float(clipfrac), float(rows_mask.sum())))
+        grads.append(float(clip_grad()))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        k = 1.0 / len(chunks)
-        totals["loss"] += float(loss.detach()) * k
-        totals["clip"] += float(clipfrac) * k
-        totals["grad"] += float(grad) * k
+        losses.append(mb_loss)
+    weight = sum(w for _, w in clips) or 1.0
     return CriticStats(
-        vf_loss=totals["loss"],
-        vf_clipfrac=totals["clip"],
+        vf_loss=sum(losses) / len(losses),
+        vf_clipfrac=sum(c * w for c, w in clips) / weight,
         vf_explained_var=float(explained_variance(old_values, returns, mask)),
-        grad_norm=totals["grad"],
+        grad_norm=sum(grads) / len(grads),
         values_mean=float(masked_mean(old_values, mask)),
     )

@@ -1,14 +1,15 @@
-"""Publishing weights: full tensors from (possibly sharded) parameters, and the background
-broadcast that overlaps the next training step."""
+"""Publishing weights: full tensors from (possibly sharded) parameters, bucket by bucket,
+and the background broadcast that overlaps the next training step."""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 
 import torch
 
-from verl_async.weight_sync import SyncGroup, broadcast_packed
+from verl_async.weight_sync import Bucket, SyncGroup, broadcast_packed
 
 
 class BackgroundBroadcast:
@@ -54,11 +55,17 @@ class BackgroundBroadcast:
             raise self.error
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Unsharded tensors by HF name; DTensor shards are gathered (a collective on every rank)."""
-    out = {}
-    for name, tensor in model.state_dict().items():
-        if hasattr(tensor, "full_tensor"):
-            tensor = tensor.full_tensor()
-        out[name] = tensor.detach()
-    return out
+def gathered_buckets(
+    state: dict[str, torch.Tensor], buckets: list[Bucket]
+) -> Iterator[tuple[Bucket, dict[str, torch.Tensor]]]:
+    """Each bucket's full tensors, one bucket at a time: under FSDP2 every rank must walk
+    this (``full_tensor()`` is a collective), and only one bucket of unsharded tensors is
+    alive at once. ``state`` is the model's ``state_dict()`` (DTensors or plain)."""
+    for bucket in buckets:
+        tensors = {}
+        for spec in bucket.specs:
+            tensor = state[spec.name]
+            if hasattr(tensor, "full_tensor"):
+                tensor = tensor.full_tensor()
+            tensors[spec.name] = tensor.detach()
+        yield bucket, tensors

@@ -1,5 +1,11 @@
 """Build the learner: Accelerator, actor and optimizer, critic and reference when the
-algorithm needs them, the weight-sync group; then run the loop (learners/trainer.py)."""
+algorithm needs them, the weight-sync group; then run the loop (learners/trainer.py).
+
+One learner device: a plain Accelerate process. Several (``placement.learners``): the
+launcher starts them as one torchrun job; Accelerate sets up the process group (NCCL on
+GPU, gloo on CPU) and the actor and critic are sharded with FSDP2 (``fully_shard`` on
+every decoder layer, then on the root), the same code on CPU and GPU. The frozen
+reference is replicated on every rank."""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ import torch
 
 from learners.critic import load_critic, load_reference
 from learners.trainer import Learner
+from verl_async.placement import sync_world_size
 from verl_async.runtime import RunContext
 from verl_async.weight_sync import join_group, resolve_backend
 
@@ -32,34 +39,33 @@ def run_learner(ctx: RunContext) -> None:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
     pad_id = AutoTokenizer.from_pretrained(ep.model_path).pad_token_id or 0
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.learner.lr, weight_decay=cfg.learner.weight_decay
-    )
+    model, optimizer = prepare(accelerator, model, lambda m: torch.optim.AdamW(
+        m.parameters(), lr=cfg.learner.lr, weight_decay=cfg.learner.weight_decay
+    ), cfg.model.dtype)  # fmt: skip
     warmup = cfg.learner.warmup_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
     )
-    model, optimizer = accelerator.prepare(model, optimizer)
     critic = critic_optimizer = reference = None
     if cfg.algo.adv_estimator == "gae":
         critic = load_critic(cfg.critic.path or ep.model_path)
         if cfg.learner.gradient_checkpointing:
             critic.gradient_checkpointing_enable()
-        critic_optimizer = torch.optim.AdamW(
-            critic.parameters(), lr=cfg.critic.lr, weight_decay=cfg.critic.weight_decay
-        )
-        critic, critic_optimizer = accelerator.prepare(critic, critic_optimizer)
+        critic, critic_optimizer = prepare(accelerator, critic, lambda m: torch.optim.AdamW(
+            m.parameters(), lr=cfg.critic.lr, weight_decay=cfg.critic.weight_decay
+        ), cfg.model.dtype)  # fmt: skip
     if cfg.algo.uses_reference:  # frozen: the compute dtype on CUDA, float32 on CPU
         dtype = getattr(torch, cfg.model.dtype) if torch.cuda.is_available() else torch.float32
         reference = load_reference(cfg.algo.kl.ref_path or ep.model_path, accelerator.device, dtype)
     group = None
     if accelerator.is_main_process:
-        log.info("waiting for %d generator(s) to join the weight-sync group", cfg.generators.count)
+        world = sync_world_size(cfg)
+        log.info("waiting for %d generator worker(s) to join the weight-sync group", world - 1)
         group = join_group(
             ep.weights_host,
             ep.weights_port,
             0,
-            1 + cfg.generators.count,
+            world,
             resolve_backend(cfg.weights.backend),
             cfg.weights.join_timeout_s,
         )
@@ -75,6 +81,39 @@ def run_learner(ctx: RunContext) -> None:
         learner.train()
     finally:
         learner.close()
+
+
+def prepare(accelerator, model, make_optimizer, dtype: str):
+    """(model, optimizer) ready to train: Accelerate's prepare on one rank; FSDP2 over
+    several (Accelerate would wrap a CPU model in DDP, so the sharding is applied here)."""
+    if accelerator.num_processes == 1:
+        return accelerator.prepare(model, make_optimizer(model))
+    if accelerator.is_main_process:
+        log.info(
+            "%s: FSDP2 over %d ranks (%s)", type(model).__name__, accelerator.num_processes,
+            torch.distributed.get_backend(),
+        )  # fmt: skip
+    model = fsdp2(model.to(accelerator.device), getattr(torch, dtype))
+    return model, make_optimizer(model)
+
+
+def fsdp2(model, compute_dtype: torch.dtype):
+    """``fully_shard`` each decoder layer (the model's ``_no_split_modules`` classes), then
+    the root. Parameters and optimizer state stay float32; a bf16/fp16 ``model.dtype`` is
+    the compute dtype (FSDP2's mixed precision, gradients reduced in float32)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy()
+    if compute_dtype != torch.float32:
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    layers = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in layers]
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} names no decoder layer class to shard")
+    for block in blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
 
 
 def _interrupt(signum, frame) -> None:

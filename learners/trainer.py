@@ -31,20 +31,26 @@ from learners.critic import (
     critic_values,
     reference_logprobs,
 )
+from learners.distributed import DataParallel
 from learners.evaluation import EvalTracker
-from learners.publish import BackgroundBroadcast, full_state_dict
+from learners.plan import plan_update
+from learners.publish import BackgroundBroadcast, gathered_buckets
+from learners.state_dicts import model_state, optimizer_state
 from learners.step_metrics import algo_metrics, step_row
 from learners.update import StepStats, policy_update, prox_pass
 from verl_async import protocol as P
+from verl_async.algos.losses import explained_variance
+from verl_async.algos.masked import masked_mean
 from verl_async.metrics import MetricsWriter
 from verl_async.rewards.aggregate import RunningStats, combine, summarize
 from verl_async.runtime import RunContext
 from verl_async.transport import BufferClient
 from verl_async.weight_sync import (
     SyncGroup,
-    pack_weights,
+    broadcast_bucket,
+    pack_bucket,
     param_specs,
-    send_weights,
+    plan_buckets,
 )
 
 log = logging.getLogger("verl_async.learner")
@@ -69,6 +75,7 @@ class Learner:
         self.ctx = ctx
         self.cfg = ctx.cfg
         self.acc = accelerator
+        self.dp = DataParallel.from_environment()
         self.model = model
         # unwrapped once: accelerate's unwrap_model probes for installed packages per call
         self.raw_model = accelerator.unwrap_model(model)
@@ -127,9 +134,9 @@ class Learner:
         try:
             for step in steps:
                 t0 = time.monotonic()
-                batch = self.collect(batches)
-                advantages = self.compute_advantages(batch)
-                stats, critic_stats = self.update(batch, advantages)
+                batch, local = self.collect(batches)
+                advantages = self.compute_advantages(batch, local)
+                stats, critic_stats = self.update(batch, local, advantages)
                 sync_s = self.publish_weights()
                 self.steps_done = step + 1
                 self.record_trail(step, batch)
@@ -146,7 +153,9 @@ class Learner:
                     ckpt_s,
                 )
                 prefill_s = None
+            batches.close()
         except KeyboardInterrupt:  # SIGTERM from the launcher (Ctrl-C) lands here too
+            batches.close()
             log.warning("interrupted after %d steps", self.steps_done)
             if self.checkpointer is not None:
                 self.checkpointer.close(grace_s=self.cfg.checkpoint.write_timeout_s)
@@ -186,31 +195,40 @@ class Learner:
             self.ctx.endpoints.buffer,
             cfg.buffer.request_timeout_s,
             steps,
-            self.acc.process_index,
-            self.acc.num_processes,
+            self.dp.rank,
+            self.dp.world,
             self.pad_id,
-            pin=torch.cuda.is_available(),
+            self.acc.device,
             deadline_s=cfg.weights.join_timeout_s,
+            background=cfg.learner.prefetch,
         )
 
-    def collect(self, batches: Prefetcher) -> TrainBatch:
-        return batches.get().to(self.acc.device)
+    def collect(self, batches: Prefetcher) -> tuple[TrainBatch, TrainBatch]:
+        """The step's batch (every rank gets all of it) and this rank's rows of it."""
+        batch = batches.get()
+        return batch, self.dp.local(batch)
 
-    def compute_advantages(self, batch: TrainBatch) -> Advantages:
+    def compute_advantages(self, batch: TrainBatch, local: TrainBatch) -> Advantages:
         """Combine the reward sources into one reward per sample, then the estimator's
         per-token advantages, with what it needs first: reference log-probs, pi_prox for
-        a KL in the reward, the critic's values (learners/advantages.py)."""
+        a KL in the reward, the critic's values (learners/advantages.py).
+
+        The model passes run on this rank's rows (``local``) and are gathered back, so
+        rewards and advantages are computed over the whole step on every rank."""
         group_index = batch.group_index.cpu()
         rewards = combine(batch.scores, group_index.numpy(), self.cfg.rewards.sources, self.running)
         batch.rewards = torch.from_numpy(np.asarray(rewards, np.float32))  # [N]
-        algo, temperature = self.algo, self.cfg.generators.temperature
+        algo, temperature, dp = self.algo, self.cfg.generators.temperature, self.dp
         if self.reference is not None:
-            batch.logp_ref = reference_logprobs(self.reference, batch, temperature)
+            local.logp_ref = reference_logprobs(self.reference, local, temperature)
+            batch.logp_ref = dp.gather_rows(local.logp_ref, batch)
         if algo.kl.in_reward:  # the KL of the policy the update starts from
-            batch.logp_prox, _ = prox_pass(self.model, batch, temperature)
+            local.logp_prox, _ = prox_pass(self.model, local, temperature)
+            batch.logp_prox = dp.gather_rows(local.logp_prox, batch)
         if self.critic is not None:
             with torch.no_grad():
-                batch.values = critic_values(self.critic, batch.input_ids, batch.attention_mask)
+                local.values = critic_values(self.critic, local.input_ids, local.attention_mask)
+            batch.values = dp.gather_rows(local.values, batch)
         device = self.acc.device
         return estimate(
             algo,
@@ -223,67 +241,79 @@ class Learner:
             self.kl_ctrl,
         )
 
-    def update(self, batch: TrainBatch, adv: Advantages) -> tuple[StepStats, CriticStats | None]:
-        """The critic's steps (gae), then the actor's; during ``critic.warmup_steps`` the
-        actor's losses are computed but its weights stay."""
-        cfg, critic_stats = self.cfg, None
+    def update(
+        self, batch: TrainBatch, local: TrainBatch, adv: Advantages
+    ) -> tuple[StepStats, CriticStats | None]:
+        """The critic's steps (gae), then the actor's, on this rank's rows; during
+        ``critic.warmup_steps`` the actor's losses are computed but its weights stay.
+        Statistics are averaged over ranks."""
+        cfg, critic_stats, dp = self.cfg, None, self.dp
+        plan = plan_update(
+            batch.loss_mask, batch.attention_mask, batch.shard_sizes, dp.rank,
+            self.algo.minibatches, cfg.learner.max_tokens_per_microbatch,
+        )  # fmt: skip
+        weight = float(local.loss_mask.sum())
         if self.critic is not None:
             self.critic.train()
             critic_stats = critic_update(
-                self.critic,
-                self.critic_optimizer,
-                batch,
-                batch.values,
-                adv.returns,
-                self.algo,
-                cfg.critic.cliprange_value,
+                self.critic, self.critic_optimizer, local, local.values,
+                dp.local_part(adv.returns, batch, local), self.algo, cfg.critic.cliprange_value,
                 backward=self.acc.backward,
-                clip_grad=lambda: self.acc.clip_grad_norm_(
-                    self.critic.parameters(), cfg.critic.grad_clip
-                ),
+                clip_grad=lambda: self.clip_grad(self.critic, cfg.critic.grad_clip),
+                plan=plan,
+            )  # fmt: skip
+            critic_stats = dp.mean_stats(critic_stats, weight)
+            # Over the whole step, not averaged over ranks:
+            critic_stats.vf_explained_var = float(
+                explained_variance(batch.values, adv.returns, batch.loss_mask)
             )
+            critic_stats.values_mean = float(masked_mean(batch.values, batch.loss_mask))
         warming = self.critic is not None and self.steps_done < cfg.critic.warmup_steps
         self.model.train()
         stats = policy_update(
-            self.model,
-            self.optimizer,
-            batch,
-            adv.advantages,
-            self.algo,
-            backward=self.acc.backward,
-            clip_grad=lambda: self.acc.clip_grad_norm_(
-                self.model.parameters(), cfg.learner.grad_clip
-            ),
-            temperature=cfg.generators.temperature,
-            logp_prox=batch.logp_prox,
-            logp_ref=batch.logp_ref,
-            step=not warming,
-        )
+            self.model, self.optimizer, local, dp.local_part(adv.advantages, batch, local),
+            self.algo, backward=self.acc.backward,
+            clip_grad=lambda: self.clip_grad(self.model, cfg.learner.grad_clip),
+            temperature=cfg.generators.temperature, logp_prox=local.logp_prox,
+            logp_ref=local.logp_ref, step=not warming, plan=plan,
+        )  # fmt: skip
         if self.scheduler is not None and not warming:
             self.scheduler.step()
-        return stats, critic_stats
+        return dp.mean_stats(stats, weight, sums=("loss", "kl_loss")), critic_stats
+
+    def clip_grad(self, model, max_norm: float) -> float:
+        """Clip the gradient norm (over all ranks' shards under FSDP2); returns it."""
+        if self.dp.world == 1:
+            return float(self.acc.clip_grad_norm_(model.parameters(), max_norm))
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     def publish_weights(self, new_version: bool = True) -> float:
-        """Gather full tensors on every rank, then rank 0 announces and broadcasts them.
+        """Gather full tensors bucket by bucket on every rank; rank 0 announces the version
+        and broadcasts each bucket (gathers and broadcasts never run at the same time).
 
         ``new_version=False`` re-sends the current version (after a restore: generators
         start from the initial weights and must load the checkpoint's).
         """
         t0 = time.monotonic()
-        tensors = full_state_dict(self.raw_model)
         self.version += int(new_version)
-        if self.group is not None:
-            specs = param_specs(tensors.items())
-            bucket = self.cfg.weights.bucket_mb << 20
-            update = P.WeightUpdate(version=self.version, params=specs, bucket_bytes=bucket)
-            if self.broadcast is not None:
-                self.broadcast.wait()  # the previous version has reached every generator
-                buffers = pack_weights(tensors, specs, bucket)
-                self.client.request(P.AnnounceWeights(update=update))
-                self.broadcast.start(buffers)
-            else:
-                self.client.request(P.AnnounceWeights(update=update))
-                send_weights(self.group, tensors, specs, bucket)
+        state = self.raw_model.state_dict()  # DTensors under FSDP2: global shapes
+        specs = param_specs(state.items())
+        bucket = self.cfg.weights.bucket_mb << 20
+        buckets = gathered_buckets(state, plan_buckets(specs, bucket))
+        update = P.WeightUpdate(version=self.version, params=specs, bucket_bytes=bucket)
+        if self.group is None:  # other ranks: take part in the gathers
+            for _ in buckets:
+                pass
+        elif self.broadcast is not None:
+            self.broadcast.wait()  # the previous version has reached every generator
+            buffers = [pack_bucket(b, tensors) for b, tensors in buckets]
+            self.client.request(P.AnnounceWeights(update=update))
+            self.broadcast.start(buffers)
+        else:
+            self.client.request(P.AnnounceWeights(update=update))
+            for b, tensors in buckets:
+                broadcast_bucket(self.group, pack_bucket(b, tensors))
         return time.monotonic() - t0
 
     # ------------------------------------------------------------------ checkpoints
@@ -291,13 +321,27 @@ class Learner:
     def checkpoint(self) -> float | None:
         """At the barrier after every ``checkpoint.every_steps``-th step: snapshot learner and
         buffer state into host memory and hand it to the background writer. Returns the
-        seconds the step spent on it (None when no checkpoint was due)."""
+        seconds the step spent on it (None when no checkpoint was due).
+
+        With several ranks every rank gathers the full state (collectives) and rank 0,
+        the only one with a checkpointer, stages and writes it."""
         every = self.cfg.checkpoint.every_steps
-        if self.checkpointer is None or self.steps_done % every:
+        if not every or self.steps_done % every:
             return None
         if self.alternate_block and (self.steps_done // self.alternate_block) % 2 == 0:
             return None  # an "off" block of the benchmark's alternation
         t0 = time.monotonic()
+        world = self.dp.world
+        model = model_state(self.raw_model, world)
+        optimizer = optimizer_state(self.raw_model, self.optimizer, world)
+        critic = None
+        if self.critic is not None:
+            critic = (
+                model_state(self.raw_critic, world),
+                optimizer_state(self.raw_critic, self.critic_optimizer, world),
+            )
+        if self.checkpointer is None:
+            return None
         stager = self.checkpointer.stager()  # waits only if both staging slots are busy
         self.checkpoint_wait_s = time.monotonic() - t0
         step = self.steps_done
@@ -315,28 +359,29 @@ class Learner:
             stager,
             step,
             self.version,
-            full_state_dict(self.raw_model),
-            self.optimizer.state_dict(),
+            model,
+            optimizer,
             self.scheduler.state_dict() if self.scheduler else None,
             info,
             lambda: fetch_buffer_files(
                 self.ctx.endpoints.buffer, self.cfg.buffer.request_timeout_s, step
             ),
-            critic=None
-            if self.critic is None
-            else (full_state_dict(self.raw_critic), self.critic_optimizer.state_dict()),
+            critic=critic,
         )
         self.client.receive(cut)
         self.checkpointer.save(snap)
         return time.monotonic() - t0
 
     def restore(self) -> bool:
-        """Load the checkpoint the launcher chose (``endpoints.resume_from``), if any."""
+        """Load the checkpoint the launcher chose (``endpoints.resume_from``), if any (every
+        rank reads it and keeps its own shards)."""
         if not self.ctx.endpoints.resume_from:
             return False
         ckpt = Path(self.ctx.endpoints.resume_from)
         critic = None if self.critic is None else (self.raw_critic, self.critic_optimizer)
-        info = checkpointing.load(ckpt, self.raw_model, self.optimizer, self.scheduler, critic)
+        info = checkpointing.load(
+            ckpt, self.raw_model, self.optimizer, self.scheduler, critic, world=self.dp.world
+        )
         self.steps_done = info["step"]
         self.version = info["version"]
         self.t_start = time.monotonic() - info["wall_s"]
@@ -346,7 +391,10 @@ class Learner:
                 self.running[name].load_state_dict(state)
         if "kl_ctrl" in info:
             self.kl_ctrl.load_state_dict(info["kl_ctrl"])
-        log.info("resumed from %s: step %d, version %d", ckpt.name, self.steps_done, self.version)
+        if self.acc.is_main_process:
+            log.info(
+                "resumed from %s: step %d, version %d", ckpt.name, self.steps_done, self.version
+            )
         return True
 
     def log_metrics(

@@ -1,6 +1,7 @@
 """The learner's policy update: pi_prox, then PPO-clip minibatch steps (pure torch).
 
-Shared by the learner process and ``benchmarks/gpu.py`` (FSDP2), so both run this code.
+Shared by the learner process (one rank or FSDP2 ranks) and ``benchmarks/gpu.py``, so
+all run this code.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from learners.batching import TrainBatch
+from learners.plan import Minibatch, micro_rows, plan_update
 from verl_async.algos import (
     LossOutput,
     kl_k3,
@@ -57,57 +59,76 @@ def policy_update(
     logp_prox: torch.Tensor | None = None,
     logp_ref: torch.Tensor | None = None,
     step: bool = True,
+    plan: list[Minibatch] | None = None,
 ) -> StepStats:
-    """pi_prox, then ``algo.minibatches`` optimizer steps over the batch.
+    """pi_prox, then one optimizer step per minibatch of ``plan`` (learners/plan.py; by
+    default ``algo.minibatches`` chunks of this batch on one rank, no micro-batching).
 
     ``advantages`` is [N] (one per sample) or [N, T-1] (per token). ``backward(loss)`` and
-    ``clip_grad() -> norm`` come from the caller (Accelerate in the learner; plain torch
-    under FSDP2 in benchmarks/gpu.py), so both run this exact code. ``logp_ref`` adds the
-    KL loss term (``algo.kl.loss_coef``); ``step=False`` computes the losses and metrics
-    without changing the weights (the critic's warm-up steps).
+    ``clip_grad() -> norm`` come from the caller (Accelerate, or plain torch under FSDP2),
+    so every setup runs this exact code. ``logp_ref`` adds the KL loss term
+    (``algo.kl.loss_coef``); ``step=False`` computes the losses and metrics without
+    changing the weights (the critic's warm-up steps).
 
     pi_prox: ``logp_prox`` when the caller computed it already, else with one minibatch
     the gradient pass runs at the weights pi_prox is defined by, so pi_prox is that pass's
     log-probs, detached: no separate forward (a quarter of the step's compute on a real
     model); else a no-grad pass first.
     """
-    one_pass = logp_prox is None and algo.minibatches == 1
+    mask = batch.loss_mask
+    if plan is None:
+        plan = plan_update(mask, batch.attention_mask, [len(mask)], 0, algo.minibatches)
+    one_pass = logp_prox is None and len(plan) == 1
     entropy = None
     if logp_prox is None and not one_pass:
         logp_prox, entropy = prox_pass(model, batch, temperature)
-    adv = advantages if advantages.dim() == 2 else advantages[:, None]
-    mask = batch.loss_mask
-    n_tok = mask.sum().clamp(min=1)
-    chunks = torch.arange(len(adv), device=mask.device).chunk(algo.minibatches)
-    parts, entropies = [], []
+    if one_pass:
+        logp_prox = torch.zeros_like(mask)  # filled from the gradient pass
     bonus = algo.entropy_coeff > 0
-    for idx in chunks:
-        with torch.enable_grad() if step else torch.no_grad():
-            logits = logits_of(model, batch.input_ids[idx], batch.attention_mask[idx], temperature)
-            logp = token_logprobs(logits, batch.input_ids[idx, 1:])
-            if one_pass:
-                logp_prox = logp.detach()  # [N, T-1]
-            chunk_entropy = None
-            if entropy is None or bonus:  # [n, T]; with a gradient only for the bonus
-                chunk_entropy = token_entropy(logits if bonus else logits.detach())
-                entropies.append(chunk_entropy.detach())
-            del logits
-            out, kl_loss = actor_loss(
-                logp, logp_prox[idx], batch.behav_logprobs[idx], adv[idx], mask[idx], algo,
-                chunk_entropy[:, :-1] if bonus else None,
-                None if logp_ref is None else logp_ref[idx],
-            )  # fmt: skip
+    seen_entropy = torch.zeros_like(batch.attention_mask, dtype=mask.dtype)
+    adv = advantages if advantages.dim() == 2 else advantages[:, None]
+    parts, grads = [], []
+    for mb in plan:
+        agg = mb.agg_kwargs(algo.loss_scale_factor)
+        mb_loss = mb_kl = 0.0
+        for idx in mb.micro:
+            rows, rows_mask = micro_rows(idx, mask)
+            with torch.enable_grad() if step else torch.no_grad():
+                logits = logits_of(
+                    model, batch.input_ids[rows], batch.attention_mask[rows], temperature
+                )
+                logp = token_logprobs(logits, batch.input_ids[rows, 1:])
+                prox = logp.detach() if one_pass else logp_prox[rows]
+                chunk_entropy = None
+                if entropy is None or bonus:  # [n, T]; with a gradient only for the bonus
+                    chunk_entropy = token_entropy(logits if bonus else logits.detach())
+                del logits
+                out, kl_loss = actor_loss(
+                    logp, prox, batch.behav_logprobs[rows], adv[rows], rows_mask, algo,
+                    chunk_entropy[:, :-1] if bonus else None,
+                    None if logp_ref is None else logp_ref[rows], agg,
+                )  # fmt: skip
+            if step:
+                backward(out.loss)
+            if len(idx):  # a placeholder row counts for nothing
+                if one_pass:
+                    logp_prox[rows] = prox
+                if chunk_entropy is not None:
+                    seen_entropy[rows] = chunk_entropy.detach()
+                mb_loss += float(out.loss.detach())
+                mb_kl += 0.0 if kl_loss is None else float(kl_loss.detach())
+                parts.append((out, float(rows_mask.sum())))
         grad = 0.0
         if step:
-            backward(out.loss)
-            grad = clip_grad()
+            grad = float(clip_grad())
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        out.loss = out.loss.detach()
-        parts.append((out, None if kl_loss is None else kl_loss.detach(), float(grad)))
+        grads.append(
+            (mb_loss, mb_kl if logp_ref is not None and algo.kl.loss_coef > 0 else None, grad)
+        )
     if entropy is None:  # no pass before the update: the entropies seen during it
-        entropy = torch.cat(entropies)
-    return _step_stats(parts, logp_prox, entropy, batch, n_tok)
+        entropy = seen_entropy
+    return _step_stats(parts, grads, logp_prox, entropy, batch)
 
 
 def actor_loss(
@@ -119,15 +140,19 @@ def actor_loss(
     algo,
     entropy: torch.Tensor | None,
     logp_ref: torch.Tensor | None,
+    agg_kwargs: dict | None = None,
 ) -> tuple[LossOutput, torch.Tensor | None]:
-    """PPO-clip loss (``out.loss`` includes the entropy bonus and the KL loss term)."""
+    """PPO-clip loss (``out.loss`` includes the entropy bonus and the KL loss term).
+
+    ``agg_kwargs``: the denominators of a minibatch spread over micro-batches and ranks
+    (``Minibatch.agg_kwargs``); by default this batch's own."""
+    agg_kwargs = agg_kwargs or {"loss_scale_factor": algo.loss_scale_factor}
     out = policy_loss(
         logp, logp_prox, logp_behav, adv, mask,
         algo.correction, algo.clip_eps, algo.is_cap, algo.clip_eps_high,
-        clip_ratio_c=algo.clip_ratio_c, loss_agg_mode=algo.loss_agg_mode,
-        loss_scale_factor=algo.loss_scale_factor,
+        clip_ratio_c=algo.clip_ratio_c, loss_agg_mode=algo.loss_agg_mode, **agg_kwargs,
     )  # fmt: skip
-    agg = lambda x: agg_loss(x, mask, algo.loss_agg_mode, loss_scale_factor=algo.loss_scale_factor)  # noqa: E731
+    agg = lambda x: agg_loss(x, mask, algo.loss_agg_mode, **agg_kwargs)  # noqa: E731
     if entropy is not None:
         out.loss = out.loss - algo.entropy_coeff * agg(entropy)
     kl_loss = None
@@ -137,24 +162,27 @@ def actor_loss(
     return out, kl_loss
 
 
-def _step_stats(parts: list, logp_prox, entropy, batch: TrainBatch, n_tok) -> StepStats:
-    """Metrics of one update: means over its minibatches (the largest behaviour weight)."""
+def _step_stats(parts: list, grads: list, logp_prox, entropy, batch: TrainBatch) -> StepStats:
+    """Metrics of one update. Token means are weighted by each micro-batch's tokens; the
+    loss (and KL loss) is each minibatch's sum over its micro-batches, averaged over
+    minibatches; the largest behaviour weight is the maximum."""
     mask = batch.loss_mask
-    k = 1.0 / len(parts)
-    mean = lambda get: sum(float(get(p)) for p in parts) * k  # noqa: E731
-    kl_losses = [p[1] for p in parts if p[1] is not None]
+    n_tok = mask.sum().clamp(min=1)
+    weight = sum(w for _, w in parts) or 1.0
+    mean = lambda get: sum(float(get(o)) * w for o, w in parts) / weight  # noqa: E731
+    kl_losses = [g[1] for g in grads if g[1] is not None]
     return StepStats(
-        loss=mean(lambda p: p[0].loss),
+        loss=sum(g[0] for g in grads) / len(grads),
         kl=float((kl_k3(logp_prox, batch.behav_logprobs) * mask).sum() / n_tok),
         entropy=float((entropy[:, :-1] * mask).sum() / n_tok),
-        clip_fraction=mean(lambda p: p[0].clip_fraction),
-        clip_fraction_lower=mean(lambda p: p[0].pg_clipfrac_lower),
-        ppo_kl=mean(lambda p: p[0].ppo_kl),
-        is_weight_mean=mean(lambda p: p[0].is_weight_mean),
-        is_weight_max=max(float(p[0].is_weight_max) for p in parts),
-        is_clipped_fraction=mean(lambda p: p[0].is_clipped_fraction),
-        grad_norm=mean(lambda p: p[2]),
-        kl_loss=sum(float(x) for x in kl_losses) / len(kl_losses) if kl_losses else None,
+        clip_fraction=mean(lambda o: o.clip_fraction),
+        clip_fraction_lower=mean(lambda o: o.pg_clipfrac_lower),
+        ppo_kl=mean(lambda o: o.ppo_kl),
+        is_weight_mean=mean(lambda o: o.is_weight_mean),
+        is_weight_max=max((float(o.is_weight_max) for o, _ in parts), default=0.0),
+        is_clipped_fraction=mean(lambda o: o.is_clipped_fraction),
+        grad_norm=sum(g[2] for g in grads) / len(grads),
+        kl_loss=sum(kl_losses) / len(kl_losses) if kl_losses else None,
     )
 
 

@@ -123,7 +123,7 @@ class FunctionReward(_RewardSource, tag="function", tag_field="kind", kw_only=Tr
 class ModelReward(_RewardSource, tag="model", tag_field="kind", kw_only=True):
     """A Hugging Face ``AutoModelForSequenceClassification`` (one output) scoring the
     chat-templated conversation (prompt messages + response), served by a reward-model
-    process of its own on ``placement.reward_model_devices``."""
+    process of its own on ``placement.reward_models``."""
 
     path: str
     """Reward-model directory (config.json, weights, tokenizer)."""
@@ -162,8 +162,9 @@ class BufferConfig(_Section):
 
 
 class GeneratorConfig(_Section):
-    count: PosInt = 1
-    """Number of generator processes (one vLLM engine each)."""
+    count: PosInt | None = None
+    """Number of generator processes (one vLLM engine each). Empty: one per group of
+    ``placement.generators``; a number that disagrees with those groups is an error."""
     group_size: Annotated[int, msgspec.Meta(ge=2)] = 8
     """Samples per prompt (the GRPO group)."""
     max_new_tokens: PosInt = 6
@@ -189,8 +190,6 @@ class GeneratorConfig(_Section):
 
 
 class LearnerConfig(_Section):
-    num_processes: Annotated[int, msgspec.Meta(ge=1, le=1)] = 1
-    """Learner ranks. Only 1 for now: the launcher does not start multi-rank jobs yet."""
     lr: PosFloat = 5e-4
     """AdamW learning rate."""
     weight_decay: Annotated[float, msgspec.Meta(ge=0)] = 0.0
@@ -200,7 +199,12 @@ class LearnerConfig(_Section):
     groups_per_step: PosInt = 8
     """Prompt groups per learner step (B in the admission rule of verl_async/staleness.py)."""
     prefetch: bool = True
-    """Fetch the next batch in a background thread while the current step trains."""
+    """Fetch the next batch in a background thread while the current step trains (pinned
+    host memory on CUDA); false: fetch each batch when the step needs it."""
+    max_tokens_per_microbatch: NonNegInt = 0
+    """Gradient accumulation by token budget: each minibatch runs in micro-batches of at
+    most this many padded tokens (rows x width), one optimizer step per minibatch; 0: one
+    pass per minibatch."""
     seed: int = 0
     """Torch seed of the learner."""
     warmup_steps: NonNegInt = 0
@@ -337,12 +341,17 @@ class WeightsConfig(_Section):
 
 
 class PlacementConfig(_Section):
-    generator_devices: list[str] = msgspec.field(default_factory=lambda: ["cpu:0"])
-    """Device of each generator: 'cpu', 'cpu:N' (pin to core N) or 'cuda:N'; reused round-robin."""
-    learner_devices: list[str] = msgspec.field(default_factory=lambda: ["cpu:1"])
-    """Device of each learner rank, same forms as generator_devices."""
-    reward_model_devices: list[str] = msgspec.field(default_factory=lambda: ["cpu"])
-    """Device of each ``model`` reward source's process, same forms; reused round-robin."""
+    """Which devices each process gets (interpreted in verl_async/placement.py). A device is
+    'cpu' (unpinned, may be shared), 'cpu:N' (pinned to core N) or 'cuda:N'; a pinned core
+    or a GPU may serve one generator or learner process only."""
+
+    generators: list[str | list[str]] = msgspec.field(default_factory=lambda: ["cpu:0"])
+    """One entry per generator engine: a device, or a list of devices that one engine
+    spans (CUDA: tensor parallelism over them; CPU cores: one engine bound to them)."""
+    learners: list[str] = msgspec.field(default_factory=lambda: ["cpu:1"])
+    """One learner rank per device; several ranks must be all CPU or all CUDA."""
+    reward_models: list[str] = msgspec.field(default_factory=lambda: ["cpu"])
+    """Device of each ``model`` reward source's process, reused round-robin."""
 
 
 class TrainerConfig(_Section):
@@ -464,18 +473,9 @@ def check_consistency(cfg: RunConfig) -> None:
         )
     if tiny.num_heads % tiny.num_kv_heads:
         raise ConfigError("bad value for 'model.tiny.num_kv_heads': must divide num_heads")
-    if not cfg.placement.generator_devices or not cfg.placement.learner_devices:
-        raise ConfigError("bad value for 'placement': device lists must not be empty")
-    for key, devices in (
-        ("placement.generator_devices", cfg.placement.generator_devices),
-        ("placement.learner_devices", cfg.placement.learner_devices),
-        ("placement.reward_model_devices", cfg.placement.reward_model_devices),
-    ):
-        for dev in devices:
-            if not re.fullmatch(r"cpu(:\d+)?|cuda:\d+", dev):
-                raise ConfigError(
-                    f"bad value for '{key}': '{dev}' is not 'cpu', 'cpu:N' or 'cuda:N'"
-                )
+    from verl_async import placement  # it imports this module
+
+    placement.validate(cfg)
     if cfg.trainer.prefill_steps > min(cfg.staleness.max + 1, cfg.trainer.total_steps):
         raise ConfigError(
             "bad value for 'trainer.prefill_steps': at most staleness.max + 1 and "

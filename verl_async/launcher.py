@@ -30,6 +30,7 @@ from pathlib import Path
 
 import msgspec
 
+from verl_async import placement
 from verl_async.checkpoint import MANIFEST, list_checkpoints, newest_valid
 from verl_async.config import (
     ConfigError,
@@ -40,7 +41,7 @@ from verl_async.config import (
     to_yaml,
 )
 from verl_async.metrics import complete_lines, read_metrics
-from verl_async.runtime import Endpoints, device_env, free_port, write_endpoints
+from verl_async.runtime import Endpoints, device_env, free_port, ranks_env, write_endpoints
 
 
 class RoleFailed(RuntimeError):
@@ -179,6 +180,7 @@ def prepare(cfg: RunConfig, run_dir: Path, resume_from: Path | None = None) -> E
     cfg = msgspec.structs.replace(cfg, data=resolve_data_paths(cfg.data))
     cfg = resolve_reward_models(cfg)
     cfg = resolve_learner_models(cfg)
+    cfg = placement.resolve_count(cfg)
     load_prompts(cfg.data.path)  # a missing column or an empty file stops the run here
     if cfg.data.val_path:
         load_prompts(cfg.data.val_path, "data.val_path")
@@ -210,21 +212,31 @@ def prepare(cfg: RunConfig, run_dir: Path, resume_from: Path | None = None) -> E
     return endpoints
 
 
+def role_argv(module: str, run_dir: Path, extra: list[str] = ()) -> list[str]:
+    """``python -m <module> --run-dir RUN_DIR *extra``: how every role is started."""
+    return [sys.executable, "-m", module, "--run-dir", str(run_dir), *extra]
+
+
 def spawn(
     name: str,
     module: str,
     run_dir: Path,
-    device: str | None,
+    env: dict[str, str] | None = None,
     extra: list[str] = (),
     restartable: bool = False,
+    argv: list[str] | None = None,
 ) -> Role:
+    """Start role ``name`` (``role_argv(module, ...)``, or ``argv`` when given) in a session
+    of its own, with ``env`` (placement: ``device_env``) added to the launcher's
+    environment and its output in ``logs/<name>.log``."""
     log_path = run_dir / "logs" / f"{name}.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(device_env(device) if device else {})}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    argv = argv or role_argv(module, run_dir, extra)
 
     def start() -> subprocess.Popen:
         with open(log_path, "ab") as log_file:
             return subprocess.Popen(
-                [sys.executable, "-m", module, "--run-dir", str(run_dir), *extra],
+                argv,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -235,33 +247,36 @@ def spawn(
     return Role(name, start(), log_path, start if restartable else None)
 
 
+def learner_launch(cfg: RunConfig, run_dir: Path) -> tuple[list[str], dict[str, str]]:
+    """Command and environment (added to the launcher's) of the learner role.
+
+    One learner device: ``python -m learners`` placed on it, as any role. L > 1 devices:
+    ``torch.distributed.run`` starts the L ranks on this node (rank r on the r-th device,
+    see ``runtime.ranks_env``) and stands in for them as one role: it exits 0 when every
+    rank did, and a rank that fails ends the job and so the run."""
+    devices = placement.learner_devices(cfg)
+    if len(devices) == 1:
+        return role_argv("learners", run_dir), device_env(devices[0])
+    argv = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+        "--nproc-per-node", str(len(devices)), "-m", "learners", "--run-dir", str(run_dir),
+    ]  # fmt: skip
+    return argv, ranks_env(devices)
+
+
 def start_roles(cfg: RunConfig, run_dir: Path) -> list[Role]:
-    roles = [spawn("buffer", "buffer", run_dir, None)]
+    """Buffer, reward models, learner, and one generator process per device group."""
+    roles = [spawn("buffer", "buffer", run_dir)]
     models = [s for s in cfg.rewards.sources if isinstance(s, ModelReward)]
-    rm_devices = cfg.placement.reward_model_devices
     for i, src in enumerate(models):
-        device = rm_devices[i % len(rm_devices)]
+        env = device_env(placement.reward_model_device(cfg, i))
+        name = f"reward_model_{src.name}"
+        roles.append(spawn(name, "reward_model", run_dir, env, ["--name", src.name], True))
+    argv, env = learner_launch(cfg, run_dir)
+    roles.append(spawn("learner", "learners", run_dir, env, argv=argv))
+    for i, group in enumerate(placement.generator_groups(cfg)):
         roles.append(
-            spawn(
-                f"reward_model_{src.name}",
-                "reward_model",
-                run_dir,
-                device,
-                ["--name", src.name],
-                True,
-            )
-        )
-    roles.append(spawn("learner", "learners", run_dir, cfg.placement.learner_devices[0]))
-    devices = cfg.placement.generator_devices
-    for i in range(cfg.generators.count):
-        roles.append(
-            spawn(
-                f"generator{i}",
-                "generators",
-                run_dir,
-                devices[i % len(devices)],
-                ["--index", str(i)],
-            )
+            spawn(f"generator{i}", "generators", run_dir, device_env(group), ["--index", str(i)])
         )
     return roles
 
@@ -359,6 +374,7 @@ def wait_for_exit(roles: list[Role], timeout_s: float) -> None:
 
 def train(cfg: RunConfig, run_dir_arg: str | None, console, resume: bool = False) -> Path:
     """Start (or with ``resume``, continue) the run in ``run_dir_arg``; return its directory."""
+    placement.check_devices_exist(cfg)  # before anything is written or started
     if run_dir_arg is not None and cfg.checkpoint.resume:
         resume = resume or resumable(Path(run_dir_arg).resolve())
     if resume:

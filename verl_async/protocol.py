@@ -243,7 +243,10 @@ class VersionStatus(_Msg):
 
 
 class Batch(_Msg):
-    """One rank's shard of a step: sample-major arrays, concatenated over tokens."""
+    """A whole step for one learner rank: sample-major arrays, concatenated over tokens.
+
+    Samples come rank by rank: the first ``shard_sizes[0]`` are rank 0's shard, and so on
+    (every rank receives the same message and trains on its own slice)."""
 
     step: int
     group_ids: list[int]
@@ -255,7 +258,7 @@ class Batch(_Msg):
     behav_logprobs: TensorRef  # [sum response_lengths] float32
     token_versions: TensorRef  # [sum response_lengths] int32
     scores: list[list[float]]  # [N][S] raw score of each reward source (NaN: not routed)
-    failed: list[int]  # [S] samples of this shard whose source failed (default score used)
+    failed: list[int]  # [S] samples of this step whose source failed (default score used)
     data_sources: list[str]  # data_source of each of group_ids
     dropped_stale: int
     buffer_size: int
@@ -265,6 +268,8 @@ class Batch(_Msg):
     gen_idle_s: float = 0.0  # the part of it with nothing in flight (engine idle)
     group_prompts: list[int] = []  # prompt index of each of group_ids (the audit trail)
     prompts_skipped: int = 0  # prompts left out of the data set (longer than max_prompt_length)
+    sample_index: list[int] = []  # [N] index of each sample within its group
+    shard_sizes: list[int] = []  # [world_size] samples of each rank's shard, in order
 
 
 class BufferState(_Msg):

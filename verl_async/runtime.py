@@ -19,6 +19,7 @@ from pathlib import Path
 import msgspec
 
 from verl_async.config import RunConfig, load_config
+from verl_async.placement import device_index, is_cuda
 
 
 class Endpoints(msgspec.Struct, frozen=True, kw_only=True):
@@ -91,29 +92,69 @@ def setup_logging(role: str) -> logging.Logger:
     return logging.getLogger(f"verl_async.{role}")
 
 
-def device_env(device: str) -> dict[str, str]:
-    """Environment that places a process on ``device`` ('cpu', 'cpu:N', 'cuda:N')."""
-    if device.startswith("cuda:"):
-        return {"CUDA_VISIBLE_DEVICES": device.split(":")[1]}
+RANK_DEVICES = "VERL_ASYNC_RANK_DEVICES"
+"""Set for a multi-rank job: comma list of each rank's device, rank order (LOCAL_RANK)."""
+
+
+def device_env(devices: str | list[str]) -> dict[str, str]:
+    """Environment that places a process on one device ('cpu', 'cpu:N', 'cuda:N') or on one
+    engine's group of them (all 'cuda:N': the GPUs it sees; all 'cpu:N': the cores it is
+    pinned to and vLLM binds its OpenMP threads to, e.g. VLLM_CPU_OMP_THREADS_BIND=0,1)."""
+    group = [devices] if isinstance(devices, str) else list(devices)
+    if is_cuda(group[0]):
+        return {"CUDA_VISIBLE_DEVICES": ",".join(str(device_index(d)) for d in group)}
     env = {"CUDA_VISIBLE_DEVICES": ""}
-    if device.startswith("cpu:"):
-        core = device.split(":")[1]
-        env["VERL_ASYNC_CPU_CORES"] = core
-        env["VLLM_CPU_OMP_THREADS_BIND"] = core
-        env["OMP_NUM_THREADS"] = "1"
+    cores = [str(device_index(d)) for d in group if device_index(d) is not None]
+    if cores:
+        env["VERL_ASYNC_CPU_CORES"] = ",".join(cores)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(cores)
+        env["OMP_NUM_THREADS"] = str(len(cores))
     return env
+
+
+def ranks_env(devices: list[str]) -> dict[str, str]:
+    """Environment of a multi-rank job (``torch.distributed.run`` sets each rank's
+    LOCAL_RANK) whose rank r runs on ``devices[r]``, all CUDA or all CPU.
+
+    CUDA: every rank sees the job's GPUs and rank r uses the r-th of them (cuda:r).
+    CPU: no GPU; each rank pins itself to its core at start-up (``apply_cpu_pinning``).
+    ``RANK_DEVICES`` lists the devices as the ranks see them (``rank_device``)."""
+    if is_cuda(devices[0]):
+        visible = ",".join(str(device_index(d)) for d in devices)
+        seen = ",".join(f"cuda:{r}" for r in range(len(devices)))
+        return {"CUDA_VISIBLE_DEVICES": visible, RANK_DEVICES: seen}
+    return {"CUDA_VISIBLE_DEVICES": "", RANK_DEVICES: ",".join(devices), "OMP_NUM_THREADS": "1"}
+
+
+def rank_device() -> str | None:
+    """This rank's device in a multi-rank job ('cpu', 'cpu:N' or 'cuda:r'); None outside one."""
+    devices, local_rank = os.environ.get(RANK_DEVICES), os.environ.get("LOCAL_RANK")
+    if not devices or local_rank is None:
+        return None
+    return devices.split(",")[int(local_rank)]
 
 
 _UNPINNED: set[int] | None = None  # the cores this process could use before pinning
 
 
 def apply_cpu_pinning() -> None:
-    """Pin this process to the cores the launcher chose (``cpu:N`` placement)."""
-    global _UNPINNED
+    """Pin this process to the cores the launcher chose: its ``cpu:N`` placement (or core
+    group), or, as a rank of a multi-rank job, the core of its own entry in RANK_DEVICES
+    (one thread then: the ranks' cores are theirs alone). 'cpu' and CUDA: not pinned."""
     cores = os.environ.get("VERL_ASYNC_CPU_CORES")
+    device = rank_device()
+    if device is not None:
+        index = device_index(device)
+        cores = str(index) if index is not None and not is_cuda(device) else None
     if cores is None:
         return
-    wanted = {int(c) for c in cores.split(",")}
+    _pin({int(c) for c in cores.split(",")})
+
+
+def _pin(wanted: set[int]) -> None:
+    """Restrict the process (its threads started from now on) to ``wanted``, remembering
+    the cores it had (``unpin_this_thread``); cores it may not use leave it unpinned."""
+    global _UNPINNED
     available = os.sched_getaffinity(0)
     if wanted <= available:
         _UNPINNED = available

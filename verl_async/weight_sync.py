@@ -120,13 +120,15 @@ def plan_buckets(specs: list[ParamSpec], bucket_bytes: int) -> list[Bucket]:
     return buckets
 
 
-def _broadcast(group: SyncGroup, buf: torch.Tensor) -> None:
+def broadcast_bucket(group: SyncGroup, buf: torch.Tensor) -> None:
+    """One packed bucket from rank 0 to every member (rank 0 sends ``buf``, others fill it)."""
     opts = BroadcastOptions()
     opts.rootRank = 0
     group.group.broadcast([buf], opts).wait()
 
 
-def _pack_bucket(bucket: Bucket, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+def pack_bucket(bucket: Bucket, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The bucket's tensors (by name, at least those of the bucket) copied into one uint8 buffer."""
     first = tensors[bucket.specs[0].name]
     buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=first.device)
     for spec, offset in zip(bucket.specs, bucket.offsets, strict=True):
@@ -139,26 +141,18 @@ def send_weights(
     group: SyncGroup, tensors: dict[str, torch.Tensor], specs: list[ParamSpec], bucket_bytes: int
 ) -> int:
     """Rank 0: broadcast ``tensors`` (full, unsharded) in the packed order of ``specs``,
-    one bucket at a time (memory: one bucket). See pack_weights for the overlapped form."""
+    one bucket at a time (memory: one bucket)."""
     sent = 0
     for bucket in plan_buckets(specs, bucket_bytes):
-        _broadcast(group, _pack_bucket(bucket, tensors))
+        broadcast_bucket(group, pack_bucket(bucket, tensors))
         sent += bucket.nbytes
     return sent
 
 
-def pack_weights(
-    tensors: dict[str, torch.Tensor], specs: list[ParamSpec], bucket_bytes: int
-) -> list[torch.Tensor]:
-    """A packed copy of ``tensors`` in bucket order: the training step may overwrite the
-    originals while the copy is broadcast in the background (costs one model of memory)."""
-    return [_pack_bucket(b, tensors) for b in plan_buckets(specs, bucket_bytes)]
-
-
 def broadcast_packed(group: SyncGroup, buffers: list[torch.Tensor]) -> int:
-    """Rank 0: broadcast buckets made by ``pack_weights``; returns bytes sent."""
+    """Rank 0: broadcast buckets made by ``pack_bucket``, in plan order; returns bytes sent."""
     for buf in buffers:
-        _broadcast(group, buf)
+        broadcast_bucket(group, buf)
     return sum(b.numel() for b in buffers)
 
 
@@ -171,7 +165,7 @@ def receive_weights(
     """
     for bucket in plan_buckets(specs, bucket_bytes):
         buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
-        _broadcast(group, buf)
+        broadcast_bucket(group, buf)
         out = []
         for spec, offset in zip(bucket.specs, bucket.offsets, strict=True):
             n = _nbytes(spec)

@@ -59,3 +59,90 @@ def test_update_on_cuda_from_pinned_batch(tmp_path):
     torch.optim.AdamW(model.parameters(), lr=1e-2).step()
     assert torch.isfinite(out.loss)
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+@pytest.fixture(scope="module")
+def process_group():
+    """A one-rank NCCL group: FSDP2 needs one, and the code under test is the multi-rank one."""
+    import torch.distributed as dist
+
+    from verl_async.runtime import free_port
+
+    dist.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    yield
+    dist.destroy_process_group()
+
+
+def _tiny(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path = build_tiny_model(tmp_path / "m", TinyModelConfig())
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def test_fsdp2_learner_step_in_bf16_keeps_fp32_parameters(tmp_path, process_group):
+    from learners.plan import plan_update
+    from learners.setup import fsdp2
+    from learners.update import policy_update
+    from verl_async.config import AlgoConfig
+
+    model = fsdp2(_tiny(tmp_path).cuda(), torch.bfloat16)
+    assert all(
+        type(p).__name__ == "DTensor" and p.dtype == torch.float32 for p in model.parameters()
+    )
+    body, frames = _batch_message()
+    batch = collate(body, frames, pad_id=0, pin=True).to(torch.device("cuda"))
+    before = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    plan = plan_update(
+        batch.loss_mask, batch.attention_mask, [2], 0, 1, max_tokens_per_microbatch=5
+    )
+    assert len(plan[0].micro) == 2  # one row per micro-batch: gradient accumulation
+
+    def clip():
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).full_tensor()
+
+    stats = policy_update(
+        model, opt, batch, torch.tensor([1.0, -1.0], device="cuda"), AlgoConfig(),
+        backward=torch.Tensor.backward, clip_grad=clip, plan=plan,
+    )  # fmt: skip
+    assert np.isfinite(stats.loss) and stats.grad_norm > 0
+    after = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_fsdp2_gather_gives_the_unsharded_tensors(tmp_path, process_group):
+    from learners.publish import gathered_buckets
+    from learners.setup import fsdp2
+    from verl_async.weight_sync import param_specs, plan_buckets
+
+    plain = _tiny(tmp_path).cuda()
+    expected = {k: v.detach().clone() for k, v in plain.state_dict().items()}
+    state = fsdp2(plain, torch.float32).state_dict()
+    buckets = plan_buckets(param_specs(state.items()), 1 << 16)  # several buckets
+    assert len(buckets) > 1
+    gathered = {k: v for _, part in gathered_buckets(state, buckets) for k, v in part.items()}
+    assert gathered.keys() == expected.keys()
+    for name, tensor in gathered.items():
+        assert not hasattr(tensor, "full_tensor")
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0)
+
+
+def test_pinned_batch_is_copied_on_a_side_stream():
+    from learners.batching import copy_to_device, wait_for_copy
+
+    body, frames = _batch_message()
+    batch = collate(body, frames, pad_id=0, pin=True)
+    assert all(t.is_pinned() for t in (batch.input_ids, batch.loss_mask, batch.behav_logprobs))
+    side = torch.cuda.Stream()
+    moved, copied = copy_to_device(batch, torch.device("cuda"), side)
+    assert copied is not None
+    moved = wait_for_copy(moved, copied)
+    torch.cuda.current_stream().synchronize()
+    assert copied.query()
+    for name in ("input_ids", "attention_mask", "loss_mask", "behav_logprobs", "token_versions"):
+        got = getattr(moved, name)
+        assert got.is_cuda
+        torch.testing.assert_close(got.cpu(), getattr(batch, name), rtol=0, atol=0)

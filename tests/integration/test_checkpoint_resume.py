@@ -152,6 +152,14 @@ def _settle(run_dir: Path) -> None:
 CRITIC_AND_REFERENCE = ["algo.adv_estimator=gae", "critic.lr=1e-3", "algo.kl.loss_coef=0.01"]
 
 
+# Two learner ranks (FSDP2 over gloo) and two generators, all on unpinned cores; the
+# third launch resumes on one learner rank and the last on two again, so checkpoints
+# written by either shape are read by the other.
+TWO_GENERATORS = ["placement.generators=[cpu, cpu]"]
+TWO_LEARNERS = ["placement.learners=[cpu, cpu]"]
+ONE_LEARNER = ["placement.learners=[cpu]"]
+
+
 @pytest.fixture(scope="module")
 def crashed_and_resumed(tmp_path_factory) -> Path:
     return _crash_and_resume(tmp_path_factory.mktemp("crash"), [])
@@ -162,13 +170,31 @@ def crashed_and_resumed_with_critic(tmp_path_factory) -> Path:
     return _crash_and_resume(tmp_path_factory.mktemp("crash_critic"), CRITIC_AND_REFERENCE)
 
 
-def _crash_and_resume(tmp: Path, extra: list[str]) -> Path:
+@pytest.fixture(scope="module")
+def crashed_and_resumed_scaled_out(tmp_path_factory) -> Path:
+    shapes = [TWO_LEARNERS, TWO_LEARNERS, ONE_LEARNER, TWO_LEARNERS]
+    return _crash_and_resume(tmp_path_factory.mktemp("crash_dp"), TWO_GENERATORS, shapes)
+
+
+def _crash_and_resume(tmp: Path, extra: list[str], shapes: list[list[str]] | None = None) -> Path:
+    """``shapes``: further overrides of each of the four launches (placement changes)."""
     data = tmp / "prompts.jsonl"
     lines = (ROOT / "configs/data/max_digit.jsonl").read_text().splitlines()[: B * STEPS]
     data.write_text("\n".join(lines) + "\n")
     run_dir = tmp / "run"
-    train = ["train", "configs/tiny.yaml", *_overrides(data), *extra]
-    resume = ["train", "configs/tiny.yaml", "--resume", str(run_dir), *_overrides(data), *extra]
+    shapes = iter(shapes or [[]] * 4)
+    train = ["train", "configs/tiny.yaml", *_overrides(data), *extra, *next(shapes)]
+
+    def resume() -> list[str]:
+        return [
+            "train",
+            "configs/tiny.yaml",
+            "--resume",
+            str(run_dir),
+            *_overrides(data),
+            *extra,
+            *next(shapes),
+        ]
 
     # 1. Between checkpoints: step 6 committed, steps 7..8 trained, step 9 not reached.
     proc = _launch([*train, "--run-dir", str(run_dir)])
@@ -176,7 +202,7 @@ def _crash_and_resume(tmp: Path, extra: list[str]) -> Path:
     _settle(run_dir)
 
     # 2. During a checkpoint write: step_00000009 exists, its manifest does not.
-    proc = _launch(resume, {"VERL_ASYNC_FAULT_CKPT_WRITE_DELAY_S": "4"})
+    proc = _launch(resume(), {"VERL_ASYNC_FAULT_CKPT_WRITE_DELAY_S": "4"})
     ckpt9 = run_dir / "checkpoints" / "step_00000009"
     _kill_when(
         proc,
@@ -188,7 +214,7 @@ def _crash_and_resume(tmp: Path, extra: list[str]) -> Path:
     assert not (ckpt9 / MANIFEST).exists()
 
     # 3. Right after a weight sync that no checkpoint holds (a version past step 9's).
-    proc = _launch(resume)
+    proc = _launch(resume())
     seen = len(_loaded_versions(run_dir))
     _kill_when(
         proc,
@@ -205,7 +231,7 @@ def _crash_and_resume(tmp: Path, extra: list[str]) -> Path:
     model.write_bytes(model.read_bytes()[:100])
     check = run_cli(["ckpt", "verify", str(run_dir), "--step", str(newest)], timeout=60)
     assert check.returncode == 1 and "model.safetensors" in check.stdout, check.stdout
-    final = run_cli(resume, timeout=400)
+    final = run_cli(resume(), timeout=400)
     assert final.returncode == 0, final.stderr[-3000:]
     assert f"step_{newest:08d} fails verification" in final.stderr
     assert "falling back" in final.stderr
@@ -226,6 +252,18 @@ def test_exactly_once_holds_with_a_critic_and_a_reference(crashed_and_resumed_wi
             assert (ckpt / "learner" / "critic_state.safetensors").is_file()
     rows = _rows(run_dir / "metrics.jsonl")
     assert all("critic/vf_loss" in r and "actor/kl_loss" in r for r in rows)
+
+
+def test_exactly_once_holds_with_two_learner_ranks_and_two_generators(
+    crashed_and_resumed_scaled_out,
+):
+    run_dir = crashed_and_resumed_scaled_out
+    _audit_exactly_once(run_dir)
+    log = (run_dir / "logs" / "learner.log").read_text()
+    # Launches 1, 2 and 4 sharded the model over two ranks; launch 3 ran one rank.
+    assert log.count("FSDP2 over 2 ranks (gloo)") == 3
+    for i in (0, 1):
+        assert "loaded version" in (run_dir / "logs" / f"generator{i}.log").read_text()
 
 
 def _audit_exactly_once(run_dir: Path) -> None:

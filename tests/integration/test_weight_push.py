@@ -1,4 +1,4 @@
-"""A learner-side broadcast reaches a running vLLM engine: its logprobs follow the new weights."""
+"""A learner-side broadcast reaches running vLLM engines: their logprobs follow the new weights."""
 
 import asyncio
 import threading
@@ -25,21 +25,29 @@ async def vllm_logprobs(engine: Engine, ids):
     return torch.tensor(await engine.prompt_logprobs(ids))
 
 
-async def scenario(tiny_model, port):
+async def scenario(tiny_model, port, count: int):
+    """``count`` engines (weight-sync ranks 1..count) and the learner (rank 0) in this process."""
     from transformers import AutoModelForCausalLM
 
     cfg = load_config(ROOT / "configs/tiny.yaml", ["weights.bucket_mb=1"])
     learner = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    engine = Engine(start_engine(cfg, str(tiny_model), seed=0), cfg)
+    engines = [Engine(start_engine(cfg, str(tiny_model), seed=i), cfg) for i in range(count)]
     try:
         holder = {}
         joiner = threading.Thread(
-            target=lambda: holder.setdefault("g", join_group("127.0.0.1", port, 0, 2, "gloo", 60))
+            target=lambda: holder.setdefault(
+                "g", join_group("127.0.0.1", port, 0, 1 + count, "gloo", 60)
+            )
         )
         joiner.start()
-        await engine.join_weight_sync("127.0.0.1", port, 2, 1, "gloo")
+        await asyncio.gather(
+            *(
+                e.join_weight_sync("127.0.0.1", port, 1 + count, 1 + i, "gloo")
+                for i, e in enumerate(engines)
+            )
+        )
         joiner.join(60)
-        before = await vllm_logprobs(engine, SEQUENCE)
+        before = [await vllm_logprobs(e, SEQUENCE) for e in engines]
         old = hf_logprobs(learner, SEQUENCE)
 
         # One real optimizer step of the learner on the fixed sequence.
@@ -55,20 +63,23 @@ async def scenario(tiny_model, port):
         update = P.WeightUpdate(version=1, params=specs, bucket_bytes=1 << 20)
         sender = threading.Thread(target=send_weights, args=(holder["g"], tensors, specs, 1 << 20))
         sender.start()
-        await engine.apply_update(update)
+        await asyncio.gather(
+            *(e.apply_update(update) for e in engines)
+        )  # one broadcast, both receive
         sender.join(60)
-        after = await vllm_logprobs(engine, SEQUENCE)
-        return old, before, new, after, engine.loaded_version
+        after = [await vllm_logprobs(e, SEQUENCE) for e in engines]
+        return old, before, new, after, [e.loaded_version for e in engines]
     finally:
-        engine.shutdown()
+        for e in engines:
+            e.shutdown()
 
 
-def test_push_changes_generator_logprobs_to_the_learners(tiny_model, free_port):
-    old, before, new, after, version = asyncio.run(scenario(tiny_model, free_port()))
-    assert version == 1
-    torch.testing.assert_close(before, old, atol=1e-4, rtol=0)  # same weights to start
+def test_one_push_changes_both_generators_logprobs_to_the_learners(tiny_model, free_port):
+    old, before, new, after, versions = asyncio.run(scenario(tiny_model, free_port(), count=2))
+    assert versions == [1, 1]
     assert (new - old).abs().max() > 0.05  # the optimizer step really moved the logprobs
-    torch.testing.assert_close(
-        after, new, atol=1e-4, rtol=0
-    )  # float32: bf16 tolerance is far looser
-    assert (after - old).abs().max() > 0.05  # and the engine no longer samples the old policy
+    for b, a in zip(before, after, strict=True):
+        torch.testing.assert_close(b, old, atol=1e-4, rtol=0)  # same weights to start
+        # float32: bf16 tolerance is far looser
+        torch.testing.assert_close(a, new, atol=1e-4, rtol=0)
+        assert (a - old).abs().max() > 0.05  # and the engine no longer samples the old policy

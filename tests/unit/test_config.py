@@ -7,17 +7,18 @@ def test_tiny_config_loads(repo_root):
     cfg = load_config(repo_root / "configs/tiny.yaml")
     assert cfg.name == "tiny"
     assert cfg.staleness.max == 2
-    assert cfg.generators.count == 1
+    assert cfg.generators.count is None  # one generator per placement.generators entry
+    assert cfg.placement.generators == ["cpu:0"]
 
 
 def test_overrides_apply_with_yaml_values(repo_root):
     cfg = load_config(
         repo_root / "configs/tiny.yaml",
-        ["staleness.max=0", "learner.lr=1e-4", "placement.learner_devices=[cpu]"],
+        ["staleness.max=0", "learner.lr=1e-4", "placement.learners=[cpu]"],
     )
     assert cfg.staleness.max == 0
     assert cfg.learner.lr == pytest.approx(1e-4)
-    assert cfg.placement.learner_devices == ["cpu"]
+    assert cfg.placement.learners == ["cpu"]
 
 
 @pytest.mark.parametrize(
@@ -28,7 +29,15 @@ def test_overrides_apply_with_yaml_values(repo_root):
         ("learner.lr=abc", "'learner.lr'"),
         ("staleness.max=-1", "'staleness.max'"),
         ("algo.correction=magic", "'algo.correction'"),
-        ("placement.generator_devices=[gpu7]", "'placement.generator_devices'"),
+        ("placement.generators=[gpu7]", "'placement.generators.0'"),
+        ("placement.generator_devices=[cpu:0]", "unknown config key 'placement.generator_devices'"),
+        ("placement.learner_devices=[cpu:1]", "unknown config key 'placement.learner_devices'"),
+        (
+            "placement.reward_model_devices=[cpu]",
+            "unknown config key 'placement.reward_model_devices'",
+        ),
+        ("learner.num_processes=1", "unknown config key 'learner.num_processes'"),
+        ("generators.count=2", "'generators.count'"),
         ("model.tiny.num_heads=8", "'model.tiny.num_heads'"),
         ("buffer.host=0.0.0.0", "'buffer.host'"),
         ("no_equals_sign", "dotted.key=value"),

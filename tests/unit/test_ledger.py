@@ -1,5 +1,7 @@
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from buffer.ledger import (
     AdmissionClock,
@@ -8,7 +10,7 @@ from buffer.ledger import (
     StoredGroup,
     TokenRate,
     filter_stale,
-    shard_groups,
+    shard_samples,
 )
 from verl_async.data import PromptRecord
 from verl_async.staleness import Admission
@@ -75,12 +77,36 @@ def test_filter_stale_drops_and_counts():
     assert [int(v.min()) for v in kept[0].token_versions] == [3, 2]
 
 
-def test_shards_balance_tokens_and_keep_groups_whole():
-    groups = [_stored(k, [0] * 2, n_tokens=t) for k, t in enumerate([10, 9, 8, 2, 2, 1])]
-    shards = shard_groups(groups, 2)
-    loads = [sum(g.num_tokens for g in s) for s in shards]
-    assert sorted(g.group_id for s in shards for g in s) == list(range(6))
-    assert abs(loads[0] - loads[1]) <= 2 * (1 + 2)  # within one smallest group
+def _group_of_lengths(k, lengths):
+    g = _stored(k, [0] * len(lengths))
+    g.responses = [np.zeros(n, np.int32) for n in lengths]
+    return g
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(1, 300), min_size=1, max_size=8), min_size=1, max_size=12),
+    st.integers(1, 4),
+)
+def test_shards_cover_every_sample_once_and_differ_by_at_most_one_sample(lengths, world):
+    groups = [_group_of_lengths(k, ls) for k, ls in enumerate(lengths)]
+    shards = shard_samples(groups, world)
+    assert len(shards) == world
+    every = sorted(key for shard in shards for key in shard)
+    assert every == [(gi, i) for gi, ls in enumerate(lengths) for i in range(len(ls))]
+    size = lambda gi, i: len(groups[gi].prompt_ids) + lengths[gi][i]  # noqa: E731
+    loads = [sum(size(*key) for key in shard) for shard in shards]
+    longest = max(size(*key) for key in every)
+    assert max(loads) - min(loads) <= longest
+    if len(every) >= world:  # nobody idles while another rank has two samples
+        assert all(shard for shard in shards)
+
+
+def test_shards_split_a_group_when_that_balances_tokens():
+    groups = [_group_of_lengths(0, [10, 10]), _group_of_lengths(1, [1, 1])]
+    shards = shard_samples(groups, 2)
+    # Whole groups would give loads 24 and 6; samples give 15 each.
+    assert shards == [[(0, 0), (1, 0)], [(0, 1), (1, 1)]]
 
 
 def test_token_rate_window():

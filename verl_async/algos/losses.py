@@ -141,13 +141,16 @@ def policy_loss(
     clip_ratio_c: float | None = None,
     loss_agg_mode: str = "token-mean",
     loss_scale_factor: float | None = None,
+    batch_num_tokens: float | None = None,
+    global_batch_size: float | None = None,
 ) -> LossOutput:
     """PPO-clip loss; every tensor is [N, T] (advantages may be [N, 1]), mask is 0/1.
 
     The ratio is clipped to [1 - clip_eps, 1 + clip_eps_high] (clip_eps_high defaults to
     clip_eps; a larger one is DAPO's clip-higher). ``clip_ratio_c`` (> 1) turns on verl's
     dual-clip for negative advantages; None leaves it off. The weighted per-token loss is
-    aggregated by ``agg_loss(..., loss_agg_mode, loss_scale_factor=...)``.
+    aggregated by ``agg_loss`` with ``loss_agg_mode`` and the optional denominators
+    (``loss_scale_factor``, ``batch_num_tokens``, ``global_batch_size``: see agg_loss).
     """
     if clip_ratio_c is not None and clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1 for dual-clip PPO, got {clip_ratio_c}")
@@ -164,7 +167,11 @@ def policy_loss(
         pg_dual = -advantages * clip_ratio_c
         lower_active = negative & (pg > pg_dual)
         pg = torch.where(negative, torch.minimum(pg, pg_dual), pg)
-    loss = agg_loss(weight * pg, mask, loss_agg_mode, loss_scale_factor=loss_scale_factor)
+    loss = agg_loss(
+        weight * pg, mask, loss_agg_mode,
+        batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size,
+        loss_scale_factor=loss_scale_factor,
+    )  # fmt: skip
     with torch.no_grad():
         n_tokens = mask.sum().clamp(min=1)
         clipfrac = masked_mean((pg_clipped > pg_unclipped).to(logp.dtype), mask)
@@ -190,16 +197,23 @@ def value_loss(
     cliprange_value: float,
     loss_agg_mode: str = "token-mean",
     loss_scale_factor: float | None = None,
+    batch_num_tokens: float | None = None,
+    global_batch_size: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """verl's clipped value loss: values (being optimised), old_values (from rollout time),
-    returns, mask [N, T] -> (vf_loss scalar, vf_clipfrac scalar)."""
+    returns, mask [N, T] -> (vf_loss scalar, vf_clipfrac scalar). The denominators are
+    agg_loss's."""
     clipped = torch.maximum(
         torch.minimum(values, old_values + cliprange_value), old_values - cliprange_value
     )
     err = (values - returns) ** 2
     err_clipped = (clipped - returns) ** 2
     worst = torch.maximum(err, err_clipped)
-    vf_loss = 0.5 * agg_loss(worst, mask, loss_agg_mode, loss_scale_factor=loss_scale_factor)
+    vf_loss = 0.5 * agg_loss(
+        worst, mask, loss_agg_mode,
+        batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size,
+        loss_scale_factor=loss_scale_factor,
+    )  # fmt: skip
     with torch.no_grad():
         vf_clipfrac = masked_mean((err_clipped > err).to(values.dtype), mask)
     return vf_loss, vf_clipfrac

@@ -1,0 +1,120 @@
+"""Data parallelism over the learner ranks: who trains which rows, and the few collectives
+that keep the ranks computing what one rank would.
+
+The buffer sends every rank the whole step (``TrainBatch``), its rows ordered rank by
+rank (``shard_sizes``). Each rank
+
+- runs the models on its own rows only (``local``: the rows, trimmed to their width);
+- gathers what those passes produced (reference log-probs, pi_prox for a KL in the
+  reward, the critic's values) back to the step's shape (``gather_rows``), so rewards,
+  advantages (group baselines, batch whitening) and the KL controller are computed over
+  the whole step, identically on every rank;
+- trains on its rows with the denominators of learners/plan.py;
+- averages its update statistics with the others (``mean_stats``) for rank 0's metrics.
+
+With one rank every method is the identity and no process group is touched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import torch
+
+from learners.batching import TrainBatch
+from learners.plan import shard_bounds
+
+# Per-row fields of a TrainBatch, and which of them are [N, T] / [N, T-1] (width-trimmed).
+_ROW_TENSORS = ("input_ids", "attention_mask", "loss_mask", "behav_logprobs", "token_versions")
+
+
+class DataParallel:
+    def __init__(self, rank: int = 0, world: int = 1) -> None:
+        self.rank = rank
+        self.world = world
+
+    @classmethod
+    def from_environment(cls) -> DataParallel:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size())
+        return cls()
+
+    def bounds(self, batch: TrainBatch) -> tuple[int, int]:
+        sizes = batch.shard_sizes or [len(batch.input_ids)]
+        if len(sizes) != self.world:
+            raise ValueError(
+                f"step {batch.step} was cut for {len(sizes)} ranks, this job has {self.world}"
+            )
+        return shard_bounds(sizes, self.rank)
+
+    def local(self, batch: TrainBatch) -> TrainBatch:
+        """This rank's rows of the step, trimmed to the longest of them."""
+        if self.world == 1:
+            return batch
+        start, stop = self.bounds(batch)
+        width = max(int(batch.attention_mask[start:stop].sum(dim=1).max()), 2)
+        out = {f.name: getattr(batch, f.name) for f in fields(batch)}
+        for name in _ROW_TENSORS:
+            t = out[name][start:stop]
+            out[name] = (
+                t[:, :width] if name in ("input_ids", "attention_mask") else t[:, : width - 1]
+            )
+        out["group_index"] = batch.group_index[start:stop]
+        out["response_lengths"] = batch.response_lengths[start:stop]
+        out["shard_sizes"] = [stop - start]
+        return TrainBatch(**out)
+
+    def local_part(self, full: torch.Tensor, batch: TrainBatch, local: TrainBatch) -> torch.Tensor:
+        """This rank's rows of a step-shaped [N, T-1] tensor, at the local width."""
+        if self.world == 1:
+            return full
+        start, stop = self.bounds(batch)
+        return full[start:stop, : local.loss_mask.shape[1]]
+
+    def gather_rows(self, part: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
+        """Every rank's [n_r, t_r] rows -> the step's [N, T-1], zero-padded (a collective)."""
+        if self.world == 1:
+            return part
+        import torch.distributed as dist
+
+        sizes = batch.shard_sizes
+        width = batch.loss_mask.shape[1]
+        padded = part.new_zeros((max(sizes), width))
+        padded[: part.shape[0], : part.shape[1]] = part
+        pieces = [torch.empty_like(padded) for _ in range(self.world)]
+        dist.all_gather(pieces, padded.contiguous())
+        return torch.cat([p[:n] for p, n in zip(pieces, sizes, strict=True)])
+
+    def mean_stats(self, stats, weight: float, sums: tuple[str, ...] = ()):
+        """A dataclass of floats combined over ranks (for rank 0's metrics line).
+
+        Means over a rank's tokens are averaged weighted by ``weight`` (its response
+        tokens); fields in ``sums`` are already each rank's share of a step-wide mean (the
+        losses, by the denominators of learners/plan.py), so the step's value is their
+        plain mean; fields named ``*_max`` take the maximum. None fields stay None."""
+        if self.world == 1:
+            return stats
+        import torch.distributed as dist
+
+        names = [f.name for f in fields(stats) if getattr(stats, f.name) is not None]
+        values = torch.tensor([float(getattr(stats, n)) for n in names], dtype=torch.float64)
+        is_max = torch.tensor([n.endswith("_max") for n in names])
+        is_sum = torch.tensor([n in sums for n in names])
+        weights = torch.where(is_sum, 1.0, weight)
+        summed = torch.cat([torch.where(is_max, 0.0, values * weights), weights])
+        dist.all_reduce(summed)
+        peak = torch.where(is_max, values, torch.full_like(values, -float("inf")))
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        n = len(names)
+        means = summed[:n] / summed[n:].clamp(min=1e-12)
+        for name, value in zip(names, torch.where(is_max, peak, means).tolist(), strict=True):
+            setattr(stats, name, value)
+        return stats
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()

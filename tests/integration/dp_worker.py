@@ -1,0 +1,206 @@
+"""One rank of the data-parallel check (run by test_data_parallel.py under torchrun).
+
+Every rank builds the same tiny Llama and the same step batch (rows of varied lengths,
+cut over the ranks by the buffer's ``shard_samples``). Each case then makes one SGD step
+(lr 1, no momentum, no clipping: the weight change is minus the gradient) twice:
+
+- one rank's way: a plain copy of the model on the whole batch, in this process;
+- the job's way: the FSDP2-sharded model (learners/setup.py's ``fsdp2``), each rank on its
+  own rows with the denominators of learners/plan.py.
+
+Rank 0 writes, per case, the largest difference between the two weight changes (and the
+gradient norms) to the JSON file named on the command line. It also checks that
+``gather_rows`` gives back what one pass over the whole batch gives.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+
+import msgspec
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from buffer.ledger import StoredGroup, shard_samples
+from learners.batching import collate
+from learners.distributed import DataParallel
+from learners.plan import Minibatch, plan_update
+from learners.setup import fsdp2
+from learners.update import logits_of, policy_update
+from verl_async import protocol as P
+from verl_async.algos import token_logprobs
+from verl_async.config import AlgoConfig
+
+CASES = {
+    "token-mean": {},
+    "seq-mean-token-mean": {"loss_agg_mode": "seq-mean-token-mean"},
+    "seq-mean-token-sum-norm": {
+        "loss_agg_mode": "seq-mean-token-sum-norm",
+        "loss_scale_factor": 6.0,
+    },
+    "micro-batches": {"micro": 24},  # budget of 24 padded tokens: several passes per rank
+    "two-minibatches": {"minibatches": 2},
+}
+
+
+def step_batch(world: int):
+    """Three groups of four samples, responses 1..6 tokens; rows ordered rank by rank."""
+    rng = np.random.default_rng(0)
+    groups = []
+    for g in range(3):
+        lengths = rng.integers(1, 7, 4)
+        groups.append(
+            StoredGroup(
+                g, g, 0, rng.integers(3, 14, 4 + g, dtype=np.int32),
+                [rng.integers(3, 14, n, dtype=np.int32) for n in lengths],
+                [rng.uniform(-3, -1, n).astype(np.float32) for n in lengths],
+                [np.zeros(n, np.int32) for n in lengths],
+                [[float(rng.integers(0, 2))] for _ in lengths], [0], "default",
+            )
+        )  # fmt: skip
+    shards = shard_samples(groups, world)
+    samples = [(groups[gi], i) for shard in shards for gi, i in shard]
+    frames = P.Frames()
+    cat = lambda xs, dt: np.concatenate(xs).astype(dt)  # noqa: E731
+    body = P.Batch(
+        step=0, group_ids=[g.group_id for g in groups], sample_group=[g.group_id for g, _ in samples],
+        sample_index=[i for _, i in samples], shard_sizes=[len(s) for s in shards],
+        prompt_lengths=[len(g.prompt_ids) for g, _ in samples],
+        response_lengths=[len(g.responses[i]) for g, i in samples],
+        prompt_ids=frames.add(cat([g.prompt_ids for g, _ in samples], np.int32)),
+        response_ids=frames.add(cat([g.responses[i] for g, i in samples], np.int32)),
+        behav_logprobs=frames.add(cat([g.behav_logprobs[i] for g, i in samples], np.float32)),
+        token_versions=frames.add(cat([g.token_versions[i] for g, i in samples], np.int32)),
+        scores=[g.scores[i] for g, i in samples], failed=[0], data_sources=["default"] * 3,
+        dropped_stale=0, buffer_size=0, gen_tokens_per_s=0.0, wait_s=0.0,
+    )  # fmt: skip
+    return collate(body, [bytes(b) for b in frames.buffers], pad_id=0)
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=16, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def full_params(model) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        out[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+    return out
+
+
+def sgd_step(model, batch, adv, algo, plan, sharded: bool):
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+
+    def clip():
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    before = full_params(model)
+    stats = policy_update(
+        model, opt, batch, adv, algo, backward=lambda loss: loss.backward(), clip_grad=clip,
+        plan=plan,
+    )  # fmt: skip
+    after = full_params(model)
+    return {k: after[k] - before[k] for k in before}, stats
+
+
+def one_rank_plan(batch, algo, spec) -> list:
+    """The same global minibatches on one rank: minibatch k is every rank's chunk k."""
+    world = len(batch.shard_sizes)
+    plans = [
+        plan_update(batch.loss_mask, batch.attention_mask, batch.shard_sizes, r, algo.minibatches)
+        for r in range(world)
+    ]
+    merged = []
+    for k in range(algo.minibatches):
+        rows = [
+            DataParallel(r, world).bounds(batch)[0] + torch.cat(plans[r][k].micro)
+            for r in range(world)
+        ]
+        mb = plans[0][k]
+        merged.append(Minibatch([torch.cat(rows)], mb.tokens * world, mb.seqs * world, 1))
+    return merged
+
+
+def run_case(name: str, spec: dict, base, batch, dp: DataParallel) -> dict:
+    algo = msgspec.structs.replace(
+        AlgoConfig(), minibatches=spec.get("minibatches", 1),
+        loss_agg_mode=spec.get("loss_agg_mode", "token-mean"),
+        loss_scale_factor=spec.get("loss_scale_factor"),
+    )  # fmt: skip
+    rewards = torch.tensor([s[0] for s in batch.scores])
+    adv = (rewards - rewards.mean())[:, None] * batch.loss_mask  # per token, step-wide
+    one = copy.deepcopy(base)
+    delta_one, stats_one = sgd_step(
+        one, batch, adv, algo, one_rank_plan(batch, algo, spec), sharded=False
+    )
+
+    sharded = fsdp2(copy.deepcopy(base), torch.float32)
+    local = dp.local(batch)
+    plan = plan_update(
+        batch.loss_mask, batch.attention_mask, batch.shard_sizes, dp.rank, algo.minibatches,
+        spec.get("micro", 0),
+    )  # fmt: skip
+    delta_dp, stats_dp = sgd_step(
+        sharded, local, dp.local_part(adv, batch, local), algo, plan, sharded=True
+    )
+    diff = max(float((delta_dp[k] - delta_one[k]).abs().max()) for k in delta_one)
+    scale = max(float(d.abs().max()) for d in delta_one.values())
+    return {
+        "max_abs_diff": diff,
+        "max_abs_delta": scale,
+        "grad_norm_one": stats_one.grad_norm,
+        "grad_norm_dp": stats_dp.grad_norm,
+        "micro_passes": [len(mb.micro) for mb in plan],
+    }
+
+
+def check_gather(base, batch, dp: DataParallel) -> float:
+    """gather_rows of each rank's log-probs == one pass over the whole step."""
+    with torch.no_grad():
+        whole = token_logprobs(
+            logits_of(base, batch.input_ids, batch.attention_mask), batch.input_ids[:, 1:]
+        )
+        local = dp.local(batch)
+        mine = token_logprobs(
+            logits_of(base, local.input_ids, local.attention_mask), local.input_ids[:, 1:]
+        )
+    gathered = dp.gather_rows(mine, batch)
+    return float(((gathered - whole) * batch.loss_mask).abs().max())
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    dp = DataParallel.from_environment()
+    batch = step_batch(dp.world)
+    base = tiny_llama()
+    report = {
+        "world": dp.world,
+        "shard_sizes": batch.shard_sizes,
+        "shard_tokens": [
+            int(batch.attention_mask[a:b].sum())
+            for a, b in (dp.__class__(r, dp.world).bounds(batch) for r in range(dp.world))
+        ],
+        "longest_row": int(batch.attention_mask.sum(dim=1).max()),
+        "gather_max_abs_diff": check_gather(base, batch, dp),
+        "cases": {name: run_case(name, spec, base, batch, dp) for name, spec in CASES.items()},
+    }
+    if dp.rank == 0:
+        with open(sys.argv[1], "w") as f:
+            json.dump(report, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Two FSDP2 learner ranks (gloo on CPU, real torch.distributed processes) compute the
+gradient one rank computes on the same step batch (tests/integration/dp_worker.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dp") / "report.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        str(ROOT / "tests" / "integration" / "dp_worker.py"), str(out),
+    ]  # fmt: skip
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "token-mean",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum-norm",
+        "micro-batches",
+        "two-minibatches",
+    ],
+)
+def test_two_ranks_take_the_one_rank_step(report, case):
+    r = report["cases"][case]
+    assert r["max_abs_delta"] > 1e-3  # the step moved the weights
+    assert r["max_abs_diff"] <= 1e-6 + 1e-5 * r["max_abs_delta"], r
+    assert r["grad_norm_dp"] == pytest.approx(r["grad_norm_one"], rel=1e-5)
+    if case == "micro-batches":
+        assert r["micro_passes"] == [3]  # 6 rows of width 12 in budgets of 24 tokens
+
+
+def test_gathered_rows_equal_one_pass_over_the_step(report):
+    assert report["gather_max_abs_diff"] <= 1e-6
+
+
+def test_shards_balance_tokens_within_one_sequence(report):
+    assert report["world"] == 2 and sum(report["shard_sizes"]) == 12
+    tokens = report["shard_tokens"]
+    assert max(tokens) - min(tokens) <= report["longest_row"]

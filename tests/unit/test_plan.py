@@ -1,0 +1,57 @@
+"""learners/plan.py: minibatches, micro-batches and denominators over data-parallel ranks."""
+
+import torch
+
+from learners.plan import micro_rows, plan_update, shard_bounds
+
+
+def _masks(lengths: list[int], width: int = 10):
+    """Rows with ``n`` response tokens each (loss mask [N, width-1], attention [N, width])."""
+    loss = torch.zeros(len(lengths), width - 1)
+    attn = torch.zeros(len(lengths), width, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        loss[i, 2 : 2 + n] = 1
+        attn[i, : 3 + n] = 1
+    return loss, attn
+
+
+def test_shard_bounds_are_rank_major():
+    assert [shard_bounds([3, 1, 2], r) for r in range(3)] == [(0, 3), (3, 4), (4, 6)]
+
+
+def test_denominators_are_the_global_minibatch_split_over_ranks():
+    loss, attn = _masks([1, 2, 3, 4, 0, 6])  # row 4 has no response token
+    sizes = [4, 2]
+    plans = [plan_update(loss, attn, sizes, r, minibatches=2) for r in range(2)]
+    # Minibatch 0 = rows {0, 1} of rank 0 and {4} of rank 1; minibatch 1 = {2, 3} and {5}.
+    assert [m.micro[0].tolist() for m in plans[0]] == [[0, 1], [2, 3]]
+    assert [m.micro[0].tolist() for m in plans[1]] == [[0], [1]]
+    for plan in plans:
+        assert [m.tokens for m in plan] == [(1 + 2 + 0) / 2, (3 + 4 + 6) / 2]
+        assert [m.seqs for m in plan] == [2 / 2, 3 / 2]
+    kwargs = plans[0][0].agg_kwargs(loss_scale_factor=8.0)
+    assert kwargs == {"batch_num_tokens": 1.5, "global_batch_size": 1.0, "loss_scale_factor": 4.0}
+
+
+def test_every_rank_runs_as_many_passes_as_the_busiest_one():
+    loss, attn = _masks([5, 5, 5, 5, 5, 1])
+    # Rank 0: 5 rows of width 8 (40 tokens); rank 1: 1 row of width 4. Budget 16 tokens.
+    plans = [plan_update(loss, attn, [5, 1], r, 1, max_tokens_per_microbatch=16) for r in range(2)]
+    assert [len(p[0].micro) for p in plans] == [3, 3]
+    assert [m.tolist() for m in plans[0][0].micro] == [[0, 1], [2, 3], [4]]
+    assert [m.tolist() for m in plans[1][0].micro] == [[0], [], []]
+
+
+def test_an_empty_micro_batch_is_a_placeholder_with_nothing_to_learn():
+    loss, _ = _masks([2, 3])
+    rows, mask = micro_rows(torch.tensor([], dtype=torch.long), loss)
+    assert rows.tolist() == [0] and mask.sum() == 0 and mask.shape == (1, loss.shape[1])
+    rows, mask = micro_rows(torch.tensor([1]), loss)
+    assert rows.tolist() == [1] and mask.sum() == 3
+
+
+def test_one_rank_without_a_budget_is_the_plain_minibatch_split():
+    loss, attn = _masks([1, 2, 3, 4, 5])
+    plan = plan_update(loss, attn, [5], 0, minibatches=2)
+    assert [m.micro[0].tolist() for m in plan] == [[0, 1, 2], [3, 4]]
+    assert [m.tokens for m in plan] == [6.0, 9.0] and [m.seqs for m in plan] == [3.0, 2.0]
