@@ -105,6 +105,9 @@ def through_buffer(size: int, count: int, args) -> tuple[float, int]:
             f"trainer.total_steps={steps}",
             f"learner.groups_per_step={GROUPS_PER_STEP}",
             f"staleness.max={steps}",  # admission never holds producers back here
+            # what the buffer accepts: one sample of the message's tokens per group
+            "generators.group_size=1",
+            f"generators.max_new_tokens={max(size // 12, 1)}",
         ],
     )
     endpoint = prepare(cfg, run_dir).buffer

@@ -8,7 +8,7 @@ from pathlib import Path
 import uvloop
 
 from buffer.evaluation import EvalRounds
-from buffer.ledger import PromptLedger
+from buffer.ledger import PromptLedger, RolloutLimits
 from buffer.server import BufferServer
 from verl_async.config import ConfigError, RunConfig
 from verl_async.data import PromptRecord, load_prompts, max_prompt_tokens, render_prompts
@@ -49,6 +49,18 @@ def load_rendered(cfg: RunConfig, model_path: str) -> tuple[list, list, int]:
     return train, val, skipped
 
 
+def rollout_limits(cfg: RunConfig, model_path: str) -> RolloutLimits:
+    """What a returned group must look like in this run (the buffer rejects the rest)."""
+    from transformers import AutoConfig
+
+    return RolloutLimits(
+        num_sources=len(cfg.rewards.sources),
+        group_size=cfg.generators.group_size,
+        vocab_size=AutoConfig.from_pretrained(model_path).vocab_size,
+        max_response_tokens=cfg.generators.max_new_tokens,
+    )
+
+
 async def serve(run_dir: str) -> None:
     ctx = load_context(run_dir)
     cfg = ctx.cfg
@@ -62,6 +74,7 @@ async def serve(run_dir: str) -> None:
         num_sources=len(cfg.rewards.sources),
         evals=EvalRounds(val),
         prompts_skipped=skipped,
+        limits=rollout_limits(cfg, ctx.endpoints.model_path),
     )
     if ctx.endpoints.resume_from:
         server.restore(Path(ctx.endpoints.resume_from) / "buffer")

@@ -6,14 +6,16 @@ consumes groups sB .. sB + B - 1 (issue order; see verl_async/staleness.py for w
 
 from __future__ import annotations
 
+import itertools
+import math
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from verl_async.data import PromptRecord, epoch_order
-from verl_async.protocol import PromptGroup
+from verl_async.protocol import PromptGroup, ProtocolError, RolloutGroup, vector
 from verl_async.staleness import Admission, check_sample
 
 
@@ -62,6 +64,7 @@ class StepBatch:
 class Issued:
     generator_id: int
     loaded_version: int
+    client: bytes = b""  # the connection (ROUTER identity) the group went out on
 
 
 class PromptLedger:
@@ -91,12 +94,13 @@ class PromptLedger:
         return epoch, self._orders[epoch][group_id % n]
 
     def issue(
-        self, generator_id: int, loaded_version: int, max_groups: int
+        self, generator_id: int, loaded_version: int, max_groups: int, client: bytes = b""
     ) -> tuple[list[PromptGroup], bool]:
         """Up to ``max_groups`` admissible groups; the flag says admission held some back.
 
         Groups to re-issue after a restore go first. A generator still running weights
-        older than the restored version gets nothing until it has loaded them.
+        older than the restored version gets nothing until it has loaded them. ``client``
+        is the connection asking: only it may return the groups (``check_issued``).
         """
         out: list[PromptGroup] = []
         while len(out) < max_groups and not self.exhausted:
@@ -105,7 +109,7 @@ class PromptLedger:
                 return out, True
             epoch, idx = self.prompt_of(k)
             out.append(prompt_group(k, idx, epoch, self.prompts[idx]))
-            self.in_flight[k] = Issued(generator_id, loaded_version)
+            self.in_flight[k] = Issued(generator_id, loaded_version, client)
             if self.reissue:
                 self.reissue.popleft()
             else:
@@ -119,11 +123,19 @@ class PromptLedger:
     def check_returnable(self, group_ids: list[int]) -> None:
         """Raise LedgerError unless every id is in flight, once."""
         if len(set(group_ids)) != len(group_ids):
-            raise LedgerError(f"a message returns the same group twice: {sorted(group_ids)}")
+            twice = sorted(k for k, n in Counter(group_ids).items() if n > 1)
+            raise LedgerError(f"a message returns the same group twice: {_ids(twice)}")
         for k in group_ids:
             if k not in self.in_flight:
-                state = "already returned" if k in self.returned else "never issued"
-                raise LedgerError(f"group {k} was {state}")
+                raise LedgerError(f"group {k} {self._not_in_flight(k)}")
+
+    def _not_in_flight(self, k: int) -> str:
+        """Why group ``k`` cannot be returned now (it is not in flight)."""
+        if k in self.reissue:
+            return "was issued before the restore and waits to be issued again"
+        if k in self.returned or 0 <= k < self.next_group:
+            return "was already returned"
+        return "was never issued"
 
     def record_return(self, group: StoredGroup) -> None:
         self.check_returnable([group.group_id])
@@ -188,6 +200,144 @@ class PromptLedger:
         self.reissue = deque(sorted(reissue))
         self.in_flight = {}
         self.min_version = version
+
+
+def _ids(ids: list[int], at_most: int = 8) -> str:
+    """A list of group ids for a message, cut short: a hostile one can hold millions."""
+    more = f" and {len(ids) - at_most} more" if len(ids) > at_most else ""
+    return f"{ids[:at_most]}{more}"
+
+
+# ----------------------------------------------------------------------------- returns
+
+
+@dataclass(frozen=True)
+class RolloutLimits:
+    """What every returned group must look like. ``None``: not known to the buffer, so not
+    checked (a buffer started without the generators' settings still runs)."""
+
+    num_sources: int = 1  # reward sources: the width of every group's scores
+    group_size: int | None = None  # samples per group (generators.group_size)
+    vocab_size: int | None = None  # token ids are in [0, vocab_size)
+    max_response_tokens: int | None = None  # generators.max_new_tokens
+
+
+def check_issued(group: RolloutGroup, issued: Issued | None, client: bytes) -> None:
+    """Raise LedgerError unless ``group`` is in flight to the generator returning it.
+
+    ``issued`` is the ledger's record of the group (None: not in flight). A group goes
+    back only on the connection it went out on and under the generator id it was asked
+    for: another process, however well-formed its message, cannot return (and so steal,
+    or poison) a group it was not given.
+    """
+    k = group.group_id
+    if issued is None:
+        raise LedgerError(f"group {k} is not in flight (never issued, or already returned)")
+    if group.generator_id != issued.generator_id:
+        raise LedgerError(
+            f"group {k} was issued to generator {issued.generator_id}, "
+            f"not generator {group.generator_id}"
+        )
+    if client != issued.client:
+        raise LedgerError(
+            f"group {k} was issued to generator {issued.generator_id} on another connection"
+        )
+
+
+def unpack_rollout(
+    g: RolloutGroup, frames: list, limits: RolloutLimits, versions: tuple[int, int]
+) -> StoredGroup:
+    """The group as the buffer stores it, after checking every field against ``limits``.
+
+    ``versions`` = (oldest, newest) weights version its tokens may carry: the version the
+    generator had loaded when the group was issued (versions only grow) and the newest one
+    announced. Pure, and raises only ProtocolError: nothing is recorded from a group that
+    fails here, and the learner never sees a batch it cannot train on.
+    """
+    where = f"group {g.group_id}"
+    prompt = vector(g.prompt_ids, frames, "int32", f"{where}: prompt_ids")
+    resp = vector(g.response_ids, frames, "int32", f"{where}: response_ids")
+    lp = vector(g.behav_logprobs, frames, "float32", f"{where}: behav_logprobs")
+    ver = vector(g.token_versions, frames, "int32", f"{where}: token_versions")
+    _check_lengths(where, g.lengths, limits, (len(resp), len(lp), len(ver)))
+    _check_token_ids(where, "prompt_ids", prompt, limits.vocab_size)
+    _check_token_ids(where, "response_ids", resp, limits.vocab_size)
+    if lp.size and not (lp.max() <= 0 and lp.min() > -np.inf):  # NaN fails both
+        raise ProtocolError(f"{where}: behav_logprobs must be finite and <= 0")
+    lo, hi = versions
+    if ver.size and (ver.min() < lo or ver.max() > hi):
+        raise ProtocolError(
+            f"{where}: token versions {ver.min()}..{ver.max()} are outside {lo}..{hi} "
+            "(loaded when issued .. newest announced)"
+        )
+    _check_scores(where, g.scores, g.failed, len(g.lengths), limits.num_sources)
+    bounds = [0, *itertools.accumulate(g.lengths)]
+    # Views on the received frames (numpy keeps each frame alive): no copy on the way in.
+    split = lambda a: [a[bounds[i] : bounds[i + 1]] for i in range(len(g.lengths))]  # noqa: E731
+    return StoredGroup(
+        g.group_id,
+        g.prompt_id,
+        g.generator_id,
+        prompt,
+        split(resp),
+        split(lp),
+        split(ver),
+        [list(sample) for sample in zip(*g.scores, strict=True)],  # [S][N] -> [N][S]
+        list(g.failed),
+        g.data_source,
+    )
+
+
+def _check_lengths(
+    where: str, lengths: list[int], limits: RolloutLimits, sizes: tuple[int, int, int]
+) -> None:
+    """Sample lengths against the run's group size, token budget and the three tensors."""
+    if not lengths:
+        raise ProtocolError(f"{where}: no samples")
+    if limits.group_size is not None and len(lengths) != limits.group_size:
+        raise ProtocolError(
+            f"{where}: {len(lengths)} samples, the run samples {limits.group_size} per group"
+        )
+    if min(lengths) < 0:
+        raise ProtocolError(f"{where}: negative sample length")
+    cap = limits.max_response_tokens
+    if cap is not None and max(lengths) > cap:
+        raise ProtocolError(f"{where}: a sample of {max(lengths)} tokens, the run allows {cap}")
+    if sizes != (sum(lengths),) * 3:
+        raise ProtocolError(
+            f"{where}: lengths add up to {sum(lengths)} tokens; response_ids, "
+            f"behav_logprobs and token_versions hold {sizes[0]}, {sizes[1]} and {sizes[2]}"
+        )
+
+
+def _check_token_ids(where: str, name: str, ids: np.ndarray, vocab_size: int | None) -> None:
+    if not ids.size:
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or (vocab_size is not None and high >= vocab_size):
+        bound = "" if vocab_size is None else f", the vocabulary has {vocab_size}"
+        raise ProtocolError(f"{where}: {name} holds token ids {low}..{high}{bound}")
+
+
+def _check_scores(
+    where: str, scores: list[list[float]], failed: list[int], n: int, num_sources: int
+) -> None:
+    """[S][n] scores: each source's row is all finite (scored) or all NaN (not routed)."""
+    if len(scores) != num_sources or len(failed) != num_sources:
+        raise ProtocolError(
+            f"{where}: scores of {len(scores)} sources and failed counts of {len(failed)}, "
+            f"the run has {num_sources} reward sources"
+        )
+    for s, (row, fails) in enumerate(zip(scores, failed, strict=True)):
+        if len(row) != n:
+            raise ProtocolError(f"{where}: source {s} scored {len(row)} samples of {n}")
+        routed = [v == v for v in row]  # NaN != NaN: not routed to this group's data
+        if any(routed) and not all(routed):
+            raise ProtocolError(f"{where}: source {s} left some samples unscored (NaN)")
+        if any(routed) and not all(math.isfinite(v) for v in row):
+            raise ProtocolError(f"{where}: source {s} has an infinite score")
+        if not 0 <= fails <= n:
+            raise ProtocolError(f"{where}: source {s} failed {fails} samples of {n}")
 
 
 def prompt_group(group_id: int, prompt_id: int, epoch: int, rec: PromptRecord) -> PromptGroup:
@@ -303,17 +453,30 @@ def _close(open_since: dict[int, float], generator_id: int, now: float) -> float
 class TokenRate:
     """Generated tokens per second over a sliding window (O(1) per event, amortised).
 
-    The tokens that arrived in the last ``window_s`` seconds, divided by the window (or by
-    the time since the first event, early in a run). Dividing by the span of the events
-    in the window instead would turn a burst after a quiet spell (a slow generator
-    returning two groups at once) into an absurd rate.
+    The tokens that arrived in the last ``window_s`` seconds, divided by the window, or,
+    early in a run, by the time since the rate started counting (``start``: when it was
+    made, or when ``begin`` said generation began). A group's tokens arrive at once but
+    were generated over the time before; dividing by the span of the events instead (or
+    by the time since the first event) turns a burst after a quiet spell, such as the
+    first groups arriving together after the engines started, into an absurd rate.
+    Counted from when the rate was made, the first readings include the engines' start-up
+    and are low until a window of generation has passed; ``begin`` at the first prompts
+    handed out leaves the start-up out.
     """
 
-    def __init__(self, window_s: float = 20.0) -> None:
+    def __init__(self, window_s: float = 20.0, start: float | None = None) -> None:
         self.window_s = window_s
         self.events: deque[tuple[float, int]] = deque()
         self.total = 0  # tokens of the events in the window
+        self.start = time.monotonic() if start is None else start
         self.first: float | None = None  # time of the first event ever
+        self.begun = False
+
+    def begin(self, now: float | None = None) -> None:
+        """Generation began at ``now``: count from there. Only the first call counts."""
+        if not self.begun and self.first is None:
+            self.start = time.monotonic() if now is None else now
+        self.begun = True
 
     def add(self, tokens: int, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -325,6 +488,9 @@ class TokenRate:
         now = time.monotonic() if now is None else now
         while self.events and now - self.events[0][0] > self.window_s:
             self.total -= self.events.popleft()[1]
-        if self.first is None or now - self.first <= 0:
+        if self.first is None:
             return 0.0
-        return self.total / min(self.window_s, now - self.first)
+        # Counting began at ``start``; or at the first event, when the caller's clock
+        # (``now``) is not the monotonic one ``start`` was read from and puts it earlier.
+        elapsed = now - min(self.start, self.first)
+        return self.total / min(self.window_s, elapsed) if elapsed > 0 else 0.0

@@ -8,7 +8,14 @@ soon as they can be, or at their deadline, so clients never spin.
 Nothing is dropped: ROUTER_MANDATORY makes a send to a vanished peer raise (logged)
 instead of silently discarding; HWMs are 0 (unbounded) because every request is answered
 once and clients keep at most a handful outstanding. A message that does not decode gets
-an ``Error`` reply and a log line; the loop goes on. Shutdown: ``Shutdown`` from the
+an ``Error`` reply and a log line; the loop goes on.
+
+Hostile input. Every field a peer sends is checked before any state changes (pure
+functions below and in buffer/ledger.py): a wrong message gets ``Error(code, message)``
+naming what was wrong, and nothing it carried is recorded. A rollout is taken only on the
+connection its group was issued to. No message can raise out of the loop (an unexpected
+exception is a bug: it is logged with its traceback and answered ``Error("internal")``),
+and rejections are logged through ``RejectionLog``, so a flood costs a few lines. Shutdown: ``Shutdown`` from the
 learner answers every poll with ``stop`` from then on (generators exit on it); SIGTERM
 from the launcher ends the loop, and the socket closes with linger=0.
 """
@@ -16,9 +23,11 @@ from the launcher ends the loop, and the socket closes with linger=0.
 from __future__ import annotations
 
 import asyncio
-import itertools
+import dataclasses
 import logging
+import math
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,11 +41,14 @@ from buffer.ledger import (
     AdmissionClock,
     LedgerError,
     PromptLedger,
+    RolloutLimits,
     StepBatch,
     StoredGroup,
     TokenRate,
+    check_issued,
     filter_stale,
     shard_samples,
+    unpack_rollout,
 )
 from buffer.snapshot import (
     LEDGER_FILE,
@@ -51,6 +63,148 @@ from buffer.snapshot import (
 from verl_async import protocol as P
 
 log = logging.getLogger("verl_async.buffer")
+
+MAX_WAIT_S = 300.0  # the longest long poll (clients poll for 1-30 s; see learners/batching.py)
+MAX_WORLD_SIZE = 4096  # learner ranks a GetBatch may name (shards are allocated per rank)
+MAX_PARKED_PER_CLIENT = 16  # long polls one connection may have waiting (real ones: 1-2)
+MAX_TEXT = 400  # characters of a peer-provoked error message kept in a reply or a log line
+
+
+class RejectionLog:
+    """Log lines for rejected messages that a flood cannot turn into a full disk.
+
+    The first ``burst`` lines of every ``window_s`` seconds are written in full (a real
+    client's mistake is rare, and its first lines say what went wrong); past that they are
+    only counted by kind, and one summary line per window says how many were left out.
+    So the log grows by at most ``burst + 1`` lines a window whatever arrives. ``flush``
+    (called by the server's ticker too) ends a window whose time is up.
+    """
+
+    def __init__(
+        self, logger: logging.Logger, burst: int = 20, window_s: float = 10.0, clock=time.monotonic
+    ) -> None:
+        self.logger = logger
+        self.burst = burst
+        self.window_s = window_s
+        self.clock = clock
+        self.window_start = clock()
+        self.logged = 0
+        self.suppressed: Counter[str] = Counter()
+
+    def log(self, kind: str, msg: str, *args, level: int = logging.WARNING, **kw) -> None:
+        """``logger.log(level, msg, *args)`` unless this window's burst is spent."""
+        self.flush()
+        if self.logged < self.burst:
+            self.logged += 1
+            self.logger.log(level, msg, *(_short(a) for a in args), **kw)
+        else:
+            self.suppressed[kind] += 1
+
+    def flush(self) -> None:
+        now = self.clock()
+        if now - self.window_start < self.window_s:
+            return
+        if self.suppressed:
+            kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.suppressed.items()))
+            self.logger.warning(
+                "%d more rejected messages in the last %.0fs were not logged (%s)",
+                self.suppressed.total(),
+                now - self.window_start,
+                kinds,
+            )
+        self.window_start, self.logged, self.suppressed = now, 0, Counter()
+
+
+def _short(value):
+    """A peer-provoked text cut to MAX_TEXT characters (other values as they are)."""
+    if isinstance(value, str) and len(value) > MAX_TEXT:
+        return value[:MAX_TEXT] + f"... ({len(value) - MAX_TEXT} more characters)"
+    return value
+
+
+# ----------------------------------------------------------------------------- validation
+# Pure checks of a request against what the buffer knows; each raises ProtocolError with a
+# message naming the field, and is called before the request touches any state.
+
+
+def check_non_negative(body: P.Body, *fields: str) -> None:
+    """Counters, steps, versions and ids are never negative."""
+    for name in fields:
+        value = getattr(body, name)
+        if value < 0:
+            raise P.ProtocolError(f"{type(body).__name__}.{name} = {value} is negative")
+
+
+def check_wait(wait_s: float) -> None:
+    """A long poll's wait: a deadline that can be reached (NaN and inf never are)."""
+    if not 0.0 <= wait_s <= MAX_WAIT_S:  # NaN fails both comparisons
+        raise P.ProtocolError(f"wait_s {wait_s!r} is outside 0..{MAX_WAIT_S:g} seconds")
+
+
+def check_loaded(loaded_version: int, target_version: int) -> None:
+    """A generator loads only versions the buffer announced (it learns them from here)."""
+    if loaded_version > target_version:
+        raise P.ProtocolError(
+            f"loaded_version {loaded_version} was never announced "
+            f"(the newest version is {target_version})"
+        )
+
+
+def check_get_batch(req: P.GetBatch, total_steps: int, cut_for: int | None) -> None:
+    """Step, rank and world size a learner can ask for. ``cut_for``: the number of ranks
+    the step was already split over (None: not cut yet); every rank must agree on it."""
+    check_non_negative(req, "step", "learner_version")
+    check_wait(req.wait_s)
+    if req.step >= total_steps:
+        raise P.ProtocolError(f"step {req.step} is past the run's last step {total_steps - 1}")
+    if not 1 <= req.world_size <= MAX_WORLD_SIZE:
+        raise P.ProtocolError(f"world_size {req.world_size} is outside 1..{MAX_WORLD_SIZE}")
+    if not 0 <= req.rank < req.world_size:
+        raise P.ProtocolError(f"rank {req.rank} is outside 0..{req.world_size - 1}")
+    if req.learner_version > req.step:
+        raise P.ProtocolError(
+            f"learner_version {req.learner_version} at step {req.step}: "
+            "the learner trains step s with version s"
+        )
+    if cut_for is not None and cut_for != req.world_size:
+        raise P.ProtocolError(
+            f"step {req.step} was cut for {cut_for} ranks, this request says {req.world_size}"
+        )
+
+
+def check_announce(update: P.WeightUpdate, target_version: int) -> None:
+    """A new version is the next one (or the current one again, after a restore)."""
+    if update.version not in (target_version, target_version + 1):
+        raise P.ProtocolError(
+            f"version {update.version} announced while the newest is {target_version}: "
+            "versions go up one at a time"
+        )
+    if update.bucket_bytes <= 0:
+        raise P.ProtocolError(f"bucket_bytes {update.bucket_bytes} is not positive")
+    for spec in update.params:
+        if any(d < 0 for d in spec.shape):
+            raise P.ProtocolError(f"parameter {spec.name[:64]!r} has a negative dimension")
+
+
+def check_eval_results(body: P.PushEval, num_sources: int, target_version: int) -> None:
+    """Every evaluation result has one row of scores per source, one entry per sample."""
+    check_non_negative(body, "round")
+    for res in body.results:
+        where = f"evaluation prompt {res.group_id}"
+        n = len(res.response_lengths)
+        if len(res.scores) != num_sources or len(res.failed) != num_sources:
+            raise P.ProtocolError(
+                f"{where}: scores of {len(res.scores)} sources and failed counts of "
+                f"{len(res.failed)}, the run has {num_sources} reward sources"
+            )
+        if any(len(row) != n for row in res.scores) or len(res.versions) != n:
+            raise P.ProtocolError(f"{where}: scores or versions do not match {n} samples")
+        if any(not 0 <= v <= target_version for v in res.versions):
+            raise P.ProtocolError(f"{where}: a version outside 0..{target_version}")
+        if any(x < 0 for x in res.response_lengths) or any(not 0 <= f <= n for f in res.failed):
+            raise P.ProtocolError(f"{where}: a negative length or an impossible failed count")
+        if any(math.isinf(v) for row in res.scores for v in row):
+            raise P.ProtocolError(f"{where}: an infinite score")
 
 
 @dataclass
@@ -71,9 +225,13 @@ class BufferServer:
         num_sources: int = 1,
         evals: EvalRounds | None = None,
         prompts_skipped: int = 0,
+        limits: RolloutLimits | None = None,
     ) -> None:
         self.ledger = ledger
         self.num_sources = num_sources  # reward sources: the width of every group's scores
+        # What a returned group must look like; fields left None are not checked.
+        self.limits = dataclasses.replace(limits or RolloutLimits(), num_sources=num_sources)
+        self.rejections = RejectionLog(log)
         self.evals = evals or EvalRounds([])
         self.prompts_skipped = prompts_skipped
         self.max_staleness = max_staleness
@@ -127,20 +285,38 @@ class BufferServer:
         self._serve_parked()
 
     def _dispatch(self, parts: list) -> None:
+        """One received message: decode, handle, reply. Never raises: whatever a peer
+        sends gets it an ``Error`` reply and costs the log at most one (rate-limited) line."""
         identity = parts[0].bytes
         try:
             env, frames = P.decode(parts[1:])
         except P.ProtocolError as exc:
-            log.warning("bad message from %s: %s", identity.hex(), exc)
-            self._send(identity, 0, P.Error(code="protocol", message=str(exc)))
+            self.rejections.log("undecodable", "bad message from %s: %s", identity.hex(), str(exc))
+            self._send(identity, 0, P.Error(code="protocol", message=_short(str(exc))))
             return
         try:
             reply, frames_out = self.handle(identity, env.request_id, env.body, frames)
-        except (LedgerError, P.ProtocolError) as exc:
-            log.warning("rejected %s: %s", type(env.body).__name__, exc)
-            reply, frames_out = P.Error(code="rejected", message=str(exc)), None
+        except Exception as exc:  # noqa: BLE001 (the loop outlives any one message)
+            reply, frames_out = self._error_reply(identity, env.body, exc), None
         if reply is not None:
             self._send(identity, env.request_id, reply, frames_out)
+
+    def _error_reply(self, identity: bytes, body: P.Body, exc: Exception) -> P.Error:
+        """The ``Error`` for a request that raised, logged (rate-limited). A rejection is
+        the peer's fault; anything else is a bug of ours, logged with its traceback."""
+        name = type(body).__name__
+        if isinstance(exc, LedgerError | P.ProtocolError):
+            self.rejections.log(name, "rejected %s from %s: %s", name, identity.hex(), str(exc))
+            return P.Error(code="rejected", message=_short(str(exc)))
+        self.rejections.log(
+            "internal",
+            "%s from %s failed",
+            name,
+            identity.hex(),
+            level=logging.ERROR,
+            exc_info=exc,
+        )
+        return P.Error(code="internal", message=_short(f"{type(exc).__name__}: {exc}"))
 
     def _send(
         self, identity: bytes, request_id: int, body: P.Body, frames: P.Frames | None = None
@@ -148,17 +324,20 @@ class BufferServer:
         try:
             self.raw.send_multipart([identity, *P.encode(body, request_id, frames)], copy=False)
         except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY): nothing to deliver to
-            log.warning("reply to %s lost: %s", identity.hex(), exc)
+            self.rejections.log("lost", "reply to %s lost: %s", identity.hex(), str(exc))
 
     # ------------------------------------------------------------------ handlers
 
     def handle(self, identity: bytes, request_id: int, body: P.Body, frames: list):
-        """Returns (reply, frames) or (None, None) when the request was parked."""
+        """Returns (reply, frames) or (None, None) when the request was parked.
+
+        ``check`` has accepted every field before anything here changes state."""
+        self.check(identity, body)
         match body:
             case P.GetPrompts():
-                return self._get_prompts(body), None
+                return self._get_prompts(identity, body), None
             case P.PushRollouts():
-                self._push_rollouts(body.groups, frames)
+                self._push_rollouts(identity, body.groups, frames)
                 return P.Ack(), None
             case P.PollVersion() | P.GetBatch():
                 ready = self._try_answer(body)
@@ -191,15 +370,49 @@ class BufferServer:
                 return P.Ack(), None
             case _:
                 return P.Error(
-                    code="unexpected", message=f"{type(body).__name__} is a reply, not a request"
+                    code="unexpected",
+                    message=f"{type(body).__name__} is not a request the buffer serves",
                 ), None
 
-    def _get_prompts(self, req: P.GetPrompts) -> P.Prompts:
+    def check(self, identity: bytes, body: P.Body) -> None:
+        """Raise ProtocolError (or LedgerError) unless ``body`` is a request this buffer can
+        carry out as it stands; rollouts are checked whole in ``_push_rollouts``."""
+        match body:
+            case P.GetPrompts():
+                check_non_negative(body, "generator_id", "loaded_version", "max_groups")
+                check_loaded(body.loaded_version, self.target_version)
+            case P.PollVersion():
+                check_non_negative(body, "generator_id", "loaded_version")
+                check_loaded(body.loaded_version, self.target_version)
+                check_wait(body.wait_s)
+            case P.GetBatch():
+                cut = self.steps.get(body.step)
+                total = self.ledger.total_groups // self.ledger.admission.groups_per_step
+                check_get_batch(body, total, None if cut is None else len(cut.shards))
+            case P.AnnounceWeights():
+                check_announce(body.update, self.target_version)
+            case P.PushEval():
+                check_eval_results(body, self.num_sources, self.target_version)
+            case P.StartEval() | P.GetEval() | P.SnapshotBuffer() | P.FetchSnapshot():
+                check_non_negative(body, *body.__struct_fields__)  # rounds, steps, versions
+        if isinstance(body, P.PollVersion | P.GetBatch):
+            waiting = sum(1 for p in self.parked if p.identity == identity)
+            if waiting >= MAX_PARKED_PER_CLIENT:
+                raise P.ProtocolError(
+                    f"{waiting} long polls of this connection are waiting already "
+                    f"(at most {MAX_PARKED_PER_CLIENT})"
+                )
+
+    def _get_prompts(self, identity: bytes, req: P.GetPrompts) -> P.Prompts:
         if self.stopping:
             return P.Prompts(groups=[], blocked_by_admission=False, exhausted=True)
         room = max(req.max_groups - self.evals.wanted(req.max_groups), 0)
-        groups, blocked = self.ledger.issue(req.generator_id, req.loaded_version, room)
+        groups, blocked = self.ledger.issue(
+            req.generator_id, req.loaded_version, room, client=identity
+        )
         refused = blocked and not groups
+        if groups:
+            self.rate.begin()  # generation starts now: the engines' start-up is not in the rate
         self.admission_blocked += int(refused)
         self.clock.observe(
             req.generator_id, refused, self.ledger.in_flight_of(req.generator_id), time.monotonic()
@@ -213,45 +426,27 @@ class BufferServer:
             eval_round=eval_round,
         )
 
-    def _push_rollouts(self, groups: list[P.RolloutGroup], frames: list) -> None:
-        """Validate every group first, then record them all (a bad message records nothing)."""
-        stored = [self._unpack_group(g, frames) for g in groups]
-        self.ledger.check_returnable([g.group_id for g in stored])
-        for g in stored:
-            self.ledger.record_return(g)
-            self.rate.add(sum(len(r) for r in g.responses))
+    def _push_rollouts(self, identity: bytes, groups: list[P.RolloutGroup], frames: list) -> None:
+        """Validate every group first, then record them all (a bad message records nothing).
 
-    def _unpack_group(self, g: P.RolloutGroup, frames: list) -> StoredGroup:
-        bounds = [0, *itertools.accumulate(g.lengths)]
-        resp = P.tensor(g.response_ids, frames)
-        lp = P.tensor(g.behav_logprobs, frames)
-        ver = P.tensor(g.token_versions, frames)
-        if not (len(resp) == len(lp) == len(ver) == bounds[-1]):
-            raise P.ProtocolError(f"group {g.group_id}: lengths do not match the tensors")
-        if len(g.scores) != self.num_sources or len(g.failed) != self.num_sources:
-            raise P.ProtocolError(
-                f"group {g.group_id}: scores of {len(g.scores)} sources, the run has {self.num_sources}"
+        Ledger checks come first: they are cheap and reject a stranger's message (a group
+        not in flight on this connection) before its tensors are looked at."""
+        lg = self.ledger
+        lg.check_returnable([g.group_id for g in groups])
+        for g in groups:
+            check_issued(g, lg.in_flight.get(g.group_id), identity)
+        stored = [
+            unpack_rollout(
+                g,
+                frames,
+                self.limits,
+                (lg.in_flight[g.group_id].loaded_version, self.target_version),
             )
-        if any(len(row) != len(g.lengths) for row in g.scores):
-            raise P.ProtocolError(
-                f"group {g.group_id}: a source scored the wrong number of samples"
-            )
-        if min(g.lengths, default=0) < 0:
-            raise P.ProtocolError(f"group {g.group_id}: negative sample length")
-        # Views on the received frames (numpy keeps each frame alive): no copy on the way in.
-        split = lambda a: [a[bounds[i] : bounds[i + 1]] for i in range(len(g.lengths))]  # noqa: E731
-        return StoredGroup(
-            g.group_id,
-            g.prompt_id,
-            g.generator_id,
-            P.tensor(g.prompt_ids, frames),
-            split(resp),
-            split(lp),
-            split(ver),
-            [list(sample) for sample in zip(*g.scores, strict=True)],  # [S][N] -> [N][S]
-            list(g.failed),
-            g.data_source,
-        )
+            for g in groups
+        ]
+        for g in stored:
+            lg.record_return(g)
+            self.rate.add(sum(len(r) for r in g.responses))
 
     def _try_answer(self, body: P.PollVersion | P.GetBatch):
         if isinstance(body, P.PollVersion):
@@ -265,7 +460,12 @@ class BufferServer:
     def _batch_shard(self, req: P.GetBatch):
         step = self.steps.get(req.step)
         if step is None:
-            if self.ledger.missing_for(req.step):
+            if req.step < self.ledger.consumed_steps:
+                raise LedgerError(
+                    f"step {req.step} was handed out already and is not held any more"
+                )
+            # A later step waits for the one before it: steps are consumed in order.
+            if req.step > self.ledger.consumed_steps or self.ledger.missing_for(req.step):
                 return None
             groups = self.ledger.consume(req.step)
             kept, dropped = filter_stale(groups, req.learner_version, self.max_staleness)
@@ -333,7 +533,10 @@ class BufferServer:
     def _serve_parked(self) -> None:
         still: list[Parked] = []
         for p in self.parked:
-            ready = self._try_answer(p.body)
+            try:
+                ready = self._try_answer(p.body)
+            except Exception as exc:  # noqa: BLE001 (e.g. its step was dropped meanwhile)
+                ready = self._error_reply(p.identity, p.body, exc), None
             if ready is None:
                 still.append(p)
                 continue
@@ -346,6 +549,7 @@ class BufferServer:
     async def _expire_parked(self) -> None:
         while True:
             await asyncio.sleep(0.05)
+            self.rejections.flush()
             now = time.monotonic()
             expired = [p for p in self.parked if p.deadline <= now or self.stopping]
             if not expired:

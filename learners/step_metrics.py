@@ -70,7 +70,7 @@ def algo_metrics(batch: TrainBatch, s: StepStats, critic, adv, kl_ctrl) -> dict:
     mask = batch.loss_mask > 0
     a = adv.advantages[mask]
     row = {
-        "actor/pg_loss": s.loss,
+        "actor/pg_loss": s.pg_loss,
         "actor/pg_clipfrac": s.clip_fraction,
         "actor/pg_clipfrac_lower": s.clip_fraction_lower,
         "actor/ppo_kl": s.ppo_kl,

@@ -279,7 +279,7 @@ class Learner:
         )  # fmt: skip
         if self.scheduler is not None and not warming:
             self.scheduler.step()
-        return dp.mean_stats(stats, weight, sums=("loss", "kl_loss")), critic_stats
+        return dp.mean_stats(stats, weight, sums=("loss", "pg_loss", "kl_loss")), critic_stats
 
     def clip_grad(self, model, max_norm: float) -> float:
         """Clip the gradient norm (over all ranks' shards under FSDP2); returns it."""

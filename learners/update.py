@@ -25,7 +25,8 @@ from verl_async.algos.losses import agg_loss
 
 @dataclass
 class StepStats:
-    loss: float
+    loss: float  # the whole loss: policy gradient - entropy bonus + KL loss term
+    pg_loss: float  # its policy-gradient part (verl's actor/pg_loss)
     kl: float  # k3 estimate of KL(pi_behav || pi_prox): how far the samples' policy lags
     entropy: float
     clip_fraction: float  # verl's actor/pg_clipfrac
@@ -90,7 +91,7 @@ def policy_update(
     parts, grads = [], []
     for mb in plan:
         agg = mb.agg_kwargs(algo.loss_scale_factor)
-        mb_loss = mb_kl = 0.0
+        sums = {"loss": 0.0, "pg_loss": 0.0, "kl_loss": 0.0}  # over the minibatch's micro-batches
         for idx in mb.micro:
             rows, rows_mask = micro_rows(idx, mask)
             with torch.enable_grad() if step else torch.no_grad():
@@ -103,7 +104,7 @@ def policy_update(
                 if entropy is None or bonus:  # [n, T]; with a gradient only for the bonus
                     chunk_entropy = token_entropy(logits if bonus else logits.detach())
                 del logits
-                out, kl_loss = actor_loss(
+                out, pg_loss, kl_loss = actor_loss(
                     logp, prox, batch.behav_logprobs[rows], adv[rows], rows_mask, algo,
                     chunk_entropy[:, :-1] if bonus else None,
                     None if logp_ref is None else logp_ref[rows], agg,
@@ -115,17 +116,18 @@ def policy_update(
                     logp_prox[rows] = prox
                 if chunk_entropy is not None:
                     seen_entropy[rows] = chunk_entropy.detach()
-                mb_loss += float(out.loss.detach())
-                mb_kl += 0.0 if kl_loss is None else float(kl_loss.detach())
+                sums["loss"] += float(out.loss.detach())
+                sums["pg_loss"] += float(pg_loss.detach())
+                sums["kl_loss"] += 0.0 if kl_loss is None else float(kl_loss.detach())
                 parts.append((out, float(rows_mask.sum())))
         grad = 0.0
         if step:
             grad = float(clip_grad())
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        grads.append(
-            (mb_loss, mb_kl if logp_ref is not None and algo.kl.loss_coef > 0 else None, grad)
-        )
+        if logp_ref is None or algo.kl.loss_coef == 0:
+            sums["kl_loss"] = None
+        grads.append({**sums, "grad": grad})
     if entropy is None:  # no pass before the update: the entropies seen during it
         entropy = seen_entropy
     return _step_stats(parts, grads, logp_prox, entropy, batch)
@@ -141,8 +143,9 @@ def actor_loss(
     entropy: torch.Tensor | None,
     logp_ref: torch.Tensor | None,
     agg_kwargs: dict | None = None,
-) -> tuple[LossOutput, torch.Tensor | None]:
-    """PPO-clip loss (``out.loss`` includes the entropy bonus and the KL loss term).
+) -> tuple[LossOutput, torch.Tensor, torch.Tensor | None]:
+    """(PPO-clip loss, its policy-gradient part, the KL loss term or None): ``out.loss``
+    also holds the entropy bonus and the KL loss term, the second is verl's pg_loss.
 
     ``agg_kwargs``: the denominators of a minibatch spread over micro-batches and ranks
     (``Minibatch.agg_kwargs``); by default this batch's own."""
@@ -152,6 +155,7 @@ def actor_loss(
         algo.correction, algo.clip_eps, algo.is_cap, algo.clip_eps_high,
         clip_ratio_c=algo.clip_ratio_c, loss_agg_mode=algo.loss_agg_mode, **agg_kwargs,
     )  # fmt: skip
+    pg_loss = out.loss
     agg = lambda x: agg_loss(x, mask, algo.loss_agg_mode, **agg_kwargs)  # noqa: E731
     if entropy is not None:
         out.loss = out.loss - algo.entropy_coeff * agg(entropy)
@@ -159,7 +163,7 @@ def actor_loss(
     if logp_ref is not None and algo.kl.loss_coef > 0:
         kl_loss = agg(kl_penalty(logp, logp_ref, algo.kl.loss_type))
         out.loss = out.loss + algo.kl.loss_coef * kl_loss
-    return out, kl_loss
+    return out, pg_loss, kl_loss
 
 
 def _step_stats(parts: list, grads: list, logp_prox, entropy, batch: TrainBatch) -> StepStats:
@@ -170,9 +174,10 @@ def _step_stats(parts: list, grads: list, logp_prox, entropy, batch: TrainBatch)
     n_tok = mask.sum().clamp(min=1)
     weight = sum(w for _, w in parts) or 1.0
     mean = lambda get: sum(float(get(o)) * w for o, w in parts) / weight  # noqa: E731
-    kl_losses = [g[1] for g in grads if g[1] is not None]
+    per_mb = lambda key: sum(g[key] for g in grads) / len(grads)  # noqa: E731
     return StepStats(
-        loss=sum(g[0] for g in grads) / len(grads),
+        loss=per_mb("loss"),
+        pg_loss=per_mb("pg_loss"),
         kl=float((kl_k3(logp_prox, batch.behav_logprobs) * mask).sum() / n_tok),
         entropy=float((entropy[:, :-1] * mask).sum() / n_tok),
         clip_fraction=mean(lambda o: o.clip_fraction),
@@ -181,8 +186,8 @@ def _step_stats(parts: list, grads: list, logp_prox, entropy, batch: TrainBatch)
         is_weight_mean=mean(lambda o: o.is_weight_mean),
         is_weight_max=max((float(o.is_weight_max) for o, _ in parts), default=0.0),
         is_clipped_fraction=mean(lambda o: o.is_clipped_fraction),
-        grad_norm=sum(g[2] for g in grads) / len(grads),
-        kl_loss=sum(kl_losses) / len(kl_losses) if kl_losses else None,
+        grad_norm=per_mb("grad"),
+        kl_loss=None if grads[0]["kl_loss"] is None else per_mb("kl_loss"),
     )
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import signal
 
-from verl_async.config import ConfigError, ModelReward, RunConfig
+from verl_async.config import ConfigError, RunConfig
+from verl_async.reward_config import ModelReward
 from verl_async.runtime import RunContext, load_context, start_role
 
 log = logging.getLogger("verl_async.reward_model")

@@ -1,11 +1,13 @@
 """Command line.
 
-    verl-async train CONFIG [dotted.key=value ...] [--run-dir DIR] [--resume DIR]
+    verl-async train CONFIG [dotted.key=value ...] [--run-dir DIR]
+    verl-async train [CONFIG] --resume RUN_DIR [dotted.key=value ...]
     verl-async config CONFIG [dotted.key=value ...]
     verl-async ckpt list RUN_DIR
     verl-async ckpt verify RUN_DIR [--step N]
-    verl-async export RUN_DIR [--step N] OUT_DIR
+    verl-async export RUN_DIR [--step N] [--force] OUT_DIR
     verl-async model smollm2-135m DIR
+    verl-async --version
 
 Parses and validates the config before anything imports torch or vLLM, so mistakes are
 reported in a fraction of a second and ``--help`` is instant.
@@ -21,13 +23,28 @@ import sys
 MODELS = ("smollm2-135m",)
 
 
+def package_version() -> str:
+    """The installed distribution's version (pyproject.toml: ``name = "verl-async"``)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("verl-async")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="verl-async", description="Asynchronous RL post-training for LLMs."
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="run buffer, generators and learner for one training run")
-    train.add_argument("config", help="YAML run config, e.g. configs/tiny.yaml")
+    train.add_argument(
+        "config",
+        nargs="?",
+        help="YAML run config, e.g. configs/tiny.yaml (with --resume: default RUN_DIR/config.yaml)",
+    )
     train.add_argument(
         "overrides", nargs="*", help="dotted.key=value overrides, e.g. staleness.max=0"
     )
@@ -35,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--resume",
         metavar="RUN_DIR",
-        help="continue the run in RUN_DIR from its newest checkpoint that verifies",
+        help="continue the run in RUN_DIR from its newest checkpoint that verifies, with its "
+        "config.yaml (overrides given still apply)",
     )
     show = sub.add_parser("config", help="print the resolved config (YAML) without running")
     show.add_argument("config")
@@ -53,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("run_dir")
     export.add_argument("out_dir")
     export.add_argument("--step", type=int, help="checkpoint step (default: newest valid)")
+    export.add_argument(
+        "--force", action="store_true", help="replace OUT_DIR if it exists and is not empty"
+    )
     model = sub.add_parser(
         "model", help="build a real model as a Hugging Face directory (no model hub needed)"
     )
@@ -87,17 +108,46 @@ def _run(parser: argparse.ArgumentParser, args, extra: list[str]) -> int:
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.overrides = [*args.overrides, *extra]
+    resume = getattr(args, "resume", None)
+    if resume and args.run_dir and resume != args.run_dir:
+        parser.error("--resume RUN_DIR already names the run directory; drop --run-dir")
     try:
-        cfg = load_config(args.config, args.overrides)
+        config, overrides = _config_source(args.config, args.overrides, resume)
+        if config is None:
+            alternative = " (or --resume RUN_DIR)" if args.command == "train" else ""
+            parser.error(f"the following arguments are required: config{alternative}")
+        cfg = load_config(config, overrides)
     except ConfigError as exc:
         print(f"verl-async: config error: {exc}", file=sys.stderr)
         return 2
     if args.command == "config":
         print(to_yaml(cfg), end="")
         return 0
-    if args.resume and args.run_dir and args.resume != args.run_dir:
-        parser.error("--resume RUN_DIR already names the run directory; drop --run-dir")
-    return _train(cfg, args.resume or args.run_dir, resume=args.resume is not None)
+    return _train(cfg, resume or args.run_dir, resume=resume is not None)
+
+
+def _config_source(
+    config: str | None, overrides: list[str], resume: str | None
+) -> tuple[str | None, list[str]]:
+    """(config file, overrides) of a command line. ``train --resume RUN_DIR`` without a
+    config reads RUN_DIR/config.yaml (argparse then hands the first override over as the
+    config: it is one when it holds '=' and names no file)."""
+    from pathlib import Path
+
+    from verl_async.config import ConfigError
+
+    if config is not None and "=" in config and not Path(config).is_file():
+        config, overrides = None, [config, *overrides]
+    if config is not None or resume is None:
+        return config, overrides
+    stored = Path(resume) / "config.yaml"
+    if not stored.is_file():
+        raise ConfigError(f"cannot resume: '{resume}' holds no run (no config.yaml)")
+    keys = [o.partition("=")[0] for o in overrides]
+    if any(k.startswith("placement.generators") for k in keys) and "generators.count" not in keys:
+        # config.yaml states the count it resolved; new generator groups set their own
+        overrides = ["generators.count=null", *overrides]
+    return str(stored), overrides
 
 
 def _interrupt_on_signals() -> None:
@@ -114,6 +164,12 @@ def _interrupt_on_signals() -> None:
     signal.signal(signal.SIGTERM, interrupt)
 
 
+def print_error(console, message: str, style: str | None = None) -> None:
+    """``message`` exactly as it is: no markup read into its brackets (a log tail may hold
+    any text), no highlighting, and no line breaks added (paths stay whole)."""
+    console.print(message, style=style, markup=False, highlight=False, soft_wrap=True)
+
+
 def _train(cfg, run_dir: str | None, resume: bool) -> int:
     from rich.console import Console
 
@@ -125,10 +181,10 @@ def _train(cfg, run_dir: str | None, resume: bool) -> int:
     try:
         train(cfg, run_dir, console, resume=resume)
     except ConfigError as exc:
-        console.print(f"verl-async: config error: {exc}", highlight=False, markup=False)
+        print_error(console, f"verl-async: config error: {exc}")
         return 2
     except RoleFailed as exc:
-        console.print(f"[bold red]verl-async: {exc}[/]", highlight=False, markup=False)
+        print_error(console, f"verl-async: {exc}", style="bold red")
         return 1
     except KeyboardInterrupt:
         return 130
@@ -174,7 +230,7 @@ def _export(args) -> int:
     from verl_async.export import export
 
     try:
-        ckpt, out = export(args.run_dir, args.out_dir, args.step)
+        ckpt, out = export(args.run_dir, args.out_dir, args.step, force=args.force)
     except CheckpointError as exc:
         print(f"verl-async: {exc}", file=sys.stderr)
         return 1

@@ -9,24 +9,22 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import msgspec
 import yaml
 
-NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
-PosInt = Annotated[int, msgspec.Meta(ge=1)]
-PosFloat = Annotated[float, msgspec.Meta(gt=0)]
-Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
-Fraction = Annotated[float, msgspec.Meta(ge=0, le=1)]
-
-
-class ConfigError(ValueError):
-    """A configuration problem a user can fix; the message names the key."""
-
-
-class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    pass
+from verl_async.config_base import (
+    ConfigError,
+    Fraction,
+    NonNegInt,
+    Port,
+    PosFloat,
+    PosInt,
+    _Section,
+)
+from verl_async.reward_config import RewardsConfig, check_rewards
 
 
 class TinyModelConfig(_Section):
@@ -70,88 +68,6 @@ class DataConfig(_Section):
     the buffer's log and ``prompts_skipped``; 0 means generators.max_model_len - max_new_tokens."""
 
 
-class _RewardSource(_Section, kw_only=True):
-    """What every reward source has; ``kind`` (the tag) picks the subclass."""
-
-    name: str
-    """Name of the source in metrics (``reward/<name>``)."""
-    weight: float = 1.0
-    """Weight of the source in the combined reward."""
-    normalize: Literal["none", "group", "running"] = "none"
-    """Scale before weighting: none; group = (x - group mean) / (group std + 1e-6);
-    running = (x - mean) / (std + 1e-6) over every score of this source so far."""
-    default_score: float = 0.0
-    """Score when the source fails (raises, times out, or its process dies)."""
-    data_sources: list[str] = []
-    """Score only prompts whose ``data_source`` is listed (empty: every prompt)."""
-
-
-class ExactReward(_RewardSource, tag="exact", tag_field="kind", kw_only=True):
-    """1 when the extracted response equals the ground truth (both stripped), else 0."""
-
-    extract: Literal["all", "first_word", "last_word"] = "all"
-    """Which part of the response is compared."""
-    case_sensitive: bool = True
-    """Compare with case (false: both sides lower-cased)."""
-
-
-class FormatReward(_RewardSource, tag="format", tag_field="kind", kw_only=True):
-    """1 when the response matches ``pattern`` (Python regex, DOTALL), else 0."""
-
-    pattern: str
-    """Regular expression the response must match."""
-    full_match: bool = False
-    """Require the whole response (stripped) to match, instead of a match anywhere."""
-
-
-class MathReward(_RewardSource, tag="math", tag_field="kind", kw_only=True):
-    """1 when the response's final answer equals the ground truth under ``math-verify``
-    (GSM8K ``####``, ``\\boxed{}``, fractions, LaTeX), numeric comparison as the fallback."""
-
-
-class FunctionReward(_RewardSource, tag="function", tag_field="kind", kw_only=True):
-    """A user function ``module:function`` called with keyword arguments ``prompt``,
-    ``response``, ``ground_truth``, ``data_source``, ``extra_info`` (+ ``kwargs``), returning
-    a float. It runs in a scoring process of its own, never on the engine's event loop."""
-
-    function: str
-    """Import path ``package.module:function`` (the module must be importable)."""
-    kwargs: dict[str, Any] = {}
-    """Extra keyword arguments passed on every call."""
-
-
-class ModelReward(_RewardSource, tag="model", tag_field="kind", kw_only=True):
-    """A Hugging Face ``AutoModelForSequenceClassification`` (one output) scoring the
-    chat-templated conversation (prompt messages + response), served by a reward-model
-    process of its own on ``placement.reward_models``."""
-
-    path: str
-    """Reward-model directory (config.json, weights, tokenizer)."""
-    batch_size: PosInt = 32
-    """Most conversations per forward pass."""
-    max_length: PosInt = 1024
-    """Conversations are truncated (from the left) to this many tokens."""
-    share_prefix: bool = True
-    """Forward the prompt a group's conversations share once and only the responses on top
-    of its key/value cache (same scores, less compute); false forwards every row whole."""
-
-
-RewardSource = ExactReward | FormatReward | MathReward | FunctionReward | ModelReward
-
-
-def _default_sources() -> list[RewardSource]:
-    return [ExactReward(name="correct", extract="first_word")]
-
-
-class RewardsConfig(_Section):
-    sources: list[RewardSource] = msgspec.field(default_factory=_default_sources)
-    """Reward sources; a sample's reward is the weighted sum of their (normalised) scores
-    over the sources routed to its ``data_source``."""
-    timeout_s: PosFloat = 30.0
-    """A source that has not scored a group after this long gives its default_score (the
-    scoring process is restarted); counted in ``reward_failed/<name>``."""
-
-
 class BufferConfig(_Section):
     host: str = "127.0.0.1"
     """Address the buffer binds (loopback by default; anything else requires CurveZMQ keys)."""
@@ -165,8 +81,9 @@ class GeneratorConfig(_Section):
     count: PosInt | None = None
     """Number of generator processes (one vLLM engine each). Empty: one per group of
     ``placement.generators``; a number that disagrees with those groups is an error."""
-    group_size: Annotated[int, msgspec.Meta(ge=2)] = 8
-    """Samples per prompt (the GRPO group)."""
+    group_size: PosInt = 8
+    """Samples per prompt (the GRPO / RLOO group; 1 suits gae and reinforce_plus_plus,
+    whose baselines are not per prompt)."""
     max_new_tokens: PosInt = 6
     """Generation length cap."""
     temperature: PosFloat = 1.0
@@ -401,7 +318,8 @@ _PATH_RE = re.compile(r" - at `\$\.?(.*)`$")
 
 
 def _explain(err: msgspec.ValidationError) -> str:
-    """Turn msgspec's message into 'key: problem' with a dotted key."""
+    """Turn msgspec's message into 'key: problem' with a dotted key; a key with a fixed set
+    of values (a Literal, or the ``kind`` tag of a reward source) lists them."""
     msg = str(err)
     match = _PATH_RE.search(msg)
     where = match.group(1) if match else ""
@@ -412,7 +330,36 @@ def _explain(err: msgspec.ValidationError) -> str:
         key = f"{where}.{unknown.group(1)}" if where else unknown.group(1)
         return f"unknown config key '{key}'"
     where = where or "<root>"
-    return f"bad value for '{where}': {what[0].lower()}{what[1:]}"
+    what = f"{what[0].lower()}{what[1:]}"
+    choices = _choices(RunConfig, where.split("."))
+    if choices:
+        given = re.fullmatch(r"invalid (?:enum )?value (.+)", what)
+        what = f"{given.group(1)} is not one of them" if given else what
+        listed = ", ".join(repr(c) for c in choices)
+        return f"bad value for '{where}': must be one of {listed} ({what})"
+    return f"bad value for '{where}': {what}"
+
+
+def _choices(tp: Any, parts: list[str]) -> tuple | None:
+    """The values allowed at the dotted path ``parts`` below type ``tp``, in the order the
+    type declares them, if they are a fixed set; else None."""
+    origin, args = get_origin(tp), get_args(tp)
+    if origin is Annotated:
+        return _choices(args[0], parts)
+    if origin in (Union, UnionType):
+        members = [a for a in args if a is not type(None)]
+        tags = [getattr(getattr(a, "__struct_config__", None), "tag_field", None) for a in members]
+        if len(parts) == 1 and tags and all(t == parts[0] for t in tags):
+            return tuple(a.__struct_config__.tag for a in members)  # a tagged union's tag
+        return next((c for c in (_choices(a, parts) for a in members) if c), None)
+    if not parts:
+        return args if origin is Literal else None
+    if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+        field = get_type_hints(tp, include_extras=True).get(parts[0])
+        return _choices(field, parts[1:]) if field is not None else None
+    if origin is list and parts[0].isdigit():
+        return _choices(args[0], parts[1:])
+    return None
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
@@ -498,35 +445,6 @@ def check_consistency(cfg: RunConfig) -> None:
             "bad value for 'buffer.host': only loopback is supported until CurveZMQ "
             "authentication lands; run multi-node jobs through an SSH tunnel for now"
         )
-
-
-def check_rewards(rewards: RewardsConfig) -> None:
-    """Names unique, at least one source, regexes and import paths well formed."""
-    if not rewards.sources:
-        raise ConfigError("bad value for 'rewards.sources': at least one reward source is needed")
-    names = [src.name for src in rewards.sources]
-    for i, src in enumerate(rewards.sources):
-        key = f"rewards.sources.{i}"
-        if not re.fullmatch(r"[A-Za-z0-9_.-]+", src.name):
-            raise ConfigError(
-                f"bad value for '{key}.name': '{src.name}' may use only letters, digits, "
-                "'_', '.' and '-' (it names metrics)"
-            )
-        if src.name in names[:i]:
-            raise ConfigError(f"bad value for '{key}.name': '{src.name}' names two sources")
-        if isinstance(src, FormatReward):
-            try:
-                re.compile(src.pattern)
-            except re.error as exc:
-                raise ConfigError(f"bad value for '{key}.pattern': not a regex ({exc})") from None
-        if isinstance(src, FunctionReward) and not re.fullmatch(
-            r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", src.function
-        ):
-            raise ConfigError(
-                f"bad value for '{key}.function': '{src.function}' is not 'package.module:function'"
-            )
-        if isinstance(src, ModelReward) and not src.path:
-            raise ConfigError(f"bad value for '{key}.path': a model reward needs its directory")
 
 
 def to_yaml(cfg: RunConfig) -> str:

@@ -16,6 +16,7 @@ the limit are skipped and counted, never truncated (a cut prompt asks another qu
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 from dataclasses import dataclass, field, replace
@@ -78,17 +79,79 @@ def load_prompts(path: str | Path, key: str = "data.path") -> list[PromptRecord]
 
 def _read_table(path: Path, key: str):
     import pyarrow as pa
-    import pyarrow.json as pj
     import pyarrow.parquet as pq
 
     try:
         if path.suffix == ".parquet":
             return pq.read_table(path)
-        if path.stat().st_size == 0:
+        if not path.read_bytes().strip():
             raise ConfigError(f"bad value for '{key}': '{path}' is empty")
-        return pj.read_json(path)
+        return _read_jsonl(path)
     except pa.ArrowInvalid as exc:
+        what = _bad_jsonl_line(path) if path.suffix != ".parquet" else None
+        what = what or f"'{path}' cannot be read ({_one_line(exc)})"
+        raise ConfigError(f"bad value for '{key}': {what}") from None
+    except OSError as exc:
         raise ConfigError(f"bad value for '{key}': '{path}' cannot be read ({exc})") from None
+
+
+def _read_jsonl(path: Path):
+    import pyarrow.json as pj
+
+    try:
+        return pj.read_json(path)
+    except Exception as exc:
+        if "straddl" not in str(exc):
+            raise
+    # A line longer than pyarrow's block (1 MiB by default): read the file as one block.
+    size = min(path.stat().st_size + 1, 2**31 - 1)
+    return pj.read_json(path, read_options=pj.ReadOptions(block_size=size))
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split())
+
+
+def _bad_jsonl_line(path: Path) -> str | None:
+    """What makes pyarrow refuse a JSONL file, with its line number: a line that is not
+    JSON, not an object, or gives a column a type other than earlier lines gave it
+    (pyarrow's own row numbers count from the start of a block, not of the file)."""
+    import json
+
+    kinds: dict[str, tuple[str, int]] = {}  # column -> (JSON type, first line with it)
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"line {number} of '{path}'"
+            try:
+                row = json.loads(line.rstrip("\r\n"))
+            except json.JSONDecodeError as exc:
+                return f"{where} is not valid JSON ({exc.msg}, column {exc.colno})"
+            if not isinstance(row, dict):
+                return f"{where} is not a JSON object"
+            for column, value in row.items():
+                kind = _json_kind(value)
+                seen = kinds.setdefault(column, (kind, number)) if kind else None
+                if seen and seen[0] != kind:
+                    return (
+                        f"{where}: '{column}' is {kind}, but line {seen[1]} has {seen[0]} "
+                        "(a column holds one type)"
+                    )
+    return None
+
+
+def _json_kind(value: Any) -> str | None:
+    """The JSON type of ``value`` as the columns see it (None: null fits any column)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "a list" if isinstance(value, list) else "an object"
 
 
 def _ground_truth(reward_model: Any, path: Path, key: str) -> str | None:
@@ -105,9 +168,19 @@ def _prompt(value: Any, row: int, path: Path, key: str) -> str | list[dict[str, 
     if isinstance(value, list) and value and all(_is_message(m) for m in value):
         return [{"role": m["role"], "content": m["content"]} for m in value]
     raise ConfigError(
-        f"bad value for '{key}': row {row} of '{path}' has a prompt that is neither a string "
-        "nor a non-empty list of {role, content} messages"
+        f"bad value for '{key}': {_row_name(path, row)} of '{path}' has a prompt that is "
+        "neither a string nor a non-empty list of {role, content} messages"
     )
+
+
+def _row_name(path: Path, row: int) -> str:
+    """Row ``row`` (0-based) as a user finds it: 'line N' of a JSONL file (blank lines
+    hold no row), 'row N' of a Parquet file."""
+    if path.suffix == ".parquet":
+        return f"row {row}"
+    with open(path, encoding="utf-8", errors="replace") as f:
+        filled = (n for n, line in enumerate(f, start=1) if line.strip())
+        return f"line {next(itertools.islice(filled, row, None), row + 1)}"
 
 
 def _is_message(m: Any) -> bool:

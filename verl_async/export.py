@@ -4,22 +4,27 @@ The checkpoint holds the full weights by Hugging Face name (``learner/model.safe
 the model's config, generation config and tokenizer come from the run's initial model
 (the manifest's ``model_path``, or ``<run_dir>/model`` when that directory moved with the
 run). The result is a ``save_pretrained`` directory that transformers and vLLM load.
+
+An existing non-empty output directory is refused (files of another model would stay
+beside the new ones) unless ``force``; then the model is written to a temporary directory
+beside it and swapped in, so the output directory never holds a mix of the two.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 from pathlib import Path
 
 from verl_async.checkpoint import CheckpointError, newest_valid, read_manifest, step_dir, verify
 
 
-def export(run_dir: str | Path, out_dir: str | Path, step: int | None = None) -> tuple[Path, Path]:
-    import torch
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
+def export(
+    run_dir: str | Path, out_dir: str | Path, step: int | None = None, force: bool = False
+) -> tuple[Path, Path]:
     run_dir, out_dir = Path(run_dir), Path(out_dir)
+    check_out_dir(out_dir, force)
     if step is None:
         found = newest_valid(run_dir)
         if found is None:
@@ -38,14 +43,62 @@ def export(run_dir: str | Path, out_dir: str | Path, step: int | None = None) ->
         raise CheckpointError(
             f"the run's initial model (for config and tokenizer) is gone: {manifest.meta.get('model_path')}"
         )
+    tmp = _beside(out_dir, "export")
+    tmp.mkdir(parents=True)
+    try:
+        _write_model(ckpt, base, tmp)
+        swap_in(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already unless the write failed
+    return ckpt, out_dir
+
+
+def check_out_dir(out_dir: Path, force: bool) -> None:
+    """Refuse an output path that holds anything, unless ``force``."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CheckpointError(f"'{out_dir}' exists and is not a directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
+        raise CheckpointError(
+            f"'{out_dir}' exists and is not empty; choose another directory, or pass --force "
+            "to replace it"
+        )
+
+
+def swap_in(new: Path, out_dir: Path) -> None:
+    """Put directory ``new`` in the place of ``out_dir`` (both on one file system). An old
+    ``out_dir`` is renamed aside first and deleted last: at every instant ``out_dir`` is
+    the old directory, absent, or the complete new one, never a mix."""
+    old = _beside(out_dir, "old") if out_dir.exists() else None
+    if old is not None:
+        os.rename(out_dir, old)
+    try:
+        os.rename(new, out_dir)
+    except OSError:
+        if old is not None:
+            os.rename(old, out_dir)  # put the old one back
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _beside(out_dir: Path, what: str) -> Path:
+    """A fresh hidden path next to ``out_dir`` (same file system, so renames are atomic)."""
+    path = out_dir.parent / f".{out_dir.name}.{what}-{os.getpid()}"
+    shutil.rmtree(path, ignore_errors=True)  # left by a crashed export with the same pid
+    return path
+
+
+def _write_model(ckpt: Path, base: Path, out_dir: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
     state = load_file(ckpt / "learner" / "model.safetensors")
     config = AutoConfig.from_pretrained(base)
     dtype = next(iter(state.values())).dtype if state else torch.float32
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.load_state_dict(state, strict=True)
-    out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(base).save_pretrained(out_dir)
     with contextlib.suppress(OSError):  # the initial model may have no generation config
         GenerationConfig.from_pretrained(base).save_pretrained(out_dir)
-    return ckpt, out_dir

@@ -29,18 +29,14 @@ from datetime import datetime
 from pathlib import Path
 
 import msgspec
+from rich.markup import escape
 
 from verl_async import placement
-from verl_async.checkpoint import MANIFEST, list_checkpoints, newest_valid
-from verl_async.config import (
-    ConfigError,
-    DataConfig,
-    ModelReward,
-    RunConfig,
-    load_config,
-    to_yaml,
-)
+from verl_async.checkpoint import MANIFEST, list_checkpoints, newest_valid, spare_dir
+from verl_async.config import ConfigError, DataConfig, RunConfig, load_config, to_yaml
 from verl_async.metrics import complete_lines, read_metrics
+from verl_async.progress import ProgressReport, summarize
+from verl_async.reward_config import ModelReward
 from verl_async.runtime import Endpoints, device_env, free_port, ranks_env, write_endpoints
 
 
@@ -72,10 +68,56 @@ def make_run_dir(cfg: RunConfig, run_dir: str | None) -> Path:
 
 
 def resumable(run_dir: Path) -> bool:
-    """True when ``run_dir`` holds a run (checkpoint.resume=true resumes it, else starts it)."""
+    """True when ``run_dir`` holds a run with a committed checkpoint (checkpoint.resume=true
+    resumes it; else the run starts, or starts over: ``start_over``)."""
     return (run_dir / "config.yaml").is_file() and any(
         (d / MANIFEST).is_file() for d in list_checkpoints(run_dir)
     )
+
+
+PARTIAL = ("metrics.jsonl", "trained.jsonl", "eval.jsonl", "tensorboard")
+
+
+def start_over(run_dir: Path, console) -> None:
+    """checkpoint.resume=true on a run stopped before its first checkpoint: nothing to resume
+    from, so the run starts again in ``run_dir``. What it wrote per step (metrics, trail,
+    uncommitted checkpoint directories) goes; every log gets a note, and the new run's
+    output is appended below it."""
+    if not any((run_dir / name).exists() for name in PARTIAL):
+        return  # stopped before its first step: nothing to clear
+    note = (
+        f"no checkpoint in '{run_dir}' to resume from: the run starts over there "
+        "(its metrics and trail so far are cleared)"
+    )
+    console.print(f"[yellow]{escape(note)}[/]")
+    for name in PARTIAL:
+        path = run_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    for d in list_checkpoints(run_dir):
+        if not (d / MANIFEST).is_file():
+            shutil.rmtree(d)
+    shutil.rmtree(spare_dir(run_dir), ignore_errors=True)
+    for log in sorted((run_dir / "logs").glob("*.log")):
+        with open(log, "a") as f:
+            f.write(f"\n--- {datetime.now():%Y-%m-%d %H:%M:%S} verl-async: {note} ---\n\n")
+
+
+def open_run_dir(
+    cfg: RunConfig, run_dir_arg: str | None, console, resume: bool
+) -> tuple[Path, Path | None]:
+    """The run directory and the checkpoint to resume from (None: the run starts)."""
+    if run_dir_arg is not None and cfg.checkpoint.resume and not resume:
+        path = Path(run_dir_arg).resolve()
+        resume = resumable(path)
+        if not resume and path.is_dir():
+            start_over(path, console)
+    if resume:
+        run_dir = Path(run_dir_arg).resolve()
+        return run_dir, choose_checkpoint(cfg, run_dir, console)
+    return make_run_dir(cfg, run_dir_arg), None
 
 
 def choose_checkpoint(cfg: RunConfig, run_dir: Path, console) -> Path:
@@ -83,7 +125,7 @@ def choose_checkpoint(cfg: RunConfig, run_dir: Path, console) -> Path:
     if not (run_dir / "config.yaml").is_file():
         raise RoleFailed(f"cannot resume: '{run_dir}' holds no run (no config.yaml)")
     check_resumable(load_config(run_dir / "config.yaml"), cfg)
-    found = newest_valid(run_dir, report=lambda m: console.print(f"[yellow]{m}[/]"))
+    found = newest_valid(run_dir, report=lambda m: console.print(f"[yellow]{escape(m)}[/]"))
     if found is None:
         raise RoleFailed(
             f"cannot resume: no checkpoint in '{run_dir / 'checkpoints'}' verifies "
@@ -98,7 +140,7 @@ def choose_checkpoint(cfg: RunConfig, run_dir: Path, console) -> Path:
     for name in ("metrics.jsonl", "trained.jsonl", "eval.jsonl"):
         truncate_steps(run_dir / name, manifest.step)
     console.print(
-        f"resuming from [bold]{ckpt.name}[/] (step {manifest.step}, version {manifest.version})"
+        f"resuming from [bold]{escape(ckpt.name)}[/] (step {manifest.step}, version {manifest.version})"
     )
     return ckpt
 
@@ -172,18 +214,28 @@ def resolve_learner_models(cfg: RunConfig) -> RunConfig:
     return msgspec.structs.replace(cfg, algo=algo, critic=critic)
 
 
-def prepare(cfg: RunConfig, run_dir: Path, resume_from: Path | None = None) -> Endpoints:
-    """Resolve paths, check the data, build the tiny model if asked, write config.yaml and
-    endpoints.json."""
+def check_data(cfg: RunConfig) -> None:
+    """Read the prompt files: a missing, empty or malformed file (or a missing column) is a
+    ``ConfigError`` naming the key, the file and the line."""
     from verl_async.data import load_prompts
 
+    data = resolve_data_paths(cfg.data)
+    load_prompts(data.path)
+    if data.val_path:
+        load_prompts(data.val_path, "data.val_path")
+
+
+def prepare(
+    cfg: RunConfig, run_dir: Path, resume_from: Path | None = None, data_checked: bool = False
+) -> Endpoints:
+    """Resolve paths, check the data (unless ``data_checked``), build the tiny model if
+    asked, write config.yaml and endpoints.json."""
     cfg = msgspec.structs.replace(cfg, data=resolve_data_paths(cfg.data))
     cfg = resolve_reward_models(cfg)
     cfg = resolve_learner_models(cfg)
     cfg = placement.resolve_count(cfg)
-    load_prompts(cfg.data.path)  # a missing column or an empty file stops the run here
-    if cfg.data.val_path:
-        load_prompts(cfg.data.val_path, "data.val_path")
+    if not data_checked:
+        check_data(cfg)
     if cfg.model.path:
         model_path = Path(cfg.model.path).resolve()
         if not (model_path / "config.json").is_file():
@@ -307,19 +359,8 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 def watch(roles: list[Role], cfg: RunConfig, run_dir: Path, console) -> None:
     """Show progress until the learner finishes; raise RoleFailed if any role dies first."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    total = cfg.trainer.total_steps
     learner = next(r for r in roles if r.name == "learner")
-    columns = (
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(),
-        TextColumn("{task.fields[info]}"),
-    )
-    with Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task("training", total=total, info="starting engines...")
+    with ProgressReport(console, cfg.trainer.total_steps, cfg.trainer.log_every) as report:
         while True:
             for role in roles:
                 code = role.proc.poll()
@@ -332,18 +373,9 @@ def watch(roles: list[Role], cfg: RunConfig, run_dir: Path, console) -> None:
                         f"the {role.name} process exited with code {code} before the run finished; "
                         f"last lines of {role.log_path}:\n{_tail(role.log_path)}"
                     )
-            rows = read_metrics(run_dir / "metrics.jsonl")
-            if rows:
-                last = rows[-1]
-                progress.update(
-                    task,
-                    completed=len(rows),
-                    info=(
-                        f"reward {last['reward_mean']:.2f}  staleness≤{last['staleness_max']}  "
-                        f"gen {last['gen_tokens_per_s']:.0f} tok/s  sync {last['weight_sync_s'] * 1000:.0f} ms"
-                    ),
-                )
-            if learner.proc.poll() == 0:
+            finished = learner.proc.poll() == 0  # before reading: its last row is then in
+            report.update(read_metrics(run_dir / "metrics.jsonl"))
+            if finished:
                 return
             time.sleep(0.5)
 
@@ -355,8 +387,11 @@ def restarted(role: Role, code: int, console) -> bool:
         return False
     role.restarts += 1
     console.print(
-        f"[yellow]the {role.name} process exited with code {code}; restarting it "
-        f"({role.restarts}/{MAX_RESTARTS}); see {role.log_path}[/]"
+        f"the {role.name} process exited with code {code}; restarting it "
+        f"({role.restarts}/{MAX_RESTARTS}); see {role.log_path}",
+        style="yellow",
+        markup=False,
+        soft_wrap=True,
     )
     _signal_group(role.proc, signal.SIGKILL)  # anything it left behind
     role.proc = role.restart()
@@ -375,15 +410,10 @@ def wait_for_exit(roles: list[Role], timeout_s: float) -> None:
 def train(cfg: RunConfig, run_dir_arg: str | None, console, resume: bool = False) -> Path:
     """Start (or with ``resume``, continue) the run in ``run_dir_arg``; return its directory."""
     placement.check_devices_exist(cfg)  # before anything is written or started
-    if run_dir_arg is not None and cfg.checkpoint.resume:
-        resume = resume or resumable(Path(run_dir_arg).resolve())
-    if resume:
-        run_dir = Path(run_dir_arg).resolve()
-        ckpt = choose_checkpoint(cfg, run_dir, console)
-    else:
-        run_dir, ckpt = make_run_dir(cfg, run_dir_arg), None
-    console.print(f"run directory: [bold]{run_dir}[/]")
-    prepare(cfg, run_dir, ckpt)
+    check_data(cfg)
+    run_dir, ckpt = open_run_dir(cfg, run_dir_arg, console, resume)
+    console.print(f"run directory: [bold]{escape(str(run_dir))}[/]", soft_wrap=True)
+    prepare(cfg, run_dir, ckpt, data_checked=True)
     roles = start_roles(cfg, run_dir)
     try:
         watch(roles, cfg, run_dir, console)
@@ -394,23 +424,11 @@ def train(cfg: RunConfig, run_dir_arg: str | None, console, resume: bool = False
         stop_roles(learner, grace_s=cfg.checkpoint.write_timeout_s)
         console.print("[yellow]stopping every process...[/]")
         if any((d / MANIFEST).is_file() for d in list_checkpoints(run_dir)):
-            console.print(f"resume with: verl-async train CONFIG --resume {run_dir}")
+            console.print(
+                f"resume with: verl-async train --resume {run_dir}", markup=False, soft_wrap=True
+            )
         raise
     finally:
         stop_roles(roles)
     summarize(run_dir, console)
     return run_dir
-
-
-def summarize(run_dir: Path, console) -> None:
-    rows = read_metrics(run_dir / "metrics.jsonl")
-    if not rows:
-        return
-    k = min(10, len(rows))
-    first = sum(r["reward_mean"] for r in rows[:k]) / k
-    last = sum(r["reward_mean"] for r in rows[-k:]) / k
-    console.print(
-        f"done: {len(rows)} steps in {rows[-1]['wall_s']:.0f}s; reward {first:.3f} (first {k}) -> "
-        f"{last:.3f} (last {k}); max staleness {max(r['staleness_max'] for r in rows)}; "
-        f"dropped_stale {sum(r['dropped_stale'] for r in rows)}; metrics: {run_dir / 'metrics.jsonl'}"
-    )

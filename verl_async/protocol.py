@@ -403,9 +403,12 @@ def decode(parts: list) -> tuple[Envelope, list]:
     """Multipart frames -> (envelope, tensor frames). Raises ProtocolError on bad input."""
     if not parts:
         raise ProtocolError("empty message")
+    # Anything a peer sends must end as ProtocolError: DecodeError (and ValidationError)
+    # are ValueErrors, so is the UnicodeDecodeError of a string that is not UTF-8, and
+    # deep nesting raises RecursionError.
     try:
         env = _decoder.decode(parts[0])
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (ValueError, RecursionError) as exc:
         if _peek_version(parts[0]) not in (None, PROTOCOL_VERSION):
             raise ProtocolError(
                 f"protocol version {_peek_version(parts[0])} is not {PROTOCOL_VERSION}; "
@@ -420,19 +423,30 @@ def decode(parts: list) -> tuple[Envelope, list]:
 def _peek_version(head: bytes | memoryview) -> int | None:
     try:
         raw = msgspec.msgpack.decode(head)
-    except msgspec.DecodeError:
+    except (ValueError, RecursionError):  # as in ``decode``: not ours either
         return None
     if isinstance(raw, list) and raw and isinstance(raw[0], int):
         return raw[0]
     return None
 
 
+MAX_NDIM = 32
+"""Dimensions a ``TensorRef`` may have (numpy 1.x's limit; every tensor we send is 1-D)."""
+
+
 def tensor(ref: TensorRef, frames: list) -> np.ndarray:
-    """The array a ``TensorRef`` points at (a view on the received frame, no copy)."""
+    """The array a ``TensorRef`` points at (a view on the received frame, no copy).
+
+    Everything in the ref comes from the peer, so each field is checked before numpy sees
+    it: a bad ref raises ProtocolError, never numpy's own ValueError (which the buffer
+    would have to tell apart from its own bugs).
+    """
     if ref.dtype not in _DTYPES:
-        raise ProtocolError(f"unknown tensor dtype '{ref.dtype}'")
+        raise ProtocolError(f"unknown tensor dtype {ref.dtype[:32]!r}")
     if not 1 <= ref.frame <= len(frames):
         raise ProtocolError(f"tensor frame {ref.frame} missing ({len(frames)} frames)")
+    if len(ref.shape) > MAX_NDIM:
+        raise ProtocolError(f"tensor has {len(ref.shape)} dimensions, at most {MAX_NDIM}")
     frame = frames[ref.frame - 1]
     buf = memoryview(frame.buffer if hasattr(frame, "buffer") else frame).cast("B")
     if any(d < 0 for d in ref.shape):
@@ -445,4 +459,24 @@ def tensor(ref: TensorRef, frames: list) -> np.ndarray:
             f"{ref.dtype} at offset {ref.offset} needs {ref.offset + nbytes}"
         )
     array = np.frombuffer(buf, dtype=ref.dtype, count=count, offset=ref.offset)
-    return array.reshape(ref.shape)
+    try:
+        return array.reshape(ref.shape)
+    except ValueError:  # empty, with a dimension numpy cannot index: (0, 2**62)
+        raise ProtocolError(f"tensor shape {ref.shape} is too large") from None
+
+
+def vector(ref: TensorRef, frames: list, dtype: str, name: str) -> np.ndarray:
+    """``tensor`` for a field that must be a 1-D array of ``dtype``; errors name ``name``.
+
+    Without this a float32 array sent where token ids belong would be stored as it came
+    and fail (or silently mean something else) only in the learner, steps later.
+    """
+    if ref.dtype != dtype or len(ref.shape) != 1:
+        shape = ref.shape if len(ref.shape) <= MAX_NDIM else f"<{len(ref.shape)} dimensions>"
+        raise ProtocolError(
+            f"{name} must be a 1-D {dtype} tensor, got {ref.dtype[:32]!r} of shape {shape}"
+        )
+    try:
+        return tensor(ref, frames)
+    except ProtocolError as exc:
+        raise ProtocolError(f"{name}: {exc}") from None

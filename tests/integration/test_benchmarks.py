@@ -113,6 +113,17 @@ def test_staleness_sweep(tmp_path):
     assert (tmp_path / "s.png").stat().st_size > 0
 
 
+def test_learner_scaling(tmp_path):
+    _run(
+        "learner_scaling.py",
+        ["--steps", "3", "--repeats", "1", "--skip", "0", "--cases", "one,two"]
+        + ["--out", str(tmp_path)],
+    )
+    results = json.loads((tmp_path / "learner_scaling.json").read_text())
+    assert [r["steps"] for r in results["one"] + results["two"]] == [3, 3]
+    assert all(r["tokens_per_s"] > 0 for r in results["one"] + results["two"])
+
+
 def test_gpu_script_code_path_on_cpu(tmp_path):
     """The CUDA benchmark's code (FSDP2 step, gather, bucketed send) on CPU with gloo."""
     _run(

@@ -25,6 +25,7 @@ def buffer_proc(tmp_path, free_port, tiny_model):
             f"data.path={ROOT / 'configs/data/max_digit.jsonl'}",
             "learner.groups_per_step=2",
             "staleness.max=0",
+            "generators.group_size=1",  # the rollouts below have one sample each
         ],
     )
     (tmp_path / "config.yaml").write_text(to_yaml(cfg))

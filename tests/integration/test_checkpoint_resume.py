@@ -312,7 +312,7 @@ def test_ctrl_c_finishes_the_checkpoint_write_in_progress_then_exits(tmp_path, s
     proc.send_signal(sig)  # Ctrl-C in the terminal, or a scheduler preempting the job
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-3000:]
-    assert "resume with: verl-async train CONFIG --resume" in err
+    assert f"resume with: verl-async train --resume {run_dir}" in err
     assert 3 in _committed(run_dir), "the write in progress was not finished"
     assert run_cli(["ckpt", "verify", str(run_dir)], timeout=60).returncode == 0
     log = (run_dir / "logs" / "learner.log").read_text()

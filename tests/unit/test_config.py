@@ -72,6 +72,43 @@ def test_bad_input_is_one_error_naming_the_key(override, message):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "algo.adv_estimator=foo",
+            "bad value for 'algo.adv_estimator': must be one of "
+            "'grpo', 'gae', 'rloo', 'reinforce_plus_plus' ('foo' is not one of them)",
+        ),
+        (
+            "algo.kl.loss_type=1",
+            "'algo.kl.loss_type': must be one of 'kl', 'k1', 'abs', 'mse', 'k2', 'low_var_kl', "
+            "'k3' (expected `str`, got `int`)",
+        ),
+        ("weights.mode=drop", "'weights.mode': must be one of 'keep', 'abort'"),
+        (
+            "rewards.sources=[{name: a, kind: exact, normalize: batch}]",
+            "'rewards.sources.0.normalize': must be one of 'none', 'group', 'running'",
+        ),
+        (
+            "rewards.sources=[{name: a, kind: nope}]",
+            "'rewards.sources.0.kind': must be one of 'exact', 'format', 'math', 'function', "
+            "'model' ('nope' is not one of them)",
+        ),
+    ],
+)
+def test_a_value_outside_a_fixed_set_lists_the_choices(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert message in str(err.value)
+
+
+def test_keys_without_a_fixed_set_list_no_choices():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["learner.lr=abc"])
+    assert str(err.value) == "bad value for 'learner.lr': expected `float`, got `str`"
+
+
 def test_missing_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")

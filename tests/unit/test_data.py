@@ -49,7 +49,8 @@ def test_plain_jsonl_layout(tmp_path):
         ('{"prompt": "x"}\n', "neither 'reward_model'"),
         ('{"answer": "1"}\n', "no 'prompt' column"),
         ('{"prompt": 3, "answer": "1"}\n', "neither a string nor"),
-        ("not json\n", "cannot be read"),
+        ("not json\n", "line 1 of .* is not valid JSON"),
+        (" \n\n", "is empty"),
     ],
 )
 def test_bad_files_give_one_error_naming_the_key(tmp_path, content, message):
@@ -67,6 +68,69 @@ def test_missing_file_and_empty_parquet(tmp_path):
     pq.write_table(empty, tmp_path / "e.parquet")
     with pytest.raises(ConfigError, match="holds no prompts"):
         load_prompts(tmp_path / "e.parquet")
+
+
+def test_a_malformed_jsonl_line_is_named_by_its_line_number(tmp_path):
+    # Past pyarrow's first block (1 MiB), where its own row numbers restart.
+    lines = [json.dumps({"prompt": f"p{i}" * 5, "answer": str(i)}) for i in range(40_000)]
+    lines[31_414] = '{"prompt": "x", "answer": '
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    assert path.stat().st_size > 2**20
+    with pytest.raises(ConfigError) as err:
+        load_prompts(path)
+    assert str(err.value).startswith(
+        f"bad value for 'data.path': line 31415 of '{path}' is not valid JSON (Expecting value"
+    )
+
+
+@pytest.mark.parametrize(
+    ("lines", "message"),
+    [
+        (['{"prompt": "a", "answer": "1"}', '{"prompt": "b", "answer": 2}'], "line 2 of"),
+        (['{"prompt": "a", "answer": "1"}', "[1, 2]"], "line 2 of .* is not a JSON object"),
+        (['{"prompt": "a", "answer": "1"}', "", '{"prompt": 7, "answer": "1"}'], "line 3 of"),
+    ],
+)
+def test_jsonl_rows_pyarrow_refuses_are_named_by_line(tmp_path, lines, message):
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ConfigError, match=message) as err:
+        load_prompts(path)
+    assert "\n" not in str(err.value)
+
+
+def test_a_jsonl_line_longer_than_pyarrows_block_is_read(tmp_path):
+    path = tmp_path / "d.jsonl"
+    rows = [{"prompt": "x" * (3 * 2**20), "answer": "1"}, {"prompt": "y", "answer": "2"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [r.ground_truth for r in load_prompts(path)] == ["1", "2"]
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ([{"question": "q", "answer": "1"}], "no 'prompt' column"),
+        ([{"prompt": "q"}], "neither 'reward_model'"),
+        ([{"prompt": "q", "reward_model": {"style": "rule"}}], "without 'ground_truth'"),
+        ([{"prompt": 3, "answer": "1"}], "row 0 of"),
+    ],
+)
+def test_parquet_column_errors_name_the_file_and_the_key(tmp_path, rows, message):
+    path = _verl_parquet(tmp_path / "d.parquet", rows)
+    with pytest.raises(ConfigError, match=message) as err:
+        load_prompts(path, "data.val_path")
+    assert str(err.value).startswith("bad value for 'data.val_path'") and str(path) in str(
+        err.value
+    )
+
+
+def test_a_corrupt_parquet_file_names_the_file(tmp_path):
+    path = tmp_path / "d.parquet"
+    path.write_bytes(b"PAR1" + b"\0" * 64)
+    with pytest.raises(ConfigError, match="cannot be read") as err:
+        load_prompts(path)
+    assert str(path) in str(err.value) and "\n" not in str(err.value)
 
 
 class _Tokenizer:

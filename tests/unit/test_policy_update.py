@@ -11,7 +11,7 @@ from learners.batching import collate
 from learners.update import logits_of, policy_update, prox_pass
 from verl_async import protocol as P
 from verl_async.algos import policy_loss, token_logprobs
-from verl_async.config import AlgoConfig, TinyModelConfig
+from verl_async.config import AlgoConfig, KLConfig, TinyModelConfig
 from verl_async.tiny_model import build_tiny_model
 
 
@@ -90,7 +90,6 @@ def test_every_estimator_composes_with_every_correction(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from learners.advantages import estimate
-    from verl_async.config import KLConfig
 
     path = build_tiny_model(tmp_path / "m", TinyModelConfig())
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -136,3 +135,23 @@ def test_entropy_bonus_subtracts_coeff_times_entropy(tmp_path):
     a = policy_update(model, None, batch, adv, plain, noop, lambda: 0.0, step=False)
     b = policy_update(model, None, batch, adv, bonus, noop, lambda: 0.0, step=False)
     assert b.loss == pytest.approx(a.loss - 0.5 * a.entropy, abs=1e-5)
+    # verl's actor/pg_loss is the policy-gradient part alone: unchanged by the bonus.
+    assert b.pg_loss == pytest.approx(a.pg_loss, abs=1e-6) and a.pg_loss == pytest.approx(a.loss)
+
+
+def test_pg_loss_leaves_out_the_kl_loss_term(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path = build_tiny_model(tmp_path / "m", TinyModelConfig())
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    batch = _batch()
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    algo = msgspec.structs.replace(AlgoConfig(), minibatches=1, kl=KLConfig(loss_coef=0.1))
+    # A reference that disagrees with the policy, so the KL term is not zero.
+    logp_ref = prox_pass(model, batch, 1.0)[0] - 0.3 * batch.loss_mask
+    noop = lambda loss: None  # noqa: E731
+    s = policy_update(
+        model, None, batch, adv, algo, noop, lambda: 0.0, logp_ref=logp_ref, step=False
+    )
+    assert s.kl_loss > 1e-3
+    assert s.loss == pytest.approx(s.pg_loss + 0.1 * s.kl_loss, abs=1e-6)

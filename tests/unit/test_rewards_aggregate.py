@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from verl_async.config import ExactReward
+from verl_async.reward_config import ExactReward
 from verl_async.rewards.aggregate import EPS, RunningStats, combine, summarize, unrouted
 
 NAN = math.nan

@@ -15,12 +15,7 @@ import pytest
 import zmq
 
 from verl_async import protocol as P
-from verl_async.config import (
-    ExactReward,
-    FunctionReward,
-    ModelReward,
-    RewardsConfig,
-)
+from verl_async.reward_config import ExactReward, FunctionReward, ModelReward, RewardsConfig
 from verl_async.rewards.scorer import RuleScorer, Scorer, conversation
 
 FNS = "tests.unit.reward_fns"

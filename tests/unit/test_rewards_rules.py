@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from verl_async.config import ExactReward, FormatReward, FunctionReward, MathReward
 from verl_async.protocol import ScoreItem
+from verl_async.reward_config import ExactReward, FormatReward, FunctionReward, MathReward
 from verl_async.rewards.rules import (
     MathVerifier,
     RuleError,

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from verl_async.config import RewardSource
+from verl_async.reward_config import RewardSource
 
 EPS = 1e-6
 

@@ -27,14 +27,14 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from verl_async.config import (
+from verl_async.protocol import ScoreItem
+from verl_async.reward_config import (
     ExactReward,
     FormatReward,
     FunctionReward,
     MathReward,
     RewardSource,
 )
-from verl_async.protocol import ScoreItem
 
 log = logging.getLogger("verl_async.rewards")
 

@@ -41,7 +41,7 @@ import zmq
 import zmq.asyncio
 
 from verl_async import protocol as P
-from verl_async.config import ModelReward, RewardsConfig, RewardSource
+from verl_async.reward_config import ModelReward, RewardsConfig, RewardSource
 from verl_async.rewards.worker import ENV_REWARDS
 
 log = logging.getLogger("verl_async.rewards")

@@ -30,13 +30,8 @@ import msgspec
 import zmq
 
 from verl_async import protocol as P
-from verl_async.config import (
-    FunctionReward,
-    MathReward,
-    ModelReward,
-    RewardsConfig,
-    load_config,
-)
+from verl_async.config import load_config
+from verl_async.reward_config import FunctionReward, MathReward, ModelReward, RewardsConfig
 from verl_async.rewards.rules import RuleScorerState
 from verl_async.runtime import die_with_parent
 

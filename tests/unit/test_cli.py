@@ -1,0 +1,351 @@
+"""What ``verl-async`` shows and how its commands behave, without starting a run's processes:
+progress output, error printing, --version, --resume without a config, checkpoint.resume on
+a run without a checkpoint, export into an existing directory, the generation rate."""
+
+import io
+import json
+import re
+import subprocess
+import sys
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from buffer.ledger import TokenRate
+from verl_async import cli, launcher
+from verl_async.checkpoint import commit, step_dir
+from verl_async.config import load_config, to_yaml
+from verl_async.launcher import Role, RoleFailed, watch
+from verl_async.progress import ProgressReport, snapshot
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def _row(step, step_s=1.0, samples=64, reward=0.5):
+    return {
+        "step": step,
+        "version": step + 1,
+        "wall_s": float(step + 1),
+        "step_s": step_s,
+        "reward_mean": reward,
+        "samples": samples,
+        "staleness_mean": 1.25,
+        "staleness_max": 2,
+        "gen_tokens_per_s": 1234.0,
+        "weight_sync_s": 0.003,
+        "dropped_stale": 0,
+    }
+
+
+def _plain_console() -> Console:
+    return Console(file=io.StringIO(), force_terminal=False, width=80)
+
+
+@pytest.fixture
+def no_signal_handlers(monkeypatch):
+    """``cli._train`` installs SIGINT/SIGTERM handlers; keep pytest's own."""
+    monkeypatch.setattr(cli, "_interrupt_on_signals", lambda: None)
+
+
+# ---------------------------------------------------------------- 1, 2: progress output
+
+
+def test_without_a_terminal_a_plain_line_is_printed_every_log_every_steps():
+    console = _plain_console()
+    rows = [_row(i) for i in range(5)]
+    with ProgressReport(console, total=5, log_every=2) as report:
+        for n in range(6):
+            report.update(rows[:n])
+    lines = console.file.getvalue().splitlines()
+    steps = [line.split()[1] for line in lines if line.startswith("step ")]
+    assert steps == ["2/5", "4/5", "5/5"]  # every 2nd step, and the last one
+    last = lines[-1]
+    for field in ("reward 0.50", "lag 1.2 (max 2)", "gen 1234 tok/s", "elapsed 0:00:0", "ETA"):
+        assert field in last, last
+    assert "━" not in console.file.getvalue()
+
+
+def test_watch_prints_progress_lines_when_output_is_not_a_terminal(tmp_path):
+    rows = "".join(json.dumps(_row(i)) + "\n" for i in range(4))
+    script = f"open({str(tmp_path / 'metrics.jsonl')!r}, 'w').write({rows!r})"
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    learner = Role("learner", proc, tmp_path / "learner.log")
+    cfg = load_config(None, ["trainer.total_steps=4", "trainer.log_every=2"])
+    console = _plain_console()
+    watch([learner], cfg, tmp_path, console)
+    out = console.file.getvalue()
+    assert re.search(r"^step 4/4 .*reward 0\.50.*ETA 0:00:00$", out, re.M), out
+
+
+def test_eta_and_samples_per_s_come_from_the_mean_step_time():
+    # The first step also waited for the engines: it is left out of the mean.
+    snap = snapshot([_row(0, 30.0), _row(1, 2.0), _row(2, 4.0)], total=10, elapsed_s=36)
+    assert snap.eta_s == pytest.approx(7 * 3.0)
+    assert snap.samples_per_s == pytest.approx(128 / 6.0)
+    assert snap.lag_mean == 1.25 and snap.lag_max == 2
+
+
+def test_the_terminal_bar_keeps_elapsed_eta_and_numbers_whole_at_80_columns():
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=80, color_system=None)
+    report = ProgressReport(console, total=100_000, log_every=1)
+    report.start -= 3723  # 1:02:03 elapsed
+    with report:
+        report.update([_row(i, 2.0, reward=0.123) for i in range(12_345)])
+    text = ANSI.sub("", out.getvalue())
+    final = text[text.rindex("training") :]
+    for field in (
+        "12345/100000",
+        "1:02:03",
+        "ETA 48:41:50",  # 87655 steps x 2 s
+        "reward 0.12",
+        "lag 1.2 (max 2)",
+        "gen 1234 tok/s",
+        "32.0 samples/s",
+        "sync 3 ms",
+    ):
+        assert field in final, final
+    assert "…" not in final
+    assert all(len(line) <= 80 for line in final.splitlines())
+
+
+# ---------------------------------------------------------------- 3: errors print verbatim
+
+
+def test_a_role_failure_prints_verbatim_with_brackets_and_long_paths(
+    monkeypatch, capsys, no_signal_handlers
+):
+    path = "/scratch/" + "a-very-long-directory-name/" * 4 + "logs/generator0.log"
+    message = (
+        f"the generator0 process exited with code 1 before the run finished; last lines of "
+        f"{path}:\n[bold red]ValueError[/]: bad [x] in {path}\nTraceback [1/2]"
+    )
+
+    def fail(*args, **kwargs):
+        raise RoleFailed(message)
+
+    monkeypatch.setattr(launcher, "train", fail)
+    assert cli._train(load_config(None), None, resume=False) == 1
+    assert capsys.readouterr().err == f"verl-async: {message}\n"
+
+
+# ---------------------------------------------------------------- 4: data-file errors
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "where"),
+    [
+        ("bad.jsonl", '{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": \n', "line 2"),
+        ("empty.jsonl", "\n", "is empty"),
+        ("nocol.jsonl", '{"prompt": "a"}\n', "neither 'reward_model'"),
+        ("gone.jsonl", None, "does not exist"),
+        ("bad.parquet", "PAR1 not really", "cannot be read"),
+    ],
+)
+def test_a_bad_data_file_stops_train_at_once_with_one_line_and_exit_2(
+    tmp_path, repo_root, capsys, no_signal_handlers, name, content, where
+):
+    deep = tmp_path / ("data-directory-with-a-long-name/" * 3)
+    deep.mkdir(parents=True)
+    data = deep / name
+    if content is not None:
+        data.write_text(content)
+    run_dir = tmp_path / "run"
+    config = str(repo_root / "configs/tiny.yaml")
+    argv = ["train", config, "--run-dir", str(run_dir), f"data.path={data}"]
+    code = cli.main([*argv, "placement.generators=[cpu]", "placement.learners=[cpu]"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1, err  # one line, long path and all
+    assert err.startswith("verl-async: config error: bad value for 'data.path'")
+    assert str(data) in err and where in err
+    assert not run_dir.exists()  # nothing was written
+
+
+# ---------------------------------------------------------------- 5: checkpoint.resume
+
+
+def _stopped_run(run_dir: Path, cfg) -> None:
+    """What a run killed after two steps and before its first checkpoint leaves."""
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(_row(i)) + "\n" for i in range(2)))
+    (run_dir / "trained.jsonl").write_text('{"step": 0}\n')
+    (run_dir / "logs" / "learner.log").write_text("step 1 done\n")
+    (step_dir(run_dir, 3) / "learner").mkdir(parents=True)  # a write that never committed
+
+
+def test_checkpoint_resume_starts_over_a_run_stopped_before_its_first_checkpoint(tmp_path):
+    from verl_async.launcher import open_run_dir
+
+    cfg = load_config(None, ["checkpoint.resume=true"])
+    run_dir = tmp_path / "run"
+    _stopped_run(run_dir, cfg)
+    console = _plain_console()
+    assert open_run_dir(cfg, str(run_dir), console, resume=False) == (run_dir, None)
+    assert "starts over" in console.file.getvalue()
+    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "trained.jsonl").exists()
+    assert not step_dir(run_dir, 3).exists()
+    log = (run_dir / "logs" / "learner.log").read_text()
+    assert log.startswith("step 1 done\n") and "starts over" in log
+
+
+def test_checkpoint_resume_resumes_when_a_checkpoint_exists(tmp_path):
+    from verl_async.launcher import open_run_dir
+
+    cfg = load_config(None, ["checkpoint.resume=true"])
+    run_dir = tmp_path / "run"
+    _stopped_run(run_dir, cfg)
+    (step_dir(run_dir, 1) / "learner").mkdir(parents=True)
+    (step_dir(run_dir, 1) / "learner" / "model.bin").write_bytes(b"w")
+    commit(step_dir(run_dir, 1), step=1, version=1)
+    got = open_run_dir(cfg, str(run_dir), _plain_console(), resume=False)
+    assert got == (run_dir, step_dir(run_dir, 1))
+    assert [
+        json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()
+    ] == [0]
+
+
+# ---------------------------------------------------------------- 6: --resume without CONFIG
+
+
+@pytest.fixture
+def captured_train(monkeypatch):
+    calls = []
+    monkeypatch.setattr(
+        cli, "_train", lambda cfg, run_dir, resume: calls.append((cfg, run_dir, resume)) or 0
+    )
+    return calls
+
+
+def test_resume_reads_the_run_dirs_config_and_applies_overrides(
+    tmp_path, repo_root, captured_train
+):
+    cfg = launcher.placement.resolve_count(
+        load_config(repo_root / "configs/tiny.yaml", ["learner.lr=1e-4"])
+    )
+    (tmp_path / "config.yaml").write_text(to_yaml(cfg))
+    assert cli.main(["train", "--resume", str(tmp_path)]) == 0
+    assert captured_train[-1] == (cfg, str(tmp_path), True)
+    # config.yaml states generators.count (1); new generator groups bring their own count.
+    two = "placement.generators=[cpu, cpu]"
+    assert cli.main(["train", "--resume", str(tmp_path), "trainer.total_steps=7", two]) == 0
+    resumed = captured_train[-1][0]
+    assert resumed.trainer.total_steps == 7 and resumed.learner.lr == pytest.approx(1e-4)
+    assert resumed.placement.generators == ["cpu", "cpu"] and resumed.generators.count is None
+
+
+def test_resume_without_config_needs_a_run_there(tmp_path, capsys, captured_train):
+    assert cli.main(["train", "--resume", str(tmp_path)]) == 2
+    assert "holds no run (no config.yaml)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["train"])  # no config and nothing to resume
+    assert captured_train == []
+
+
+def test_the_resume_hint_names_no_placeholder(tmp_path, repo_root, monkeypatch):
+    cfg = load_config(None, [f"data.path={repo_root / 'configs/data/max_digit.jsonl'}"])
+    run_dir = tmp_path / "run"
+    _stopped_run(run_dir, cfg)
+    (step_dir(run_dir, 1) / "model.bin").parent.mkdir(parents=True)
+    (step_dir(run_dir, 1) / "model.bin").write_bytes(b"w")
+    commit(step_dir(run_dir, 1), step=1, version=1)
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launcher, "prepare", lambda *args, **kwargs: None)
+    monkeypatch.setattr(launcher, "start_roles", lambda cfg, run_dir: [])
+    monkeypatch.setattr(launcher, "watch", interrupted)
+    console = _plain_console()
+    with pytest.raises(KeyboardInterrupt):
+        launcher.train(cfg, str(run_dir), console, resume=True)
+    assert f"resume with: verl-async train --resume {run_dir}\n" in console.file.getvalue()
+
+
+# ---------------------------------------------------------------- 7: generation rate
+
+
+def test_the_first_generation_rate_is_averaged_since_the_start_not_over_a_burst():
+    rate = TokenRate(window_s=20)
+    t0 = time.monotonic()
+    # The engines took 10 s to start; then the first 8 groups come back within 7 ms.
+    for i in range(8):
+        rate.add(400, now=t0 + 10 + i * 0.001)
+    first = rate.rate(now=t0 + 10.01)
+    assert first == pytest.approx(3200 / 10.01, rel=0.01)  # not 3200 / 0.01
+    # Past the window it is the window's rate, as before.
+    rate.add(3200, now=t0 + 25)
+    assert rate.rate(now=t0 + 30) == pytest.approx(6400 / 20)
+
+
+def test_token_rate_counts_from_an_explicit_start():
+    rate = TokenRate(window_s=10, start=100.0)
+    rate.add(500, now=104.0)
+    assert rate.rate(now=105.0) == pytest.approx(100.0)
+    assert TokenRate(start=0.0).rate(now=5.0) == 0.0  # nothing yet
+
+
+def test_token_rate_begin_leaves_the_engines_start_up_out():
+    rate = TokenRate(window_s=20, start=0.0)
+    rate.begin(now=30.0)  # the engines took 30 s; the first prompts go out now
+    rate.begin(now=31.0)  # later calls change nothing
+    rate.add(500, now=32.0)
+    assert rate.rate(now=32.5) == pytest.approx(500 / 2.5)
+
+
+# ---------------------------------------------------------------- 8: --version
+
+
+def test_version_is_the_package_metadata(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out == f"verl-async {version('verl-async')}\n"
+
+
+# ---------------------------------------------------------------- 10: export
+
+
+@pytest.fixture(scope="module")
+def run_with_checkpoint(tmp_path_factory) -> Path:
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from verl_async.config import TinyModelConfig
+    from verl_async.tiny_model import build_tiny_model
+
+    run_dir = tmp_path_factory.mktemp("run")
+    model = build_tiny_model(run_dir / "model", TinyModelConfig())
+    state = AutoModelForCausalLM.from_pretrained(model).state_dict()
+    ckpt = step_dir(run_dir, 2)
+    (ckpt / "learner").mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, ckpt / "learner" / "model.safetensors")
+    commit(ckpt, step=2, version=2, meta={"model_path": str(model)})
+    return run_dir
+
+
+def test_export_refuses_a_non_empty_directory_and_force_replaces_it(
+    run_with_checkpoint, tmp_path, capsys
+):
+    out = tmp_path / "exported"
+    out.mkdir()
+    (out / "stale.bin").write_bytes(b"old model")
+    assert cli.main(["export", str(run_with_checkpoint), str(out)]) == 1
+    assert "--force" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["stale.bin"]  # untouched
+
+    assert cli.main(["export", str(run_with_checkpoint), str(out), "--force"]) == 0
+    names = {p.name for p in out.iterdir()}
+    assert "stale.bin" not in names and {"config.json", "model.safetensors"} <= names
+    assert [p.name for p in tmp_path.iterdir()] == ["exported"]  # no temporary left beside
+
+
+def test_export_into_a_new_or_empty_directory_needs_no_force(run_with_checkpoint, tmp_path):
+    (tmp_path / "empty").mkdir()
+    for out in (tmp_path / "empty", tmp_path / "new" / "model"):
+        assert cli.main(["export", str(run_with_checkpoint), str(out)]) == 0
+        assert (out / "config.json").is_file()

@@ -1,0 +1,122 @@
+"""The ``rewards:`` section: one entry per reward source (``kind`` picks the type), and
+its checks. Part of the run configuration (verl_async/config.py)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+import msgspec
+
+from verl_async.config_base import ConfigError, PosFloat, PosInt, _Section
+
+
+class _RewardSource(_Section, kw_only=True):
+    """What every reward source has; ``kind`` (the tag) picks the subclass."""
+
+    name: str
+    """Name of the source in metrics (``reward/<name>``)."""
+    weight: float = 1.0
+    """Weight of the source in the combined reward."""
+    normalize: Literal["none", "group", "running"] = "none"
+    """Scale before weighting: none; group = (x - group mean) / (group std + 1e-6);
+    running = (x - mean) / (std + 1e-6) over every score of this source so far."""
+    default_score: float = 0.0
+    """Score when the source fails (raises, times out, or its process dies)."""
+    data_sources: list[str] = []
+    """Score only prompts whose ``data_source`` is listed (empty: every prompt)."""
+
+
+class ExactReward(_RewardSource, tag="exact", tag_field="kind", kw_only=True):
+    """1 when the extracted response equals the ground truth (both stripped), else 0."""
+
+    extract: Literal["all", "first_word", "last_word"] = "all"
+    """Which part of the response is compared."""
+    case_sensitive: bool = True
+    """Compare with case (false: both sides lower-cased)."""
+
+
+class FormatReward(_RewardSource, tag="format", tag_field="kind", kw_only=True):
+    """1 when the response matches ``pattern`` (Python regex, DOTALL), else 0."""
+
+    pattern: str
+    """Regular expression the response must match."""
+    full_match: bool = False
+    """Require the whole response (stripped) to match, instead of a match anywhere."""
+
+
+class MathReward(_RewardSource, tag="math", tag_field="kind", kw_only=True):
+    """1 when the response's final answer equals the ground truth under ``math-verify``
+    (GSM8K ``####``, ``\\boxed{}``, fractions, LaTeX), numeric comparison as the fallback."""
+
+
+class FunctionReward(_RewardSource, tag="function", tag_field="kind", kw_only=True):
+    """A user function ``module:function`` called with keyword arguments ``prompt``,
+    ``response``, ``ground_truth``, ``data_source``, ``extra_info`` (+ ``kwargs``), returning
+    a float. It runs in a scoring process of its own, never on the engine's event loop."""
+
+    function: str
+    """Import path ``package.module:function`` (the module must be importable)."""
+    kwargs: dict[str, Any] = {}
+    """Extra keyword arguments passed on every call."""
+
+
+class ModelReward(_RewardSource, tag="model", tag_field="kind", kw_only=True):
+    """A Hugging Face ``AutoModelForSequenceClassification`` (one output) scoring the
+    chat-templated conversation (prompt messages + response), served by a reward-model
+    process of its own on ``placement.reward_models``."""
+
+    path: str
+    """Reward-model directory (config.json, weights, tokenizer)."""
+    batch_size: PosInt = 32
+    """Most conversations per forward pass."""
+    max_length: PosInt = 1024
+    """Conversations are truncated (from the left) to this many tokens."""
+    share_prefix: bool = True
+    """Forward the prompt a group's conversations share once and only the responses on top
+    of its key/value cache (same scores, less compute); false forwards every row whole."""
+
+
+RewardSource = ExactReward | FormatReward | MathReward | FunctionReward | ModelReward
+
+
+def _default_sources() -> list[RewardSource]:
+    return [ExactReward(name="correct", extract="first_word")]
+
+
+class RewardsConfig(_Section):
+    sources: list[RewardSource] = msgspec.field(default_factory=_default_sources)
+    """Reward sources; a sample's reward is the weighted sum of their (normalised) scores
+    over the sources routed to its ``data_source``."""
+    timeout_s: PosFloat = 30.0
+    """A source that has not scored a group after this long gives its default_score (the
+    scoring process is restarted); counted in ``reward_failed/<name>``."""
+
+
+def check_rewards(rewards: RewardsConfig) -> None:
+    """Names unique, at least one source, regexes and import paths well formed."""
+    if not rewards.sources:
+        raise ConfigError("bad value for 'rewards.sources': at least one reward source is needed")
+    names = [src.name for src in rewards.sources]
+    for i, src in enumerate(rewards.sources):
+        key = f"rewards.sources.{i}"
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", src.name):
+            raise ConfigError(
+                f"bad value for '{key}.name': '{src.name}' may use only letters, digits, "
+                "'_', '.' and '-' (it names metrics)"
+            )
+        if src.name in names[:i]:
+            raise ConfigError(f"bad value for '{key}.name': '{src.name}' names two sources")
+        if isinstance(src, FormatReward):
+            try:
+                re.compile(src.pattern)
+            except re.error as exc:
+                raise ConfigError(f"bad value for '{key}.pattern': not a regex ({exc})") from None
+        if isinstance(src, FunctionReward) and not re.fullmatch(
+            r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", src.function
+        ):
+            raise ConfigError(
+                f"bad value for '{key}.function': '{src.function}' is not 'package.module:function'"
+            )
+        if isinstance(src, ModelReward) and not src.path:
+            raise ConfigError(f"bad value for '{key}.path': a model reward needs its directory")
