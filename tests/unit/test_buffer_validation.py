@@ -30,9 +30,8 @@ from buffer.ledger import (
     check_issued,
     unpack_rollout,
 )
-from buffer.server import (
+from buffer.requests import (
     MAX_PARKED_PER_CLIENT,
-    BufferServer,
     RejectionLog,
     check_announce,
     check_eval_results,
@@ -41,6 +40,7 @@ from buffer.server import (
     check_non_negative,
     check_wait,
 )
+from buffer.server import BufferServer
 from verl_async import protocol as P
 from verl_async.data import PromptRecord
 from verl_async.staleness import Admission

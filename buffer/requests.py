@@ -1,0 +1,155 @@
+"""Checks of what a buffer client asks for, before any state changes, and the log that
+keeps a flood of rejections to a few lines. Pure functions: every rejection raises
+``ProtocolError`` with a message naming what was wrong (the server answers it as an
+``Error``); rollouts themselves are checked in buffer/ledger.py."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+
+from verl_async import protocol as P
+
+MAX_WAIT_S = 300.0  # the longest long poll (clients poll for 1-30 s; see learners/batching.py)
+MAX_WORLD_SIZE = 4096  # learner ranks a GetBatch may name (shards are allocated per rank)
+MAX_PARKED_PER_CLIENT = 16  # long polls one connection may have waiting (real ones: 1-2)
+MAX_TEXT = 400  # characters of a peer-provoked error message kept in a reply or a log line
+
+
+class RejectionLog:
+    """Log lines for rejected messages that a flood cannot turn into a full disk.
+
+    The first ``burst`` lines of every ``window_s`` seconds are written in full (a real
+    client's mistake is rare, and its first lines say what went wrong); past that they are
+    only counted by kind, and one summary line per window says how many were left out.
+    So the log grows by at most ``burst + 1`` lines a window whatever arrives. ``flush``
+    (called by the server's ticker too) ends a window whose time is up.
+    """
+
+    def __init__(
+        self, logger: logging.Logger, burst: int = 20, window_s: float = 10.0, clock=time.monotonic
+    ) -> None:
+        self.logger = logger
+        self.burst = burst
+        self.window_s = window_s
+        self.clock = clock
+        self.window_start = clock()
+        self.logged = 0
+        self.suppressed: Counter[str] = Counter()
+
+    def log(self, kind: str, msg: str, *args, level: int = logging.WARNING, **kw) -> None:
+        """``logger.log(level, msg, *args)`` unless this window's burst is spent."""
+        self.flush()
+        if self.logged < self.burst:
+            self.logged += 1
+            self.logger.log(level, msg, *(short(a) for a in args), **kw)
+        else:
+            self.suppressed[kind] += 1
+
+    def flush(self) -> None:
+        now = self.clock()
+        if now - self.window_start < self.window_s:
+            return
+        if self.suppressed:
+            kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.suppressed.items()))
+            self.logger.warning(
+                "%d more rejected messages in the last %.0fs were not logged (%s)",
+                self.suppressed.total(),
+                now - self.window_start,
+                kinds,
+            )
+        self.window_start, self.logged, self.suppressed = now, 0, Counter()
+
+
+def short(value):
+    """A peer-provoked text cut to MAX_TEXT characters (other values as they are)."""
+    if isinstance(value, str) and len(value) > MAX_TEXT:
+        return value[:MAX_TEXT] + f"... ({len(value) - MAX_TEXT} more characters)"
+    return value
+
+
+# ----------------------------------------------------------------------------- validation
+# Pure checks of a request against what the buffer knows; each raises ProtocolError with a
+# message naming the field, and is called before the request touches any state.
+
+
+def check_non_negative(body: P.Body, *fields: str) -> None:
+    """Counters, steps, versions and ids are never negative."""
+    for name in fields:
+        value = getattr(body, name)
+        if value < 0:
+            raise P.ProtocolError(f"{type(body).__name__}.{name} = {value} is negative")
+
+
+def check_wait(wait_s: float) -> None:
+    """A long poll's wait: a deadline that can be reached (NaN and inf never are)."""
+    if not 0.0 <= wait_s <= MAX_WAIT_S:  # NaN fails both comparisons
+        raise P.ProtocolError(f"wait_s {wait_s!r} is outside 0..{MAX_WAIT_S:g} seconds")
+
+
+def check_loaded(loaded_version: int, target_version: int) -> None:
+    """A generator loads only versions the buffer announced (it learns them from here)."""
+    if loaded_version > target_version:
+        raise P.ProtocolError(
+            f"loaded_version {loaded_version} was never announced "
+            f"(the newest version is {target_version})"
+        )
+
+
+def check_get_batch(req: P.GetBatch, total_steps: int, cut_for: int | None) -> None:
+    """Step, rank and world size a learner can ask for. ``cut_for``: the number of ranks
+    the step was already split over (None: not cut yet); every rank must agree on it."""
+    check_non_negative(req, "step", "learner_version")
+    check_wait(req.wait_s)
+    if req.step >= total_steps:
+        raise P.ProtocolError(f"step {req.step} is past the run's last step {total_steps - 1}")
+    if not 1 <= req.world_size <= MAX_WORLD_SIZE:
+        raise P.ProtocolError(f"world_size {req.world_size} is outside 1..{MAX_WORLD_SIZE}")
+    if not 0 <= req.rank < req.world_size:
+        raise P.ProtocolError(f"rank {req.rank} is outside 0..{req.world_size - 1}")
+    if req.learner_version > req.step:
+        raise P.ProtocolError(
+            f"learner_version {req.learner_version} at step {req.step}: "
+            "the learner trains step s with version s"
+        )
+    if cut_for is not None and cut_for != req.world_size:
+        raise P.ProtocolError(
+            f"step {req.step} was cut for {cut_for} ranks, this request says {req.world_size}"
+        )
+
+
+def check_announce(update: P.WeightUpdate, target_version: int) -> None:
+    """A new version is the next one (or the current one again, after a restore)."""
+    if update.version not in (target_version, target_version + 1):
+        raise P.ProtocolError(
+            f"version {update.version} announced while the newest is {target_version}: "
+            "versions go up one at a time"
+        )
+    if update.bucket_bytes <= 0:
+        raise P.ProtocolError(f"bucket_bytes {update.bucket_bytes} is not positive")
+    for spec in update.params:
+        if any(d < 0 for d in spec.shape):
+            raise P.ProtocolError(f"parameter {spec.name[:64]!r} has a negative dimension")
+
+
+def check_eval_results(body: P.PushEval, num_sources: int, target_version: int) -> None:
+    """Every evaluation result has one row of scores per source, one entry per sample."""
+    check_non_negative(body, "round")
+    for res in body.results:
+        where = f"evaluation prompt {res.group_id}"
+        n = len(res.response_lengths)
+        if len(res.scores) != num_sources or len(res.failed) != num_sources:
+            raise P.ProtocolError(
+                f"{where}: scores of {len(res.scores)} sources and failed counts of "
+                f"{len(res.failed)}, the run has {num_sources} reward sources"
+            )
+        if any(len(row) != n for row in res.scores) or len(res.versions) != n:
+            raise P.ProtocolError(f"{where}: scores or versions do not match {n} samples")
+        if any(not 0 <= v <= target_version for v in res.versions):
+            raise P.ProtocolError(f"{where}: a version outside 0..{target_version}")
+        if any(x < 0 for x in res.response_lengths) or any(not 0 <= f <= n for f in res.failed):
+            raise P.ProtocolError(f"{where}: a negative length or an impossible failed count")
+        if any(math.isinf(v) for row in res.scores for v in row):
+            raise P.ProtocolError(f"{where}: an infinite score")
