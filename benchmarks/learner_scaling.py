@@ -1,19 +1,23 @@
 """Learner ranks and prefetch in whole runs: step time, learner tokens/s, wait, memory.
 
     python benchmarks/learner_scaling.py [--config configs/tiny.yaml] [--steps 150]
-                                         [--cases one,two,one_noprefetch] [--repeats 2]
+                                         [--cases one,two,one_noprefetch,one_unpinned]
+                                         [--repeats 2]
                                          [--out runs/learner_scaling] [key=value ...]
 
 Runs ``verl-async train CONFIG`` once per case and repeat, in the order ABC CBA ... (so
 drift in the machine hits every case alike), with the same config except:
 
-  one              placement.learners=[cpu] (one rank, as the tiny default places it)
-  two              placement.learners=[cpu, cpu] (two FSDP2 ranks, gloo)
-  one_noprefetch   one rank, learner.prefetch=false (each batch fetched when the step
+  one              placement.learners=[cpu:1] (one rank on core 1, one thread: the tiny
+                   default's placement)
+  two              placement.learners=[cpu, cpu] (two FSDP2 ranks over gloo, one thread
+                   each, unpinned: the generator's core is shared)
+  one_noprefetch   as one, with learner.prefetch=false (each batch fetched when the step
                    needs it: the wait the prefetch thread hides)
+  one_unpinned     placement.learners=[cpu] (one rank, torch's default two threads,
+                   sharing core 0 with the generator)
 
-Every case puts the generator on core 0 and the learner ranks unpinned (``cpu``), so the
-two-rank job has the same cores as the one-rank one. Per case it reports the median of
+The generator is on core 0 in every case. Per case it reports the median of
 ``step_s`` (the learner's step, publication included), learner tokens/s (``tokens`` /
 ``step_s``), the median ``learner_wait_s`` (time the step waited for its batch), the
 learner's peak RSS (rank 0) and the final reward. Steps before ``--skip`` are left out
@@ -32,9 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, machine, mean, run_train  # noqa: E402
 
 CASES = {
-    "one": ["placement.learners=[cpu]"],
+    "one": ["placement.learners=[cpu:1]"],
     "two": ["placement.learners=[cpu, cpu]"],
-    "one_noprefetch": ["placement.learners=[cpu]", "learner.prefetch=false"],
+    "one_noprefetch": ["placement.learners=[cpu:1]", "learner.prefetch=false"],
+    "one_unpinned": ["placement.learners=[cpu]"],
 }
 
 
