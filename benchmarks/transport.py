@@ -108,6 +108,7 @@ def through_buffer(size: int, count: int, args) -> tuple[float, int]:
             # what the buffer accepts: one sample of the message's tokens per group
             "generators.group_size=1",
             f"generators.max_new_tokens={max(size // 12, 1)}",
+            f"generators.max_model_len={max(size // 12, 1) + 256}",  # room for the prompts
         ],
     )
     endpoint = prepare(cfg, run_dir).buffer
