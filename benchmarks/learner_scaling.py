@@ -1,21 +1,21 @@
 """Learner ranks and prefetch in whole runs: step time, learner tokens/s, wait, memory.
 
     python benchmarks/learner_scaling.py [--config configs/tiny.yaml] [--steps 150]
-                                         [--cases one,two,one_noprefetch,one_unpinned]
+                                         [--cases one_unpinned,two,one_unpinned_noprefetch]
                                          [--repeats 2]
                                          [--out runs/learner_scaling] [key=value ...]
 
 Runs ``verl-async train CONFIG`` once per case and repeat, in the order ABC CBA ... (so
 drift in the machine hits every case alike), with the same config except:
 
-  one              placement.learners=[cpu:1] (one rank on core 1, one thread: the tiny
-                   default's placement)
-  two              placement.learners=[cpu, cpu] (two FSDP2 ranks over gloo, one thread
-                   each, unpinned: the generator's core is shared)
-  one_noprefetch   as one, with learner.prefetch=false (each batch fetched when the step
-                   needs it: the wait the prefetch thread hides)
   one_unpinned     placement.learners=[cpu] (one rank, torch's default two threads,
                    sharing core 0 with the generator)
+  two              placement.learners=[cpu, cpu] (two FSDP2 ranks over gloo, one thread
+                   each, unpinned: the same two cores)
+  *_noprefetch     the case with learner.prefetch=false (each batch fetched when the
+                   step needs it: the wait the prefetch thread hides)
+  one              placement.learners=[cpu:1] (one rank on core 1, one thread: the tiny
+                   default's placement; it leaves core 0 to the generator alone)
 
 The generator is on core 0 in every case. Per case it reports the median of
 ``step_s`` (the learner's step, publication included), learner tokens/s (``tokens`` /
@@ -36,11 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, machine, mean, run_train  # noqa: E402
 
 CASES = {
-    "one": ["placement.learners=[cpu:1]"],
-    "two": ["placement.learners=[cpu, cpu]"],
-    "one_noprefetch": ["placement.learners=[cpu:1]", "learner.prefetch=false"],
     "one_unpinned": ["placement.learners=[cpu]"],
+    "two": ["placement.learners=[cpu, cpu]"],
+    "one": ["placement.learners=[cpu:1]"],
 }
+CASES.update({f"{k}_noprefetch": [*v, "learner.prefetch=false"] for k, v in list(CASES.items())})
 
 
 def summarize(rows: list[dict], seconds: float, skip: int) -> dict:
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", type=Path, default=ROOT / "configs/tiny.yaml")
     ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--cases", default="one_unpinned,two,one_unpinned_noprefetch")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--skip", type=int, default=10, help="start-up steps left out")
     ap.add_argument("--out", type=Path, default=ROOT / "runs/learner_scaling")
