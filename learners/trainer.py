@@ -262,7 +262,7 @@ class Learner:
                 clip_grad=lambda: self.clip_grad(self.critic, cfg.critic.grad_clip),
                 plan=plan,
             )  # fmt: skip
-            critic_stats = dp.mean_stats(critic_stats, weight)
+            critic_stats = dp.mean_stats(critic_stats, weight, sums=("vf_loss",))
             # Over the whole step, not averaged over ranks:
             critic_stats.vf_explained_var = float(
                 explained_variance(batch.values, adv.returns, batch.loss_mask)
