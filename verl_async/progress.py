@@ -141,11 +141,12 @@ class ProgressReport:
                 elapsed=duration(snap.elapsed_s),
                 eta=duration(snap.eta_s),
             )
-        elif snap.done > self.printed and (
-            snap.done // self.log_every > self.printed // self.log_every or snap.done >= self.total
-        ):
-            self.printed = snap.done
-            self._print(plain_line(snap))
+        else:  # one line per multiple of log_every (and the last step), even when several
+            # steps landed between two polls: each from the rows up to its step
+            for m in range(self.printed + 1, snap.done + 1):
+                if m % self.log_every == 0 or m == self.total:
+                    self._print(plain_line(snapshot(rows[:m], self.total, now - self.start)))
+            self.printed = max(self.printed, snap.done)
 
     def _print(self, line: str) -> None:
         self.console.print(line, markup=False, highlight=False, soft_wrap=True)

@@ -349,3 +349,21 @@ def test_export_into_a_new_or_empty_directory_needs_no_force(run_with_checkpoint
     for out in (tmp_path / "empty", tmp_path / "new" / "model"):
         assert cli.main(["export", str(run_with_checkpoint), str(out)]) == 0
         assert (out / "config.json").is_file()
+
+
+def test_plain_progress_prints_every_due_step_even_when_several_land_between_polls():
+    import io
+
+    from rich.console import Console
+
+    from verl_async.progress import ProgressReport
+
+    out = io.StringIO()
+    report = ProgressReport(Console(file=out, force_terminal=False, width=200), 4, log_every=2)
+    report.bar = None
+    row = {"reward_mean": 0.1, "staleness_mean": 0.0, "staleness_max": 0, "gen_tokens_per_s": 1.0,
+           "samples": 8, "step_s": 0.1, "weight_sync_s": 0.001}  # fmt: skip
+    report.update([row])
+    report.update([row] * 3)  # steps 2 and 3 arrived together
+    report.update([row] * 4)
+    assert [line.split()[1] for line in out.getvalue().splitlines()] == ["2/4", "4/4"]
