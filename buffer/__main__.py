@@ -10,6 +10,8 @@ import uvloop
 from buffer.evaluation import EvalRounds
 from buffer.ledger import PromptLedger, RolloutLimits
 from buffer.server import BufferServer
+from verl_async import protocol as P
+from verl_async.auth import server_keys
 from verl_async.config import ConfigError, RunConfig
 from verl_async.data import PromptRecord, load_prompts, max_prompt_tokens, render_prompts
 from verl_async.runtime import load_context, start_role
@@ -61,7 +63,17 @@ def rollout_limits(cfg: RunConfig, model_path: str) -> RolloutLimits:
     )
 
 
-async def serve(run_dir: str) -> None:
+def run_info(run_dir: str) -> P.RunInfo:
+    """The run as roles started on their own fetch it (``GetRun``)."""
+    path = Path(run_dir).resolve()
+    return P.RunInfo(
+        config_yaml=(path / "config.yaml").read_text(),
+        endpoints_json=(path / "endpoints.json").read_text(),
+        run_dir=str(path),
+    )
+
+
+async def serve(run_dir: str, exit_after_stop_s: float | None = None) -> None:
     ctx = load_context(run_dir)
     cfg = ctx.cfg
     train, val, skipped = load_rendered(cfg, ctx.endpoints.model_path)
@@ -75,6 +87,9 @@ async def serve(run_dir: str) -> None:
         evals=EvalRounds(val),
         prompts_skipped=skipped,
         limits=rollout_limits(cfg, ctx.endpoints.model_path),
+        run_info=run_info(run_dir),
+        exit_after_stop_s=exit_after_stop_s,
+        curve=server_keys(cfg),
     )
     if ctx.endpoints.resume_from:
         server.restore(Path(ctx.endpoints.resume_from) / "buffer")
@@ -85,9 +100,18 @@ async def serve(run_dir: str) -> None:
     await server.serve()
 
 
+def exit_option(parser) -> None:
+    parser.add_argument(
+        "--exit-after-stop-s",
+        type=float,
+        default=None,
+        help="leave this long after the learner's Shutdown (default: run until SIGTERM)",
+    )
+
+
 def main() -> None:
-    args = start_role("buffer", "verl-async rollout buffer")
-    uvloop.run(serve(args.run_dir))
+    args = start_role("buffer", "verl-async rollout buffer", more=exit_option)
+    uvloop.run(serve(args.run_dir, args.exit_after_stop_s))
 
 
 if __name__ == "__main__":

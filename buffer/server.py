@@ -8,7 +8,8 @@ soon as they can be, or at their deadline, so clients never spin.
 Nothing is dropped: ROUTER_MANDATORY makes a send to a vanished peer raise (logged)
 instead of silently discarding; HWMs are 0 (unbounded) because every request is answered
 once and clients keep at most a handful outstanding. A message that does not decode gets
-an ``Error`` reply and a log line; the loop goes on.
+an ``Error`` reply and a log line; the loop goes on. With ``curve`` keys the ROUTER is a
+CurveZMQ server that admits only authorised clients (verl_async/auth.py).
 
 Hostile input. Every field a peer sends is checked before any state changes (pure
 functions in buffer/requests.py and buffer/ledger.py): a wrong message gets ``Error(code, message)``
@@ -19,7 +20,11 @@ and rejections are logged through ``RejectionLog``, so a flood costs a few lines
 
 Shutdown: ``Shutdown`` from the
 learner answers every poll with ``stop`` from then on (generators exit on it); SIGTERM
-from the launcher ends the loop, and the socket closes with linger=0.
+from the launcher ends the loop (or, started by ``verl-async buffer``, the loop ends
+``exit_after_stop_s`` after Shutdown), and the socket closes with linger=0.
+
+Roles started on their own (``verl-async generator|learner --buffer ADDR``) ask
+``GetRun`` for the run's config and endpoints (``RunInfo``).
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ from buffer.snapshot import (
     rollouts_to_arrow,
 )
 from verl_async import protocol as P
+from verl_async.auth import ServerKeys, serve_curve
 
 log = logging.getLogger("verl_async.buffer")
 
@@ -95,8 +101,16 @@ class BufferServer:
         evals: EvalRounds | None = None,
         prompts_skipped: int = 0,
         limits: RolloutLimits | None = None,
+        run_info: P.RunInfo | None = None,
+        exit_after_stop_s: float | None = None,
+        curve: ServerKeys | None = None,
     ) -> None:
         self.ledger = ledger
+        self.run_info = run_info  # answers GetRun (roles started on their own)
+        # Started by ``verl-async buffer``: leave the loop this long after Shutdown (the
+        # generators have then been told to stop); under ``train`` the launcher ends it.
+        self.exit_after_stop_s = exit_after_stop_s
+        self.stopped_at: float | None = None
         self.num_sources = num_sources  # reward sources: the width of every group's scores
         # What a returned group must look like; fields left None are not checked.
         self.limits = dataclasses.replace(limits or RolloutLimits(), num_sources=num_sources)
@@ -122,6 +136,7 @@ class BufferServer:
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.guard = serve_curve(self.sock, curve, log)  # None: no keys, no authentication
         self.sock.bind(endpoint)
         self.raw = zmq.Socket.shadow(self.sock.underlying)  # blocking-free sends and drains
 
@@ -139,10 +154,22 @@ class BufferServer:
             while not self.terminated:
                 if await self.sock.poll(100):
                     self._drain()
+                if self._linger_over():
+                    log.info("run finished: the buffer exits")
+                    break
         finally:
             ticker.cancel()
+            if self.guard is not None:
+                self.guard.close()
             self.sock.close(linger=0)
             self.ctx.term()
+
+    def _linger_over(self) -> bool:
+        return (
+            self.exit_after_stop_s is not None
+            and self.stopped_at is not None
+            and time.monotonic() - self.stopped_at >= self.exit_after_stop_s
+        )
 
     def _drain(self, max_messages: int = 1024) -> None:
         for _ in range(max_messages):
@@ -236,7 +263,10 @@ class BufferServer:
                 return self.snapshot_files(body.step)
             case P.Shutdown():
                 self.stopping = True
+                self.stopped_at = self.stopped_at or time.monotonic()
                 return P.Ack(), None
+            case P.GetRun() if self.run_info is not None:
+                return self.run_info, None
             case _:
                 return P.Error(
                     code="unexpected",

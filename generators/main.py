@@ -28,6 +28,7 @@ import numpy as np
 from generators.engine import Engine, Sampling, pack_samples, start_engine
 from verl_async import placement
 from verl_async import protocol as P
+from verl_async.auth import client_keys
 from verl_async.rewards.scorer import GroupScores, Scorer
 from verl_async.runtime import RunContext
 from verl_async.transport import AsyncBufferClient
@@ -110,7 +111,9 @@ class Generator:
         self.scorer = scorer
         self.train_sampling = Sampling.training(self.cfg)
         self.eval_sampling = Sampling.evaluation(self.cfg)
-        self.buffer = AsyncBufferClient(ctx.endpoints.buffer, self.cfg.buffer.request_timeout_s)
+        self.buffer = AsyncBufferClient(
+            ctx.endpoints.buffer, self.cfg.buffer.request_timeout_s, client_keys(self.cfg)
+        )
         self.stop = False
         self.failure: BaseException | None = None  # first error of a group or the weight loop
         self.inflight: set[asyncio.Task] = set()  # groups being sampled
@@ -251,7 +254,7 @@ def make_scorer(ctx: RunContext, index: int) -> Scorer:
 
         timeout_s = ctx.cfg.rewards.timeout_s
         clients = {
-            name: RewardModelClient(endpoint, timeout_s)
+            name: RewardModelClient(endpoint, timeout_s, client_keys(ctx.cfg))
             for name, endpoint in ctx.endpoints.reward_models.items()
         }
     return Scorer(ctx.run_dir, ctx.cfg.rewards, clients, log_name=f"reward_worker{index}")

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from verl_async import protocol as P
+from verl_async.auth import CurveKeys
 from verl_async.transport import BufferClient
 
 
@@ -190,18 +191,20 @@ class Prefetcher:
         device: torch.device,
         deadline_s: float,
         background: bool = True,
+        curve: CurveKeys | None = None,
     ) -> None:
         self.q: queue.Queue = queue.Queue(maxsize=1)
         self.deadline_s = deadline_s
         self.device = device
         self.cuda = device.type == "cuda"
         self.args = (endpoint, timeout_s, steps, rank, world, pad_id)
+        self.curve = curve  # CurveZMQ keys of the buffer sockets (None: no authentication)
         self.thread = None
         if background:
             self.thread = threading.Thread(target=self._run, name="prefetch", daemon=True)
             self.thread.start()
         else:
-            self.client = BufferClient(endpoint, timeout_s)
+            self.client = BufferClient(endpoint, timeout_s, self.curve)
             self.steps = iter(steps)
 
     def _fetch(self, client: BufferClient, step: int, stream=None):
@@ -211,7 +214,7 @@ class Prefetcher:
 
     def _run(self) -> None:
         endpoint, timeout_s, steps = self.args[:3]
-        client = BufferClient(endpoint, timeout_s)
+        client = BufferClient(endpoint, timeout_s, self.curve)
         stream = torch.cuda.Stream(self.device) if self.cuda else None
         try:
             for step in steps:

@@ -41,6 +41,7 @@ from learners.update import StepStats, policy_update, prox_pass
 from verl_async import protocol as P
 from verl_async.algos.losses import explained_variance
 from verl_async.algos.masked import masked_mean
+from verl_async.auth import CurveKeys, client_keys
 from verl_async.metrics import MetricsWriter
 from verl_async.rewards.aggregate import RunningStats, combine, summarize
 from verl_async.runtime import RunContext
@@ -99,9 +100,12 @@ class Learner:
             if group is not None and self.cfg.weights.overlap
             else None
         )
-        self.client = BufferClient(ctx.endpoints.buffer, self.cfg.buffer.request_timeout_s)
+        self.curve = client_keys(self.cfg)  # CurveZMQ keys of every buffer socket (None: none)
+        self.client = BufferClient(
+            ctx.endpoints.buffer, self.cfg.buffer.request_timeout_s, self.curve
+        )
         main = accelerator.is_main_process
-        self.metrics = MetricsWriter(ctx.path) if main else None
+        self.metrics = MetricsWriter(ctx.path, ctx.cfg) if main else None
         self.trail = open(ctx.path / "trained.jsonl", "a", buffering=1) if main else None  # noqa: SIM115 (closed in finish())
         self.t_start = time.monotonic()
         self.gen_clock = (0.0, 0.0)  # (blocked, idle) generator seconds at the previous batch
@@ -201,6 +205,7 @@ class Learner:
             self.acc.device,
             deadline_s=cfg.weights.join_timeout_s,
             background=cfg.learner.prefetch,
+            curve=self.curve,
         )
 
     def collect(self, batches: Prefetcher) -> tuple[TrainBatch, TrainBatch]:
@@ -364,7 +369,7 @@ class Learner:
             self.scheduler.state_dict() if self.scheduler else None,
             info,
             lambda: fetch_buffer_files(
-                self.ctx.endpoints.buffer, self.cfg.buffer.request_timeout_s, step
+                self.ctx.endpoints.buffer, self.cfg.buffer.request_timeout_s, step, self.curve
             ),
             critic=critic,
         )
@@ -496,11 +501,13 @@ class Learner:
                 log.warning("weight-sync group shutdown failed: %s", exc)
 
 
-def fetch_buffer_files(endpoint: str, timeout_s: float, step: int) -> dict[str, memoryview]:
+def fetch_buffer_files(
+    endpoint: str, timeout_s: float, step: int, curve: CurveKeys | None = None
+) -> dict[str, memoryview]:
     """The buffer's files of the cut taken at ``step`` (on the checkpoint writer's thread,
     with a socket of its own: the buffer encodes them while training goes on), as views
     on the received frames: written and hashed from there without a copy."""
-    client = BufferClient(endpoint, timeout_s)
+    client = BufferClient(endpoint, timeout_s, curve)
     try:
         reply, frames = client.request(P.FetchSnapshot(step=step))
     finally:

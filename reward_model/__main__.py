@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 
+from verl_async.auth import server_keys
 from verl_async.config import ConfigError, RunConfig
 from verl_async.reward_config import ModelReward
 from verl_async.runtime import RunContext, load_context, start_role
@@ -49,7 +50,13 @@ def main() -> None:
     model, tokenizer = load_reward_model(source.path, device, dtype)
     log.info("loaded %s on %s (%s)", source.path, device, dtype)
     server = RewardModelServer(
-        model, tokenizer, endpoint, source.batch_size, source.max_length, source.share_prefix
+        model,
+        tokenizer,
+        endpoint,
+        source.batch_size,
+        source.max_length,
+        source.share_prefix,
+        curve=server_keys(ctx.cfg),
     )
     signal.signal(signal.SIGTERM, lambda signum, frame: setattr(server, "terminated", True))
     server.serve()

@@ -16,6 +16,9 @@ request's shared prompt forwarded once, other rows pooled across requests in chu
 is not ``ScoreConversations`` gets an ``Error`` reply and a log line; a request whose
 scoring raises gets an ``Error`` reply of its own; the loop goes on. Shutdown: SIGTERM sets
 ``terminated`` (checked at least every ``POLL_MS``); the socket closes with linger=0.
+
+With ``curve`` keys the ROUTER is a CurveZMQ server that admits only authorised clients
+(verl_async/auth.py); each refused one is a line in this process's log.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import zmq
 
 from reward_model.scoring import score_requests
 from verl_async import protocol as P
+from verl_async.auth import ServerKeys, serve_curve
 
 log = logging.getLogger("verl_async.reward_model")
 POLL_MS = 200  # longest sleep before the loop looks at ``terminated`` again
@@ -57,6 +61,7 @@ class RewardModelServer:
         batch_size: int,
         max_length: int,
         share_prefix: bool = True,
+        curve: ServerKeys | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -71,6 +76,7 @@ class RewardModelServer:
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.guard = serve_curve(self.sock, curve, log)  # None: no keys, no authentication
         self.sock.bind(endpoint)
 
     def serve(self) -> None:
@@ -93,6 +99,8 @@ class RewardModelServer:
                         )  # fmt: skip
                     since, busy, scored = time.monotonic(), 0.0, 0
         finally:
+            if self.guard is not None:
+                self.guard.close()
             self.sock.close(linger=0)
             self.ctx.term()
 

@@ -7,6 +7,11 @@
     verl-async ckpt verify RUN_DIR [--step N]
     verl-async export RUN_DIR [--step N] [--force] OUT_DIR
     verl-async model smollm2-135m DIR
+    verl-async keys DIR [--clients NAME ...] [--force]
+    verl-async plot RUN_DIR [RUN_DIR ...] [--out DIR] [--window N]
+    verl-async buffer CONFIG [dotted.key=value ...] [--run-dir DIR | --resume RUN_DIR]
+    verl-async generator --buffer tcp://HOST:PORT [--index I] [--run-dir DIR]
+    verl-async learner --buffer tcp://HOST:PORT [--run-dir DIR]
     verl-async --version
 
 Parses and validates the config before anything imports torch or vLLM, so mistakes are
@@ -79,6 +84,37 @@ def build_parser() -> argparse.ArgumentParser:
     )
     model.add_argument("name", choices=MODELS, help="which model")
     model.add_argument("out_dir", help="directory to write (kept if already complete)")
+    keys = sub.add_parser(
+        "keys", help="make CurveZMQ keys for the buffer and reward models (docs/security.md)"
+    )
+    keys.add_argument("out_dir", metavar="DIR", help="directory of the key set (buffer.keys_dir)")
+    keys.add_argument(
+        "--clients",
+        nargs="+",
+        default=["default"],
+        metavar="NAME",
+        help="one key pair per client machine (default: one named 'default')",
+    )
+    keys.add_argument("--force", action="store_true", help="replace a key set already in DIR")
+    plot = sub.add_parser(
+        "plot",
+        help="PNG figures of a run (reward, eval, staleness, throughput, KL/entropy); "
+        "several runs are overlaid",
+    )
+    plot.add_argument(
+        "run_dirs", nargs="+", metavar="RUN_DIR", help="run directory; several are overlaid"
+    )
+    plot.add_argument(
+        "--out",
+        help="output directory (default: RUN_DIR/plots for one run; for several, "
+        "compare-<name>+<name>... beside the first)",
+    )
+    plot.add_argument(
+        "--window", type=int, default=10, help="trailing-mean window in steps (1: none)"
+    )
+    from verl_async.roles import add_parsers
+
+    add_parsers(sub)  # buffer, generator, learner: one role per command
     return parser
 
 
@@ -97,6 +133,20 @@ def main(argv: list[str] | None = None) -> int:
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         return _model(args)
+    if args.command == "keys":
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        return _keys(args)
+    if args.command == "plot":
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        return _plot(args)
+    if args.command in ("generator", "learner"):
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        from verl_async.roles import run_join
+
+        return run_join(args)
     return _run(parser, args, extra)
 
 
@@ -123,7 +173,7 @@ def _run(parser: argparse.ArgumentParser, args, extra: list[str]) -> int:
     if args.command == "config":
         print(to_yaml(cfg), end="")
         return 0
-    return _train(cfg, resume or args.run_dir, resume=resume is not None)
+    return _train(cfg, resume or args.run_dir, resume=resume is not None, command=args.command)
 
 
 def _config_source(
@@ -170,16 +220,22 @@ def print_error(console, message: str, style: str | None = None) -> None:
     console.print(message, style=style, markup=False, highlight=False, soft_wrap=True)
 
 
-def _train(cfg, run_dir: str | None, resume: bool) -> int:
+def _train(cfg, run_dir: str | None, resume: bool, command: str = "train") -> int:
+    """``train`` (every role, watched until the run ends) or ``buffer`` (this process
+    becomes the buffer; see verl_async/roles.py)."""
     from rich.console import Console
 
     from verl_async.config import ConfigError
     from verl_async.launcher import RoleFailed, train
+    from verl_async.roles import buffer_command
 
     console = Console(stderr=True)
     _interrupt_on_signals()
     try:
-        train(cfg, run_dir, console, resume=resume)
+        if command == "buffer":
+            buffer_command(cfg, run_dir, resume, console)  # returns only by raising (exec)
+        else:
+            train(cfg, run_dir, console, resume=resume)
     except ConfigError as exc:
         print_error(console, f"verl-async: config error: {exc}")
         return 2
@@ -247,6 +303,42 @@ def _model(args) -> int:
         print(f"verl-async: {exc}", file=sys.stderr)
         return 1
     print(f"{args.name} is in {out}")
+    return 0
+
+
+def _keys(args) -> int:
+    from pathlib import Path
+
+    from verl_async.auth import make_keys
+
+    try:
+        make_keys(args.out_dir, args.clients, force=args.force)
+    except (FileExistsError, ValueError) as exc:
+        print(f"verl-async: {exc}", file=sys.stderr)
+        return 1
+    out = Path(args.out_dir)
+    print(f"CurveZMQ keys in {out}; set buffer.keys_dir={out} on every machine")
+    print(f"  {out / 'server'}: to the machine of the buffer and reward models")
+    for name in args.clients:
+        print(f"  {out / 'clients' / name}: to client machine '{name}' (buffer.client_key={name})")
+    return 0
+
+
+def _plot(args) -> int:
+    from pathlib import Path
+
+    from verl_async.plot import PlotError, plot_runs
+
+    if args.window < 1:
+        print("verl-async: --window must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        plot_runs(
+            [Path(d) for d in args.run_dirs], Path(args.out) if args.out else None, args.window
+        )
+    except PlotError as exc:
+        print(f"verl-async: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

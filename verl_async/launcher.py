@@ -250,8 +250,8 @@ def prepare(
     host = cfg.buffer.host
     endpoints = Endpoints(
         buffer=f"tcp://{host}:{cfg.buffer.port or free_port(host)}",
-        weights_host=host,
-        weights_port=cfg.weights.port or free_port(host),
+        weights_host=cfg.weights.host or host,
+        weights_port=cfg.weights.port or free_port(cfg.weights.host or host),
         model_path=str(model_path),
         resume_from=str(resume_from or ""),
         reward_models={

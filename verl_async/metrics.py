@@ -1,9 +1,16 @@
-"""Per-step metrics: one JSON object per line in ``metrics.jsonl`` (+ TensorBoard if installed)."""
+"""Per-step metrics: one JSON object per line in ``metrics.jsonl``, always; the same numbers
+also go to each logger of ``trainer.loggers`` (TensorBoard, W&B: verl_async/loggers.py)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from verl_async.loggers import numeric, open_loggers
+
+if TYPE_CHECKING:
+    from verl_async.config import RunConfig
 
 # The run-directory contract (README.md, "Run directory"): every line carries at least these keys.
 REQUIRED_FIELDS = (
@@ -26,30 +33,29 @@ REQUIRED_FIELDS = (
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: Path) -> None:
-        self.file = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 (closed in close())
-        self.tb = None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
+    """``metrics.jsonl`` of ``run_dir`` plus the loggers ``cfg.trainer.loggers`` lists."""
 
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
-        except ImportError:
-            pass
+    def __init__(self, run_dir: Path, cfg: RunConfig) -> None:
+        path = run_dir / "metrics.jsonl"
+        # On resume the launcher has cut metrics.jsonl back to the checkpoint's step.
+        rows = read_metrics(path)
+        first_step = rows[-1]["step"] + 1 if rows else 0
+        self.file = open(path, "a", buffering=1)  # noqa: SIM115 (closed in close())
+        self.loggers = open_loggers(run_dir, cfg, first_step)
 
     def write(self, row: dict) -> None:
         missing = [k for k in REQUIRED_FIELDS if k not in row]
         if missing:
             raise KeyError(f"metrics row lacks {missing}")
         self.file.write(json.dumps(row) + "\n")
-        if self.tb is not None:
-            for key, value in row.items():
-                if isinstance(value, int | float) and key != "step":
-                    self.tb.add_scalar(key, value, row["step"])
+        values = numeric(row)
+        for logger in self.loggers:
+            logger.log(values, row["step"])
 
     def close(self) -> None:
         self.file.close()
-        if self.tb is not None:
-            self.tb.close()
+        for logger in self.loggers:
+            logger.close()
 
 
 def complete_lines(text: str) -> list[str]:

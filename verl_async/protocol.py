@@ -221,6 +221,11 @@ class Shutdown(_Msg):
     pass
 
 
+class GetRun(_Msg):
+    """What a role started on its own (``verl-async generator|learner --buffer ADDR``)
+    needs to join the run; reply ``RunInfo``."""
+
+
 # ----------------------------------------------------------------------------- replies
 
 
@@ -315,6 +320,15 @@ class Error(_Msg):
     message: str
 
 
+class RunInfo(_Msg):
+    """The run as the buffer's run directory holds it: ``config.yaml`` (resolved) and
+    ``endpoints.json``, as text, and that directory's path on the buffer's machine."""
+
+    config_yaml: str
+    endpoints_json: str
+    run_dir: str
+
+
 Body = Union[  # noqa: UP007 (msgspec needs a runtime Union of tagged Structs)
     GetPrompts,
     PushRollouts,
@@ -332,6 +346,7 @@ Body = Union[  # noqa: UP007 (msgspec needs a runtime Union of tagged Structs)
     SnapshotBuffer,
     FetchSnapshot,
     Shutdown,
+    GetRun,
     Prompts,
     Ack,
     VersionStatus,
@@ -340,6 +355,7 @@ Body = Union[  # noqa: UP007 (msgspec needs a runtime Union of tagged Structs)
     NotReady,
     Stats,
     Error,
+    RunInfo,
 ]
 
 

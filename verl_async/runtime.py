@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -63,7 +64,10 @@ def load_context(run_dir: str | Path) -> RunContext:
 
 
 def role_args(
-    description: str, with_index: bool = False, with_name: bool = False
+    description: str,
+    with_index: bool = False,
+    with_name: bool = False,
+    more: Callable[[argparse.ArgumentParser], None] | None = None,
 ) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--run-dir", required=True)
@@ -71,6 +75,8 @@ def role_args(
         parser.add_argument("--index", type=int, required=True)
     if with_name:
         parser.add_argument("--name", required=True, help="the reward source this process serves")
+    if more is not None:
+        more(parser)
     return parser.parse_args()
 
 
@@ -177,13 +183,18 @@ def unpin_this_thread() -> None:
 
 
 def start_role(
-    name: str, description: str, with_index: bool = False, with_name: bool = False
+    name: str,
+    description: str,
+    with_index: bool = False,
+    with_name: bool = False,
+    more: Callable[[argparse.ArgumentParser], None] | None = None,
 ) -> argparse.Namespace:
     """Common prologue of a role process: arguments, parent-death signal, logging, pinning.
 
     ``with_index``: one of several alike (``--index``, generators); ``with_name``: the
-    process serving one named reward source (``--name``, reward models)."""
-    args = role_args(description, with_index, with_name)
+    process serving one named reward source (``--name``, reward models); ``more`` adds a
+    role's own options to the parser."""
+    args = role_args(description, with_index, with_name, more)
     # A crash in native code (SIGSEGV, SIGABRT, ...) leaves every thread's Python stack in
     # the role's log instead of a bare exit code.
     faulthandler.enable()

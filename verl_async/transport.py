@@ -5,7 +5,9 @@ carries a fresh request_id and gets exactly one reply with that id. The asyncio 
 has a single reader task that resolves per-request futures, so many coroutines share one
 socket safely. Every wait has a deadline: a buffer that stops answering raises
 ``BufferUnavailable`` naming the endpoint instead of hanging. HWM 0 (unbounded; callers
-bound what they have outstanding), linger 0 at close.
+bound what they have outstanding), linger 0 at close. With ``curve`` keys the socket is a
+CurveZMQ client (verl_async/auth.py); a buffer that refuses it never answers, so the
+first request fails with ``BufferUnavailable`` like a buffer that is down.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import zmq
 import zmq.asyncio
 
 from verl_async import protocol as P
+from verl_async.auth import CurveKeys
 
 
 class BufferUnavailable(RuntimeError):
@@ -27,10 +30,12 @@ class BufferRejected(RuntimeError):
     """The buffer answered with an ``Error`` reply."""
 
 
-def _configure(sock: zmq.Socket) -> None:
+def _configure(sock: zmq.Socket, curve: CurveKeys | None) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
+    if curve is not None:
+        curve.apply(sock)
 
 
 def _check(body: P.Body, endpoint: str) -> P.Body:
@@ -44,12 +49,12 @@ def _check(body: P.Body, endpoint: str) -> P.Body:
 class BufferClient:
     """Blocking client; one per thread (ZMQ sockets are not thread-safe)."""
 
-    def __init__(self, endpoint: str, timeout_s: float) -> None:
+    def __init__(self, endpoint: str, timeout_s: float, curve: CurveKeys | None = None) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
-        _configure(self.sock)
+        _configure(self.sock, curve)
         self.sock.connect(endpoint)
         self.ids = itertools.count(1)
 
@@ -90,12 +95,12 @@ class AsyncBufferClient:
     so even a missed wake-up costs latency, never a hang.
     """
 
-    def __init__(self, endpoint: str, timeout_s: float) -> None:
+    def __init__(self, endpoint: str, timeout_s: float, curve: CurveKeys | None = None) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.ctx = zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
-        _configure(self.sock)
+        _configure(self.sock, curve)
         self.sock.connect(endpoint)
         self.raw = zmq.Socket.shadow(self.sock.underlying)
         self.ids = itertools.count(1)

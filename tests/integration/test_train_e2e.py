@@ -68,6 +68,20 @@ def test_train_runs_and_respects_the_staleness_bound(tmp_path, eta, mode):
         assert re.search(r"resubmitted [1-9]", log), "no request was aborted and resubmitted"
     assert (run_dir / "config.yaml").read_text().count(f"max: {eta}") == 1
     assert not processes_mentioning(str(run_dir)), "processes outlived the run"
+    _assert_run_can_be_watched(run_dir)
+
+
+def _assert_run_can_be_watched(run_dir):
+    """The finished run of the test above (no run of its own: a training run is the slow
+    part): TensorBoard event files by default, and ``verl-async plot`` draws every figure
+    (eval.png is skipped: these runs do not evaluate)."""
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*")), "no TensorBoard events"
+    res = run_cli(["plot", str(run_dir)], timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "skipped eval.png" in res.stdout
+    for name in ("reward", "staleness", "throughput", "kl_entropy"):
+        png = (run_dir / "plots" / f"{name}.png").read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000, name
 
 
 def test_a_dying_generator_stops_the_run_with_its_name(tmp_path):

@@ -216,7 +216,9 @@ def test_checkpoint_resume_resumes_when_a_checkpoint_exists(tmp_path):
 def captured_train(monkeypatch):
     calls = []
     monkeypatch.setattr(
-        cli, "_train", lambda cfg, run_dir, resume: calls.append((cfg, run_dir, resume)) or 0
+        cli,
+        "_train",
+        lambda cfg, run_dir, resume, command: calls.append((cfg, run_dir, resume)) or 0,
     )
     return calls
 

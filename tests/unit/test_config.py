@@ -151,3 +151,10 @@ def test_learner_model_directories_are_checked_before_the_run(overrides, key):
         resolve_learner_models(load_config(None, overrides))
     # Unused (no gae, no reference): not read, so not checked.
     resolve_learner_models(load_config(None, [overrides[1]]))
+
+
+def test_a_remote_weight_sync_host_needs_its_port():
+    with pytest.raises(ConfigError, match="'weights.port': set it when weights.host names"):
+        load_config(None, ["weights.host=10.0.0.7"])
+    assert load_config(None, ["weights.host=10.0.0.7", "weights.port=29600"]).weights.port == 29600
+    assert load_config(None, ["weights.host=127.0.0.1"]).weights.host == "127.0.0.1"

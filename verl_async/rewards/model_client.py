@@ -6,7 +6,9 @@ connects by itself and reconnects after the process restarts; requests sent whil
 down wait in the socket's queue. Every call has a deadline of ``timeout_s``: on expiry it
 raises ``RewardModelUnavailable`` naming the endpoint, and the late reply (if any) is
 dropped by request id, so the client keeps working once the process answers again. HWM 0
-(callers bound what they have outstanding), linger 0 at close.
+(callers bound what they have outstanding), linger 0 at close. With ``curve`` keys the
+socket is a CurveZMQ client (verl_async/auth.py); a server that refuses it never answers,
+so calls fail with ``RewardModelUnavailable``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import zmq
 import zmq.asyncio
 
 from verl_async import protocol as P
+from verl_async.auth import CurveKeys
 
 
 class RewardModelError(RuntimeError):
@@ -35,7 +38,7 @@ class RewardModelRejected(RewardModelError):
 class RewardModelClient:
     """``await score(conversations)`` -> one float per conversation (see the module doc)."""
 
-    def __init__(self, endpoint: str, timeout_s: float) -> None:
+    def __init__(self, endpoint: str, timeout_s: float, curve: CurveKeys | None = None) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.ctx = zmq.asyncio.Context.instance()
@@ -43,6 +46,8 @@ class RewardModelClient:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
+        if curve is not None:
+            curve.apply(self.sock)
         self.sock.connect(endpoint)
         # Sends and drains go through a plain shadow: no event-loop round trip per message.
         self.raw = zmq.Socket.shadow(self.sock.underlying)

@@ -1,0 +1,69 @@
+"""Joining a run from another machine: the run's files land in this role's directory."""
+
+import msgspec
+import pytest
+
+from verl_async import protocol as P
+from verl_async.config import RunConfig, TinyModelConfig, to_yaml
+from verl_async.roles import JoinFailed, join_run
+from verl_async.runtime import Endpoints
+from verl_async.tiny_model import build_tiny_model
+
+
+def info(tmp_path, cfg: RunConfig, model_path: str, resume_from: str = "") -> P.RunInfo:
+    endpoints = Endpoints(
+        buffer="tcp://10.0.0.1:5555",
+        weights_host="10.0.0.1",
+        weights_port=5556,
+        model_path=model_path,
+        resume_from=resume_from,
+    )
+    return P.RunInfo(
+        config_yaml=to_yaml(cfg),
+        endpoints_json=msgspec.json.encode(endpoints).decode(),
+        run_dir=str(tmp_path / "buffer_machine" / "run"),
+    )
+
+
+def test_the_tiny_model_is_rebuilt_bit_for_bit_where_the_buffers_copy_is_not_seen(tmp_path):
+    cfg = RunConfig()
+    unseen = tmp_path / "buffer_machine" / "run" / "model"
+    run_dir, joined = join_run(info(tmp_path, cfg, str(unseen)), str(tmp_path / "here"))
+    assert joined == cfg
+    assert (run_dir / "config.yaml").read_text() == to_yaml(cfg)
+    endpoints = msgspec.json.decode((run_dir / "endpoints.json").read_bytes(), type=Endpoints)
+    assert endpoints.model_path == str(run_dir / "model")
+    assert endpoints.buffer == "tcp://10.0.0.1:5555"
+    reference = build_tiny_model(tmp_path / "reference", TinyModelConfig())
+    assert (run_dir / "model" / "model.safetensors").read_bytes() == (
+        reference / "model.safetensors"
+    ).read_bytes()
+
+
+def test_a_real_model_must_be_at_the_same_path(tmp_path):
+    cfg = msgspec.structs.replace(
+        RunConfig(), model=msgspec.structs.replace(RunConfig().model, path="/models/policy")
+    )
+    with pytest.raises(JoinFailed, match="model.path '/models/policy' is not a model directory"):
+        join_run(info(tmp_path, cfg, "/models/policy"), str(tmp_path / "here"))
+
+
+def test_a_resume_checkpoint_this_machine_cannot_see_is_refused(tmp_path):
+    model = build_tiny_model(tmp_path / "model", TinyModelConfig())
+    with pytest.raises(JoinFailed, match="resumes from '/elsewhere/step_10'"):
+        join_run(info(tmp_path, RunConfig(), str(model), "/elsewhere/step_10"), str(tmp_path / "r"))
+
+
+def test_joining_twice_rewrites_nothing(tmp_path):
+    model = build_tiny_model(tmp_path / "model", TinyModelConfig())
+    run_info = info(tmp_path, RunConfig(), str(model))
+    run_dir, _ = join_run(run_info, str(tmp_path / "r"))
+    stamp = (
+        (run_dir / "config.yaml").stat().st_mtime_ns,
+        (run_dir / "endpoints.json").stat().st_mtime_ns,
+    )
+    join_run(run_info, str(tmp_path / "r"))
+    assert stamp == (
+        (run_dir / "config.yaml").stat().st_mtime_ns,
+        (run_dir / "endpoints.json").stat().st_mtime_ns,
+    )

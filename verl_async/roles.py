@@ -1,0 +1,251 @@
+"""``verl-async buffer | generator | learner``: one role per command, for any launcher.
+
+``verl-async train`` starts every role on this machine. To put roles on several machines,
+or to start them under a cluster's own launcher, start each on its own::
+
+    verl-async buffer CONFIG [key=value ...] [--run-dir DIR]   # prints the buffer's address
+    verl-async generator --buffer tcp://HOST:PORT --index I    # one per generator group
+    verl-async learner --buffer tcp://HOST:PORT                # or under torchrun, one per rank
+
+The buffer command prepares the run directory as ``train`` does (the resolved config, the
+endpoints, the tiny model when ``model.path`` is empty) and then serves. The other two ask
+the buffer for the run (``GetRun``), write its ``config.yaml`` and ``endpoints.json`` into
+their own run directory (by default the buffer's path, which on a shared filesystem is
+the same directory), place themselves as ``placement`` says for their role, and become that
+role's process (``exec``): from there on they run exactly the code ``train`` runs.
+
+What every machine must see at the same path: ``model.path`` (or nothing, for the tiny
+model, which is rebuilt identically from its seed), the data files are read by the buffer
+alone, and checkpoints are written by the learner into its run directory and read back by
+``verl-async buffer --resume`` (a shared filesystem, or a copy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+DEFAULT_TIMEOUT_S = 300.0  # waiting for the buffer to answer GetRun (it may still be starting)
+BUFFER_EXIT_AFTER_STOP_S = 30.0  # the buffer command's linger after the learner's Shutdown
+
+
+class JoinFailed(RuntimeError):
+    """The run cannot be joined from this machine (the message says why)."""
+
+
+def add_parsers(sub) -> None:
+    """The ``buffer``, ``generator`` and ``learner`` subcommands."""
+    buffer = sub.add_parser(
+        "buffer", help="prepare a run and serve its buffer (roles then join with --buffer)"
+    )
+    buffer.add_argument("config", nargs="?", help="YAML run config, e.g. configs/tiny.yaml")
+    buffer.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
+    buffer.add_argument("--run-dir", help="run directory (default runs/<name>-<timestamp>)")
+    buffer.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR")
+    for name, what in (("generator", "one generator group"), ("learner", "the learner")):
+        role = sub.add_parser(name, help=f"join a run served by `verl-async buffer` as {what}")
+        role.add_argument("--buffer", required=True, metavar="ADDR", help="tcp://HOST:PORT")
+        role.add_argument(
+            "--run-dir", help="this role's run directory (default: the buffer's path)"
+        )
+        role.add_argument(
+            "--timeout-s",
+            type=float,
+            default=DEFAULT_TIMEOUT_S,
+            help=f"longest wait for the buffer to answer (default {DEFAULT_TIMEOUT_S:.0f})",
+        )
+        role.add_argument(
+            "--keys-dir",
+            help="the buffer's CurveZMQ keys on this machine (when buffer.keys_dir is set)",
+        )
+        role.add_argument(
+            "--client-key", default="", help="client identity in --keys-dir (default: the only one)"
+        )
+        if name == "generator":
+            role.add_argument(
+                "--index", type=int, default=0, help="which entry of placement.generators"
+            )
+
+
+# ----------------------------------------------------------------------------- buffer
+
+
+def buffer_command(cfg, run_dir_arg: str | None, resume: bool, console) -> None:
+    """Prepare the run directory, print how to join, become the buffer process."""
+    from rich.markup import escape
+
+    from verl_async.launcher import RoleFailed, check_data, open_run_dir, prepare, role_argv
+    from verl_async.reward_config import ModelReward
+
+    if any(isinstance(s, ModelReward) for s in cfg.rewards.sources):
+        raise RoleFailed(
+            "`verl-async buffer` does not start reward-model processes: run this config "
+            "with `verl-async train`, or without its 'model' reward sources"
+        )
+    check_data(cfg)
+    run_dir, ckpt = open_run_dir(cfg, run_dir_arg, console, resume)
+    endpoints = prepare(cfg, run_dir, ckpt, data_checked=True)
+    address = endpoints.buffer
+    console.print(f"run directory: [bold]{escape(str(run_dir))}[/]", soft_wrap=True)
+    console.print(f"buffer: [bold]{escape(address)}[/]; join the run with", soft_wrap=True)
+    for i in range(len(_generator_groups(run_dir))):
+        console.print(f"  verl-async generator --buffer {address} --index {i}", markup=False)
+    console.print(f"  verl-async learner --buffer {address}", markup=False)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    argv = role_argv("buffer", run_dir, ["--exit-after-stop-s", str(BUFFER_EXIT_AFTER_STOP_S)])
+    os.execve(argv[0], argv, {**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def _generator_groups(run_dir: Path) -> list:
+    from verl_async import placement
+    from verl_async.config import load_config
+
+    return placement.generator_groups(load_config(run_dir / "config.yaml"))
+
+
+# ----------------------------------------------------------------------------- joining
+
+
+def fetch_run(args):
+    """The ``RunInfo`` of the buffer at ``args.buffer`` (authenticated with
+    ``args.keys_dir`` when given); ``JoinFailed`` naming the address if it does not answer."""
+    from verl_async import protocol as P
+    from verl_async.auth import load_client_keys
+    from verl_async.config import ConfigError
+    from verl_async.transport import BufferClient, BufferRejected, BufferUnavailable
+
+    address = args.buffer
+    try:
+        curve = load_client_keys(args.keys_dir, args.client_key) if args.keys_dir else None
+    except ConfigError as exc:
+        raise JoinFailed(f"--keys-dir: {exc}") from None
+    client = BufferClient(address, args.timeout_s, curve=curve)
+    try:
+        reply, _ = client.request(P.GetRun())
+    except (BufferUnavailable, BufferRejected) as exc:
+        hint = "" if args.keys_dir else " (a buffer with keys refuses a client without --keys-dir)"
+        raise JoinFailed(f"cannot join the run at {address}: {exc}{hint}") from None
+    finally:
+        client.close()
+    if not isinstance(reply, P.RunInfo):
+        raise JoinFailed(f"{address} answered GetRun with {type(reply).__name__}")
+    return reply
+
+
+def join_run(
+    info, run_dir_arg: str | None, keys_dir: str | None = None, client_key: str = ""
+) -> tuple[Path, object]:
+    """Write the run's files into this role's run directory; return (directory, config).
+
+    The tiny model (empty ``model.path``) is rebuilt here when the buffer's copy is not
+    at its path on this machine; a real model must be. With ``keys_dir`` (this machine's
+    client keys) the role's config names those instead of the buffer machine's."""
+    import msgspec
+
+    from verl_async.config import load_config, to_yaml
+    from verl_async.runtime import Endpoints
+
+    run_dir = Path(run_dir_arg or info.run_dir).resolve()
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    (run_dir / "checkpoints").mkdir(exist_ok=True)
+    served = run_dir / "buffer_config.yaml"  # as the buffer served it
+    _write_if_changed(served, info.config_yaml)
+    overrides = []
+    if keys_dir:
+        key = client_key or '""'
+        overrides = [f"buffer.keys_dir={Path(keys_dir).resolve()}", f"buffer.client_key={key}"]
+    cfg = load_config(served, overrides)
+    _write_if_changed(run_dir / "config.yaml", to_yaml(cfg))
+    endpoints = msgspec.json.decode(info.endpoints_json, type=Endpoints)
+    model = Path(endpoints.model_path)
+    if not (model / "config.json").is_file():
+        if cfg.model.path:
+            raise JoinFailed(
+                f"model.path '{model}' is not a model directory on this machine; every "
+                "machine needs the model at the same path (a shared filesystem, or a copy)"
+            )
+        from verl_async.tiny_model import build_tiny_model
+
+        model = build_tiny_model(run_dir / "model", cfg.model.tiny)
+    if endpoints.resume_from and not Path(endpoints.resume_from).is_dir():
+        raise JoinFailed(
+            f"the run resumes from '{endpoints.resume_from}', which this machine does not "
+            "see; put the run directory on a shared filesystem (or copy the checkpoint)"
+        )
+    endpoints = msgspec.structs.replace(endpoints, model_path=str(model))
+    _write_if_changed(run_dir / "endpoints.json", msgspec.json.encode(endpoints).decode())
+    return run_dir, cfg
+
+
+def _write_if_changed(path: Path, text: str) -> None:
+    """Several ranks of one learner job write the same files: atomically, and only when
+    the content differs, so no reader ever sees half a file."""
+    if path.is_file() and path.read_text() == text:
+        return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def generator_command(args) -> None:
+    """Join as generator group ``args.index``, placed on its devices; become its process."""
+    from verl_async import placement
+    from verl_async.launcher import role_argv
+    from verl_async.runtime import device_env
+
+    run_dir, cfg = join_run(fetch_run(args), args.run_dir, args.keys_dir, args.client_key)
+    groups = placement.generator_groups(cfg)
+    if not 0 <= args.index < len(groups):
+        raise JoinFailed(
+            f"--index {args.index}: placement.generators has {len(groups)} group(s) "
+            f"(0..{len(groups) - 1})"
+        )
+    argv = role_argv("generators", run_dir, ["--index", str(args.index)])
+    _become(argv, device_env(groups[args.index]))
+
+
+def learner_command(args) -> None:
+    """Join as the learner. Alone: one process, or a torchrun job of its own when
+    ``placement.learners`` lists several devices. Started by torchrun (WORLD_SIZE set):
+    this rank of that job, which must have one rank per ``placement.learners`` entry."""
+    from verl_async import placement
+    from verl_async.launcher import learner_launch, role_argv
+    from verl_async.runtime import device_env, ranks_env
+
+    run_dir, cfg = join_run(fetch_run(args), args.run_dir, args.keys_dir, args.client_key)
+    devices = placement.learner_devices(cfg)
+    world = os.environ.get("WORLD_SIZE")
+    if world is None:
+        _become(*learner_launch(cfg, run_dir))
+        return
+    if int(world) != len(devices) or os.environ.get("LOCAL_WORLD_SIZE", world) != world:
+        raise JoinFailed(
+            f"this job has {world} rank(s) ({os.environ.get('LOCAL_WORLD_SIZE', world)} on "
+            f"this node) but placement.learners lists {len(devices)} device(s); the learner "
+            "ranks run on one node, one per entry"
+        )
+    env = ranks_env(devices) if len(devices) > 1 else device_env(devices[0])
+    _become(role_argv("learners", run_dir), env)
+
+
+def _become(argv: list[str], env: dict[str, str]) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(argv[0], argv, {**os.environ, "PYTHONUNBUFFERED": "1", **env})
+
+
+def run_join(args: argparse.Namespace) -> int:
+    """``verl-async generator|learner``: returns only on an error (else the process is
+    replaced by the role's)."""
+    try:
+        if args.command == "generator":
+            generator_command(args)
+        else:
+            learner_command(args)
+    except JoinFailed as exc:
+        print(f"verl-async {args.command}: {exc}", file=sys.stderr)
+        return 1
+    return 1
