@@ -2,7 +2,7 @@
 
     python benchmarks/rewards.py [--config configs/tiny.yaml] [--repeats 2] [--prefill 3]
                                  [--reward-model DIR] [--out runs/rewards] [--whole-rows]
-                                 [key=value ...]
+                                 [--fill-only] [key=value ...]
 
 Each run is ``verl-async train CONFIG`` with ``trainer.prefill_steps = P`` and
 ``trainer.total_steps = P`` (eta = P - 1): the learner waits until the generators have
@@ -24,11 +24,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, machine, mean, run_train  # noqa: E402
+
+from verl_async.metrics import read_metrics  # noqa: E402
 
 
 def build_reward_model(args) -> Path:
@@ -75,24 +81,53 @@ def sources_with_model(args, rm: Path, share_prefix: bool = True) -> str:
     return "rewards.sources=" + json.dumps(sources)
 
 
+def fill_only(run_dir: Path, overrides: list[str], args) -> list[dict]:
+    """The run stopped (SIGINT, as Ctrl-C) once its first step is logged: that row holds
+    ``prefill_s``, and the learner's P - 1 further steps would only cost time."""
+    cmd = [sys.executable, "-m", "verl_async.cli", "train", str(args.config)]
+    proc = subprocess.Popen(
+        [*cmd, "--run-dir", str(run_dir), *overrides],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    deadline = time.monotonic() + 1800
+    try:
+        while not read_metrics(run_dir / "metrics.jsonl"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"run {run_dir.name} ended or timed out before its first step")
+            time.sleep(0.5)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return read_metrics(run_dir / "metrics.jsonl")[:1]
+
+
 def generation_run(name: str, extra: list[str], args) -> dict:
     p = args.prefill
-    rows, _ = run_train(
-        args.config,
-        args.out / name,
-        [
-            f"staleness.max={p - 1}",
-            f"trainer.total_steps={p}",
-            f"trainer.prefill_steps={p}",
-            "checkpoint.every_steps=0",
-            "eval.every_steps=0",
-            *args.override,
-            *extra,
-        ],
-    )
+    overrides = [
+        f"staleness.max={p - 1}",
+        f"trainer.total_steps={p}",
+        f"trainer.prefill_steps={p}",
+        "checkpoint.every_steps=0",
+        "eval.every_steps=0",
+        *args.override,
+        *extra,
+    ]
+    if args.fill_only:
+        rows = fill_only(args.out / name, overrides, args)
+        samples = p * rows[0]["samples"]  # every step holds the same number of samples
+        tokens = p * rows[0]["response_tokens"]  # an estimate: step 0's responses
+    else:
+        rows, _ = run_train(args.config, args.out / name, overrides)
+        samples = sum(r["samples"] for r in rows)
+        tokens = sum(r["response_tokens"] for r in rows)
     seconds = rows[0]["prefill_s"]
-    tokens = sum(r["response_tokens"] for r in rows)
-    samples = sum(r["samples"] for r in rows)
     failed = sum(r.get("reward_failed/rm", 0) for r in rows)
     return {
         "run": name,
@@ -115,6 +150,12 @@ def main() -> None:
         action="store_true",
         help="a third arm: the reward model forwards every row whole (share_prefix=false)",
     )
+    parser.add_argument(
+        "--fill-only",
+        action="store_true",
+        help="stop each run at its first step (long fills of a real model); the ratio is "
+        "then of samples/s, exact, where tokens/s would be estimated from step 0",
+    )
     parser.add_argument("override", nargs="*", help="dotted.key=value for every run")
     args = parser.parse_args()
     args.out = args.out.resolve()
@@ -133,24 +174,26 @@ def main() -> None:
                 f"{res['samples_per_s']:7.2f} samples/s  reward-model failures {res['rm_failed']}",
                 flush=True,
             )
-    rate = {arm: mean(r["tokens_per_s"] for r in results if r["arm"] == arm) for arm, _ in order}
+    measure = "samples_per_s" if args.fill_only else "tokens_per_s"
+    rate = {arm: mean(r[measure] for r in results if r["arm"] == arm) for arm, _ in order}
     summary = {
         "config": str(args.config),
         "machine": machine(),
         "runs": results,
+        "measure": measure,
         "ratio": rate["with"] / rate["without"],
     }
     if args.whole_rows:
         summary["ratio_whole_rows"] = rate["whole"] / rate["without"]
     (args.out / "rewards.json").write_text(json.dumps(summary, indent=1))
     print(
-        f"summary: generation with a reward model: {rate['with']:.1f} tok/s vs "
-        f"{rate['without']:.1f} without = {summary['ratio']:.3f}x "
+        f"summary: generation with a reward model: {rate['with']:.2f} vs "
+        f"{rate['without']:.2f} {measure} without = {summary['ratio']:.3f}x "
         f"(target >= 0.9; {args.repeats} ABBA rounds, {machine()})"
     )
     if args.whole_rows:
         print(
-            f"  whole rows (share_prefix=false): {rate['whole']:.1f} tok/s = "
+            f"  whole rows (share_prefix=false): {rate['whole']:.2f} {measure} = "
             f"{summary['ratio_whole_rows']:.3f}x"
         )
 
