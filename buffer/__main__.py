@@ -8,7 +8,9 @@ from pathlib import Path
 import uvloop
 
 from buffer.evaluation import EvalRounds
-from buffer.ledger import PromptLedger, RolloutLimits
+from buffer.leases import Leases
+from buffer.ledger import PromptLedger
+from buffer.rollouts import RolloutLimits
 from buffer.server import BufferServer
 from verl_async import protocol as P
 from verl_async.auth import server_keys
@@ -16,6 +18,7 @@ from verl_async.config import ConfigError, RunConfig
 from verl_async.data import PromptRecord, load_prompts, max_prompt_tokens, render_prompts
 from verl_async.runtime import load_context, start_role
 from verl_async.staleness import Admission
+from verl_async.startup import mark
 
 log = logging.getLogger("verl_async.buffer")
 
@@ -78,7 +81,12 @@ async def serve(run_dir: str, exit_after_stop_s: float | None = None) -> None:
     cfg = ctx.cfg
     train, val, skipped = load_rendered(cfg, ctx.endpoints.model_path)
     admission = Admission(cfg.learner.groups_per_step, cfg.staleness.max)
-    ledger = PromptLedger(train, admission, cfg.trainer.total_steps, cfg.data.shuffle_seed)
+    # A generator holds at most max_inflight_groups being sampled and as many waiting for
+    # their scores (generators/main.py): more on one connection is not a generator's doing.
+    leases = Leases(cfg.buffer.lease_timeout_s, 2 * cfg.generators.max_inflight_groups)
+    ledger = PromptLedger(
+        train, admission, cfg.trainer.total_steps, cfg.data.shuffle_seed, leases=leases
+    )
     server = BufferServer(
         ledger,
         cfg.staleness.max,
@@ -93,6 +101,7 @@ async def serve(run_dir: str, exit_after_stop_s: float | None = None) -> None:
     )
     if ctx.endpoints.resume_from:
         server.restore(Path(ctx.endpoints.resume_from) / "buffer")
+    mark(run_dir, "buffer", "serving")
 
     asyncio.get_running_loop().add_signal_handler(
         signal.SIGTERM, lambda: setattr(server, "terminated", True)

@@ -2,20 +2,21 @@
 
 Every prompt group k moves  issued -> returned -> consumed, each exactly once. Step s
 consumes groups sB .. sB + B - 1 (issue order; see verl_async/staleness.py for why).
+An issued group is leased to its connection (buffer/leases.py); when the lease runs out
+the group goes back to the front of the issue queue, so its holder's copy never counts.
 """
 
 from __future__ import annotations
 
-import itertools
-import math
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from buffer.leases import Leases
 from verl_async.data import PromptRecord, epoch_order
-from verl_async.protocol import PromptGroup, ProtocolError, RolloutGroup, vector
+from verl_async.protocol import PromptGroup, RolloutGroup
 from verl_async.staleness import Admission, check_sample
 
 
@@ -68,19 +69,27 @@ class Issued:
 
 
 class PromptLedger:
-    """Issue order, admission, returns and consumption of prompt groups."""
+    """Issue order, admission, leases, returns and consumption of prompt groups."""
 
     def __init__(
-        self, prompts: list[PromptRecord], admission: Admission, total_steps: int, seed: int
+        self,
+        prompts: list[PromptRecord],
+        admission: Admission,
+        total_steps: int,
+        seed: int,
+        leases: Leases | None = None,
     ) -> None:
         self.prompts = prompts
         self.admission = admission
         self.total_groups = total_steps * admission.groups_per_step
         self.seed = seed
         self.next_group = 0
-        self.reissue: deque[int] = deque()  # issued before a restore, never returned
+        # Issued, never returned, to be issued again first (in id order): groups in flight
+        # at a restore, and groups whose lease expired.
+        self.reissue: deque[int] = deque()
         self.min_version = 0  # after a restore: the restored version (no older weights)
         self.in_flight: dict[int, Issued] = {}
+        self.leases = Leases() if leases is None else leases  # default: never expire
         self.returned: dict[int, StoredGroup] = {}
         self.consumed_steps = 0
         self._orders: dict[int, list[int]] = {}
@@ -98,9 +107,11 @@ class PromptLedger:
     ) -> tuple[list[PromptGroup], bool]:
         """Up to ``max_groups`` admissible groups; the flag says admission held some back.
 
-        Groups to re-issue after a restore go first. A generator still running weights
-        older than the restored version gets nothing until it has loaded them. ``client``
-        is the connection asking: only it may return the groups (``check_issued``).
+        Groups to re-issue (after a restore, or an expired lease) go first, under the same
+        admission rule as fresh ones. A generator still running weights older than the
+        restored version gets nothing until it has loaded them. ``client`` is the
+        connection asking: only it may return the groups (``check_issued``), and each is
+        leased to it.
         """
         out: list[PromptGroup] = []
         while len(out) < max_groups and not self.exhausted:
@@ -110,6 +121,7 @@ class PromptLedger:
             epoch, idx = self.prompt_of(k)
             out.append(prompt_group(k, idx, epoch, self.prompts[idx]))
             self.in_flight[k] = Issued(generator_id, loaded_version, client)
+            self.leases.grant(k, client)
             if self.reissue:
                 self.reissue.popleft()
             else:
@@ -120,19 +132,23 @@ class PromptLedger:
     def exhausted(self) -> bool:
         return not self.reissue and self.next_group >= self.total_groups
 
-    def check_returnable(self, group_ids: list[int]) -> None:
-        """Raise LedgerError unless every id is in flight, once."""
+    def check_returnable(self, group_ids: list[int], client: bytes | None = None) -> None:
+        """Raise LedgerError unless every id is in flight, once; a group whose lease on
+        ``client`` expired is named as such (it may be in flight to another connection)."""
         if len(set(group_ids)) != len(group_ids):
             twice = sorted(k for k, n in Counter(group_ids).items() if n > 1)
             raise LedgerError(f"a message returns the same group twice: {_ids(twice)}")
         for k in group_ids:
+            lapsed = None if client is None else self.leases.lapsed_reason(k, client)
+            if lapsed is not None:
+                raise LedgerError(lapsed)
             if k not in self.in_flight:
                 raise LedgerError(f"group {k} {self._not_in_flight(k)}")
 
     def _not_in_flight(self, k: int) -> str:
         """Why group ``k`` cannot be returned now (it is not in flight)."""
         if k in self.reissue:
-            return "was issued before the restore and waits to be issued again"
+            return "waits to be issued again (in flight at a restore, or its lease expired)"
         if k in self.returned or 0 <= k < self.next_group:
             return "was already returned"
         return "was never issued"
@@ -140,7 +156,20 @@ class PromptLedger:
     def record_return(self, group: StoredGroup) -> None:
         self.check_returnable([group.group_id])
         del self.in_flight[group.group_id]
+        self.leases.end(group.group_id)
         self.returned[group.group_id] = group
+
+    def expire_leases(self) -> list[tuple[bytes, int, list[int]]]:
+        """Take back the groups whose lease ran out; each is first in line to be issued
+        again. Returns (connection, generator id of its first group, group ids) per holder."""
+        expired = []
+        for client, ids in self.leases.expire().items():
+            issued = [self.in_flight.pop(k) for k in ids]
+            expired.append((client, issued[0].generator_id, ids))
+            self.reissue.extend(ids)
+        if expired:  # lowest id first: the head is the group the next step waits for
+            self.reissue = deque(sorted(self.reissue))
+        return expired
 
     def in_flight_of(self, generator_id: int) -> int:
         return sum(1 for i in self.in_flight.values() if i.generator_id == generator_id)
@@ -199,6 +228,7 @@ class PromptLedger:
         self.returned = {g.group_id: g for g in stored}
         self.reissue = deque(sorted(reissue))
         self.in_flight = {}
+        self.leases.clear()
         self.min_version = version
 
 
@@ -208,18 +238,7 @@ def _ids(ids: list[int], at_most: int = 8) -> str:
     return f"{ids[:at_most]}{more}"
 
 
-# ----------------------------------------------------------------------------- returns
-
-
-@dataclass(frozen=True)
-class RolloutLimits:
-    """What every returned group must look like. ``None``: not known to the buffer, so not
-    checked (a buffer started without the generators' settings still runs)."""
-
-    num_sources: int = 1  # reward sources: the width of every group's scores
-    group_size: int | None = None  # samples per group (generators.group_size)
-    vocab_size: int | None = None  # token ids are in [0, vocab_size)
-    max_response_tokens: int | None = None  # generators.max_new_tokens
+# ----------------------------------------------------------------------------- issuance
 
 
 def check_issued(group: RolloutGroup, issued: Issued | None, client: bytes) -> None:
@@ -244,102 +263,6 @@ def check_issued(group: RolloutGroup, issued: Issued | None, client: bytes) -> N
         )
 
 
-def unpack_rollout(
-    g: RolloutGroup, frames: list, limits: RolloutLimits, versions: tuple[int, int]
-) -> StoredGroup:
-    """The group as the buffer stores it, after checking every field against ``limits``.
-
-    ``versions`` = (oldest, newest) weights version its tokens may carry: the version the
-    generator had loaded when the group was issued (versions only grow) and the newest one
-    announced. Pure, and raises only ProtocolError: nothing is recorded from a group that
-    fails here, and the learner never sees a batch it cannot train on.
-    """
-    where = f"group {g.group_id}"
-    prompt = vector(g.prompt_ids, frames, "int32", f"{where}: prompt_ids")
-    resp = vector(g.response_ids, frames, "int32", f"{where}: response_ids")
-    lp = vector(g.behav_logprobs, frames, "float32", f"{where}: behav_logprobs")
-    ver = vector(g.token_versions, frames, "int32", f"{where}: token_versions")
-    _check_lengths(where, g.lengths, limits, (len(resp), len(lp), len(ver)))
-    _check_token_ids(where, "prompt_ids", prompt, limits.vocab_size)
-    _check_token_ids(where, "response_ids", resp, limits.vocab_size)
-    if lp.size and not (lp.max() <= 0 and lp.min() > -np.inf):  # NaN fails both
-        raise ProtocolError(f"{where}: behav_logprobs must be finite and <= 0")
-    lo, hi = versions
-    if ver.size and (ver.min() < lo or ver.max() > hi):
-        raise ProtocolError(
-            f"{where}: token versions {ver.min()}..{ver.max()} are outside {lo}..{hi} "
-            "(loaded when issued .. newest announced)"
-        )
-    _check_scores(where, g.scores, g.failed, len(g.lengths), limits.num_sources)
-    bounds = [0, *itertools.accumulate(g.lengths)]
-    # Views on the received frames (numpy keeps each frame alive): no copy on the way in.
-    split = lambda a: [a[bounds[i] : bounds[i + 1]] for i in range(len(g.lengths))]  # noqa: E731
-    return StoredGroup(
-        g.group_id,
-        g.prompt_id,
-        g.generator_id,
-        prompt,
-        split(resp),
-        split(lp),
-        split(ver),
-        [list(sample) for sample in zip(*g.scores, strict=True)],  # [S][N] -> [N][S]
-        list(g.failed),
-        g.data_source,
-    )
-
-
-def _check_lengths(
-    where: str, lengths: list[int], limits: RolloutLimits, sizes: tuple[int, int, int]
-) -> None:
-    """Sample lengths against the run's group size, token budget and the three tensors."""
-    if not lengths:
-        raise ProtocolError(f"{where}: no samples")
-    if limits.group_size is not None and len(lengths) != limits.group_size:
-        raise ProtocolError(
-            f"{where}: {len(lengths)} samples, the run samples {limits.group_size} per group"
-        )
-    if min(lengths) < 0:
-        raise ProtocolError(f"{where}: negative sample length")
-    cap = limits.max_response_tokens
-    if cap is not None and max(lengths) > cap:
-        raise ProtocolError(f"{where}: a sample of {max(lengths)} tokens, the run allows {cap}")
-    if sizes != (sum(lengths),) * 3:
-        raise ProtocolError(
-            f"{where}: lengths add up to {sum(lengths)} tokens; response_ids, "
-            f"behav_logprobs and token_versions hold {sizes[0]}, {sizes[1]} and {sizes[2]}"
-        )
-
-
-def _check_token_ids(where: str, name: str, ids: np.ndarray, vocab_size: int | None) -> None:
-    if not ids.size:
-        return
-    low, high = int(ids.min()), int(ids.max())
-    if low < 0 or (vocab_size is not None and high >= vocab_size):
-        bound = "" if vocab_size is None else f", the vocabulary has {vocab_size}"
-        raise ProtocolError(f"{where}: {name} holds token ids {low}..{high}{bound}")
-
-
-def _check_scores(
-    where: str, scores: list[list[float]], failed: list[int], n: int, num_sources: int
-) -> None:
-    """[S][n] scores: each source's row is all finite (scored) or all NaN (not routed)."""
-    if len(scores) != num_sources or len(failed) != num_sources:
-        raise ProtocolError(
-            f"{where}: scores of {len(scores)} sources and failed counts of {len(failed)}, "
-            f"the run has {num_sources} reward sources"
-        )
-    for s, (row, fails) in enumerate(zip(scores, failed, strict=True)):
-        if len(row) != n:
-            raise ProtocolError(f"{where}: source {s} scored {len(row)} samples of {n}")
-        routed = [v == v for v in row]  # NaN != NaN: not routed to this group's data
-        if any(routed) and not all(routed):
-            raise ProtocolError(f"{where}: source {s} left some samples unscored (NaN)")
-        if any(routed) and not all(math.isfinite(v) for v in row):
-            raise ProtocolError(f"{where}: source {s} has an infinite score")
-        if not 0 <= fails <= n:
-            raise ProtocolError(f"{where}: source {s} failed {fails} samples of {n}")
-
-
 def prompt_group(group_id: int, prompt_id: int, epoch: int, rec: PromptRecord) -> PromptGroup:
     """The message that hands prompt ``rec`` to a generator."""
     return PromptGroup(
@@ -352,6 +275,9 @@ def prompt_group(group_id: int, prompt_id: int, epoch: int, rec: PromptRecord) -
         data_source=rec.data_source,
         extra_info=rec.extra_info,
     )
+
+
+# ----------------------------------------------------------------------------- batches
 
 
 def filter_stale(

@@ -1,7 +1,7 @@
 """Checks of what a buffer client asks for, before any state changes, and the log that
 keeps a flood of rejections to a few lines. Pure functions: every rejection raises
 ``ProtocolError`` with a message naming what was wrong (the server answers it as an
-``Error``); rollouts themselves are checked in buffer/ledger.py."""
+``Error``); rollouts themselves are checked in buffer/rollouts.py."""
 
 from __future__ import annotations
 
@@ -25,13 +25,20 @@ class RejectionLog:
     client's mistake is rare, and its first lines say what went wrong); past that they are
     only counted by kind, and one summary line per window says how many were left out.
     So the log grows by at most ``burst + 1`` lines a window whatever arrives. ``flush``
-    (called by the server's ticker too) ends a window whose time is up.
+    (called by the server's ticker too) ends a window whose time is up. ``what`` names the
+    events in the summary line (the buffer logs expired leases the same way).
     """
 
     def __init__(
-        self, logger: logging.Logger, burst: int = 20, window_s: float = 10.0, clock=time.monotonic
+        self,
+        logger: logging.Logger,
+        burst: int = 20,
+        window_s: float = 10.0,
+        clock=time.monotonic,
+        what: str = "rejected messages",
     ) -> None:
         self.logger = logger
+        self.what = what
         self.burst = burst
         self.window_s = window_s
         self.clock = clock
@@ -55,8 +62,9 @@ class RejectionLog:
         if self.suppressed:
             kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.suppressed.items()))
             self.logger.warning(
-                "%d more rejected messages in the last %.0fs were not logged (%s)",
+                "%d more %s in the last %.0fs were not logged (%s)",
                 self.suppressed.total(),
+                self.what,
                 now - self.window_start,
                 kinds,
             )
@@ -87,6 +95,15 @@ def check_wait(wait_s: float) -> None:
     """A long poll's wait: a deadline that can be reached (NaN and inf never are)."""
     if not 0.0 <= wait_s <= MAX_WAIT_S:  # NaN fails both comparisons
         raise P.ProtocolError(f"wait_s {wait_s!r} is outside 0..{MAX_WAIT_S:g} seconds")
+
+
+def check_parked(waiting: int) -> None:
+    """A connection parks a handful of long polls at most (each holds buffer memory)."""
+    if waiting >= MAX_PARKED_PER_CLIENT:
+        raise P.ProtocolError(
+            f"{waiting} long polls of this connection are waiting already "
+            f"(at most {MAX_PARKED_PER_CLIENT})"
+        )
 
 
 def check_loaded(loaded_version: int, target_version: int) -> None:

@@ -12,16 +12,19 @@ an ``Error`` reply and a log line; the loop goes on. With ``curve`` keys the ROU
 CurveZMQ server that admits only authorised clients (verl_async/auth.py).
 
 Hostile input. Every field a peer sends is checked before any state changes (pure
-functions in buffer/requests.py and buffer/ledger.py): a wrong message gets ``Error(code, message)``
-naming what was wrong, and nothing it carried is recorded. A rollout is taken only on the
-connection its group was issued to. No message can raise out of the loop (an unexpected
-exception is a bug: it is logged with its traceback and answered ``Error("internal")``),
-and rejections are logged through ``RejectionLog``, so a flood costs a few lines.
+functions in buffer/requests.py, buffer/ledger.py and buffer/rollouts.py): a wrong
+message gets ``Error(code, message)`` naming what was wrong, and nothing it carried is
+recorded. A rollout is taken only on the connection its group was issued to, while its
+lease lasts (buffer/leases.py: a group not returned in ``buffer.lease_timeout_s`` is
+issued again, and one connection holds a bounded number). No message can raise out of
+the loop (an unexpected exception is a bug: it is logged with its traceback and answered
+``Error("internal")``), and rejections and expired leases are logged through
+``RejectionLog``, so a flood costs a few lines.
 
-Shutdown: ``Shutdown`` from the
-learner answers every poll with ``stop`` from then on (generators exit on it); SIGTERM
-from the launcher ends the loop (or, started by ``verl-async buffer``, the loop ends
-``exit_after_stop_s`` after Shutdown), and the socket closes with linger=0.
+Shutdown: ``Shutdown`` from the learner answers every poll with ``stop`` from then on
+(generators exit on it); SIGTERM from the launcher ends the loop (or, started by
+``verl-async buffer``, the loop ends ``exit_after_stop_s`` after Shutdown), and the
+socket closes with linger=0.
 
 Roles started on their own (``verl-async generator|learner --buffer ADDR``) ask
 ``GetRun`` for the run's config and endpoints (``RunInfo``).
@@ -37,45 +40,34 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
-import numpy as np
 import zmq
 import zmq.asyncio
 
+from buffer.batches import encode_step
 from buffer.evaluation import EvalRounds
 from buffer.ledger import (
     AdmissionClock,
     LedgerError,
     PromptLedger,
-    RolloutLimits,
     StepBatch,
-    StoredGroup,
     TokenRate,
     check_issued,
     filter_stale,
     shard_samples,
-    unpack_rollout,
 )
 from buffer.requests import (
-    MAX_PARKED_PER_CLIENT,
     RejectionLog,
     check_announce,
     check_eval_results,
     check_get_batch,
     check_loaded,
     check_non_negative,
+    check_parked,
     check_wait,
     short,
 )
-from buffer.snapshot import (
-    LEDGER_FILE,
-    ROLLOUTS_FILE,
-    LedgerState,
-    SnapshotError,
-    decode_state,
-    encode_state,
-    rollouts_from_arrow,
-    rollouts_to_arrow,
-)
+from buffer.rollouts import RolloutLimits, unpack_rollout
+from buffer.snapshot import Cuts, restore_ledger
 from verl_async import protocol as P
 from verl_async.auth import ServerKeys, serve_curve
 
@@ -115,6 +107,7 @@ class BufferServer:
         # What a returned group must look like; fields left None are not checked.
         self.limits = dataclasses.replace(limits or RolloutLimits(), num_sources=num_sources)
         self.rejections = RejectionLog(log)
+        self.lease_log = RejectionLog(log, what="expired leases")  # a line per holder, bounded
         self.evals = evals or EvalRounds([])
         self.prompts_skipped = prompts_skipped
         self.max_staleness = max_staleness
@@ -127,7 +120,7 @@ class BufferServer:
         self.dropped_stale_total = 0
         self.admission_blocked = 0
         self.clock = AdmissionClock()
-        self.cuts: dict[int, tuple[LedgerState, list[StoredGroup]]] = {}  # step -> cut
+        self.cuts = Cuts(ledger)  # checkpoint cuts waiting for their files to be fetched
         self.stopping = False  # Shutdown received: answer everyone with stop
         self.terminated = False  # SIGTERM: leave the loop
         self.ctx = zmq.asyncio.Context()
@@ -149,7 +142,7 @@ class BufferServer:
         (non-blocking) and sends (HWM 0: they never block) go through a plain shadow of
         the same socket, so a burst of small messages costs no event-loop round trip each.
         """
-        ticker = asyncio.create_task(self._expire_parked())
+        ticker = asyncio.create_task(self._tick())
         try:
             while not self.terminated:
                 if await self.sock.poll(100):
@@ -227,13 +220,17 @@ class BufferServer:
     def handle(self, identity: bytes, request_id: int, body: P.Body, frames: list):
         """Returns (reply, frames) or (None, None) when the request was parked.
 
-        ``check`` has accepted every field before anything here changes state."""
+        ``check`` has accepted every field before anything here changes state; leases
+        that ran out are taken back first, so none counts against the connection asking."""
+        self._expire_leases()
         self.check(identity, body)
         match body:
             case P.GetPrompts():
                 return self._get_prompts(identity, body), None
             case P.PushRollouts():
-                self._push_rollouts(identity, body.groups, frames)
+                dropped = self._push_rollouts(identity, body.groups, frames)
+                if dropped:
+                    return P.Dropped(group_ids=dropped, reason="lease expired"), None
                 return P.Ack(), None
             case P.PollVersion() | P.GetBatch():
                 ready = self._try_answer(body)
@@ -260,7 +257,7 @@ class BufferServer:
                 self.take_cut(body.step, body.version)
                 return P.Ack(), None
             case P.FetchSnapshot():
-                return self.snapshot_files(body.step)
+                return self.cuts.files(body.step)
             case P.Shutdown():
                 self.stopping = True
                 self.stopped_at = self.stopped_at or time.monotonic()
@@ -280,6 +277,7 @@ class BufferServer:
             case P.GetPrompts():
                 check_non_negative(body, "generator_id", "loaded_version", "max_groups")
                 check_loaded(body.loaded_version, self.target_version)
+                self.ledger.leases.check_request(identity, body.max_groups)
             case P.PollVersion():
                 check_non_negative(body, "generator_id", "loaded_version")
                 check_loaded(body.loaded_version, self.target_version)
@@ -295,12 +293,7 @@ class BufferServer:
             case P.StartEval() | P.GetEval() | P.SnapshotBuffer() | P.FetchSnapshot():
                 check_non_negative(body, *body.__struct_fields__)  # rounds, steps, versions
         if isinstance(body, P.PollVersion | P.GetBatch):
-            waiting = sum(1 for p in self.parked if p.identity == identity)
-            if waiting >= MAX_PARKED_PER_CLIENT:
-                raise P.ProtocolError(
-                    f"{waiting} long polls of this connection are waiting already "
-                    f"(at most {MAX_PARKED_PER_CLIENT})"
-                )
+            check_parked(sum(1 for p in self.parked if p.identity == identity))
 
     def _get_prompts(self, identity: bytes, req: P.GetPrompts) -> P.Prompts:
         if self.stopping:
@@ -325,13 +318,18 @@ class BufferServer:
             eval_round=eval_round,
         )
 
-    def _push_rollouts(self, identity: bytes, groups: list[P.RolloutGroup], frames: list) -> None:
-        """Validate every group first, then record them all (a bad message records nothing).
+    def _push_rollouts(
+        self, identity: bytes, groups: list[P.RolloutGroup], frames: list
+    ) -> list[int]:
+        """Validate every group first, then record them all (a bad message records nothing);
+        return the ids of groups left out because this connection's lease on them expired.
 
         Ledger checks come first: they are cheap and reject a stranger's message (a group
         not in flight on this connection) before its tensors are looked at."""
         lg = self.ledger
-        lg.check_returnable([g.group_id for g in groups])
+        lapsed = [g.group_id for g in groups if lg.leases.lapsed_reason(g.group_id, identity)]
+        groups = [g for g in groups if g.group_id not in lapsed]
+        lg.check_returnable([g.group_id for g in groups], identity)
         for g in groups:
             check_issued(g, lg.in_flight.get(g.group_id), identity)
         stored = [
@@ -346,6 +344,22 @@ class BufferServer:
         for g in stored:
             lg.record_return(g)
             self.rate.add(sum(len(r) for r in g.responses))
+        return lapsed
+
+    def _expire_leases(self) -> None:
+        """Issue again the groups whose lease ran out; a log line per holder (rate-limited)."""
+        timeout_s = self.ledger.leases.timeout_s
+        for client, generator_id, ids in self.ledger.expire_leases():
+            self.lease_log.log(
+                "lease",
+                "lease of %d groups on connection %s (generator %d) expired after %gs without "
+                "their rollouts; groups %s go to the next generator that asks",
+                len(ids),
+                client.hex(),
+                generator_id,
+                timeout_s,
+                str(ids),
+            )
 
     def _try_answer(self, body: P.PollVersion | P.GetBatch):
         if isinstance(body, P.PollVersion):
@@ -390,42 +404,17 @@ class BufferServer:
                 f"rank {rank} asked for step {step.step} cut for {len(step.shards)} ranks"
             )
         if step.encoded is None:
-            step.encoded = self._encode_step(step)
+            blocked_s, idle_s = self.clock.totals(time.monotonic())
+            step.encoded = encode_step(
+                step,
+                self.num_sources,
+                buffer_size=len(self.ledger.returned),
+                gen_tokens_per_s=self.rate.rate(),
+                gen_blocked_s=blocked_s,
+                gen_idle_s=idle_s,
+                prompts_skipped=self.prompts_skipped,
+            )
         return step.encoded
-
-    def _encode_step(self, step: StepBatch):
-        groups = step.groups
-        samples = [(groups[gi], i) for shard in step.shards for gi, i in shard]
-        frames = P.Frames()
-        cat = lambda arrays, dt: np.concatenate(arrays, dtype=dt) if arrays else np.zeros(0, dt)  # noqa: E731
-        blocked_s, idle_s = self.clock.totals(time.monotonic())
-        body = P.Batch(
-            step=step.step,
-            group_ids=[g.group_id for g in groups],
-            group_prompts=[g.prompt_id for g in groups],
-            sample_group=[g.group_id for g, _ in samples],
-            sample_index=[i for _, i in samples],
-            shard_sizes=[len(shard) for shard in step.shards],
-            prompt_lengths=[len(g.prompt_ids) for g, _ in samples],
-            response_lengths=[len(g.responses[i]) for g, i in samples],
-            scores=[g.scores[i] for g, i in samples],
-            failed=[sum(col) for col in zip(*(g.failed for g in groups), strict=True)]
-            if groups
-            else [0] * self.num_sources,
-            data_sources=[g.data_source for g in groups],
-            prompt_ids=frames.add(cat([g.prompt_ids for g, _ in samples], np.int32)),
-            response_ids=frames.add(cat([g.responses[i] for g, i in samples], np.int32)),
-            behav_logprobs=frames.add(cat([g.behav_logprobs[i] for g, i in samples], np.float32)),
-            token_versions=frames.add(cat([g.token_versions[i] for g, i in samples], np.int32)),
-            dropped_stale=step.dropped_stale,
-            buffer_size=len(self.ledger.returned),
-            gen_tokens_per_s=self.rate.rate(),
-            wait_s=0.0,
-            gen_blocked_s=blocked_s,
-            gen_idle_s=idle_s,
-            prompts_skipped=self.prompts_skipped,
-        )
-        return body, frames
 
     # ------------------------------------------------------------------ long polls
 
@@ -445,10 +434,14 @@ class BufferServer:
             self._send(p.identity, p.request_id, reply, frames)
         self.parked = still
 
-    async def _expire_parked(self) -> None:
+    async def _tick(self) -> None:
+        """Every 50 ms: end the log windows, take back expired leases (whether or not their
+        holders still send anything), answer the long polls whose deadline has come."""
         while True:
             await asyncio.sleep(0.05)
             self.rejections.flush()
+            self.lease_log.flush()
+            self._expire_leases()
             now = time.monotonic()
             expired = [p for p in self.parked if p.deadline <= now or self.stopping]
             if not expired:
@@ -477,95 +470,28 @@ class BufferServer:
     # further than the rank 0 taking the checkpoint.
     KEEP_STEPS_BEHIND = 3
 
-    # Cuts kept for FetchSnapshot; the learner has at most two writes in flight, more
-    # means a learner died between the two requests, and the oldest cut is dropped.
-    MAX_CUTS = 4
-
     def take_cut(self, step: int, version: int) -> None:
-        """The checkpoint barrier (buffer/snapshot.py): the state as of ``step``.
-
-        Taken in the event loop between two messages, so it is one consistent cut. It only
-        collects references (stored groups are never modified), so it costs the learner a
-        round trip; encoding waits for ``snapshot_files``.
-        """
-        lg = self.ledger
-        handed_out = {t: batch.consumed for t, batch in self.steps.items()}
-        stored, reissue = lg.snapshot(step, handed_out)
+        """The checkpoint barrier (buffer/snapshot.py): the state as of ``step``."""
         blocked_s, idle_s = self.clock.totals(time.monotonic())
-        state = LedgerState(
-            step=step,
+        self.cuts.take(
+            step,
+            {t: batch.consumed for t, batch in self.steps.items()},
             version=version,
-            next_group=lg.next_group,
-            reissue=reissue,
-            stored_groups=len(stored),
-            num_prompts=len(lg.prompts),
-            shuffle_seed=lg.seed,
-            groups_per_step=lg.admission.groups_per_step,
             max_staleness=self.max_staleness,
             dropped_stale=self.dropped_stale_total,
             admission_blocked=self.admission_blocked,
             gen_blocked_s=blocked_s,
             gen_idle_s=idle_s,
         )
-        self.cuts[step] = (state, stored)
-        while len(self.cuts) > self.MAX_CUTS:
-            dropped = min(self.cuts)
-            del self.cuts[dropped]
-            log.warning("snapshot of step %d was never fetched; dropped", dropped)
-        log.info(
-            "snapshot at step %d: %d groups stored, %d to re-issue, next group %d",
-            step,
-            len(stored),
-            len(reissue),
-            lg.next_group,
-        )
-
-    def snapshot_files(self, step: int) -> tuple[P.BufferState, P.Frames]:
-        """The files of the cut taken at ``step`` (asked for by the learner's writer)."""
-        if step not in self.cuts:
-            raise LedgerError(f"no snapshot was taken at step {step}")
-        state, stored = self.cuts.pop(step)
-        frames = P.Frames()
-        as_bytes = lambda data: np.frombuffer(data, np.uint8)  # noqa: E731
-        files = {
-            LEDGER_FILE: frames.add(as_bytes(encode_state(state))),
-            ROLLOUTS_FILE: frames.add(as_bytes(rollouts_to_arrow(stored))),
-        }
-        return P.BufferState(step=step, files=files), frames
 
     def restore(self, ckpt_dir: Path) -> None:
         """Continue from the buffer files of a checkpoint (before serving anyone)."""
-        state = decode_state((ckpt_dir / LEDGER_FILE).read_bytes())
-        lg = self.ledger
-        for key, theirs, ours in (
-            ("data.path (number of prompts)", state.num_prompts, len(lg.prompts)),
-            ("data.shuffle_seed", state.shuffle_seed, lg.seed),
-            ("learner.groups_per_step", state.groups_per_step, lg.admission.groups_per_step),
-        ):
-            if theirs != ours:
-                raise SnapshotError(
-                    f"cannot resume: the checkpoint was taken with {key} = {theirs}, "
-                    f"this run has {ours}"
-                )
-        stored = rollouts_from_arrow((ckpt_dir / ROLLOUTS_FILE).read_bytes())
-        if len(stored) != state.stored_groups:
-            raise SnapshotError(
-                f"{ROLLOUTS_FILE} holds {len(stored)} groups, {LEDGER_FILE} says {state.stored_groups}"
-            )
-        lg.restore(state.step, state.version, state.next_group, stored, state.reissue)
+        state = restore_ledger(self.ledger, ckpt_dir)
         self.target_version = state.version
         self.dropped_stale_total = state.dropped_stale
         self.admission_blocked = state.admission_blocked
         self.clock.blocked_total = state.gen_blocked_s
         self.clock.idle_total = state.gen_idle_s
-        log.info(
-            "restored step %d, version %d: %d groups stored, %d to re-issue, next group %d",
-            state.step,
-            state.version,
-            len(stored),
-            len(state.reissue),
-            state.next_group,
-        )
 
     def stats(self) -> P.Stats:
         lg = self.ledger
@@ -577,4 +503,5 @@ class BufferServer:
             target_version=self.target_version,
             dropped_stale=self.dropped_stale_total,
             admission_blocked=self.admission_blocked,
+            leases_expired=lg.leases.expired_total,
         )

@@ -9,18 +9,25 @@ The snapshot is taken *as of step s*: groups that the learner's prefetcher alrea
 for steps >= s go back into it, because a learner restored at step s has not trained on
 them. Groups issued but not returned go into ``reissue``; after a restore they are issued
 again (first, in id order) and generated from scratch. Together this is the exactly-once
-rule: every group of steps >= s is either stored here or will be issued.
+rule: every group of steps >= s is either stored here or will be issued. Leases are not
+saved: every group in flight at the cut is issued again anyway, whatever its lease.
+
+``Cuts`` takes the cut at the barrier (``SnapshotBuffer``) and encodes its files when the
+learner's writer asks (``FetchSnapshot``); ``restore_ledger`` reads them back.
 """
 
 from __future__ import annotations
 
 import io
+import logging
+from pathlib import Path
 
 import msgspec
 import numpy as np
 import pyarrow as pa
 
-from buffer.ledger import StoredGroup
+from buffer.ledger import LedgerError, PromptLedger, StoredGroup
+from verl_async import protocol as P
 
 FORMAT = 2
 LEDGER_FILE = "ledger.json"
@@ -42,6 +49,7 @@ class LedgerState(msgspec.Struct, kw_only=True):
     admission_blocked: int
     gen_blocked_s: float
     gen_idle_s: float
+    leases_expired: int = 0  # groups whose lease ran out before the snapshot
 
 
 class SnapshotError(ValueError):
@@ -155,4 +163,99 @@ def decode_state(data: bytes) -> LedgerState:
         raise SnapshotError(f"{LEDGER_FILE} is unreadable: {exc}") from None
     if state.format != FORMAT:
         raise SnapshotError(f"{LEDGER_FILE} has format {state.format}, this version reads {FORMAT}")
+    return state
+
+
+# ----------------------------------------------------------------------------- cut and restore
+
+log = logging.getLogger("verl_async.buffer")
+
+
+class Cuts:
+    """The cuts taken at checkpoint barriers, each held until its files are fetched."""
+
+    # Cuts kept for FetchSnapshot; the learner has at most two writes in flight, more
+    # means a learner died between the two requests, and the oldest cut is dropped.
+    MAX_CUTS = 4
+
+    def __init__(self, ledger: PromptLedger) -> None:
+        self.ledger = ledger
+        self.cuts: dict[int, tuple[LedgerState, list[StoredGroup]]] = {}  # step -> cut
+
+    def take(self, step: int, handed_out: dict[int, list[StoredGroup]], **counters: float) -> None:
+        """The state as of ``step``; ``counters`` are the server's fields of LedgerState.
+
+        Taken in the event loop between two messages, so it is one consistent cut. It only
+        collects references (stored groups are never modified), so it costs the learner a
+        round trip; encoding waits for ``files``.
+        """
+        lg = self.ledger
+        stored, reissue = lg.snapshot(step, handed_out)
+        state = LedgerState(
+            step=step,
+            next_group=lg.next_group,
+            reissue=reissue,
+            stored_groups=len(stored),
+            num_prompts=len(lg.prompts),
+            shuffle_seed=lg.seed,
+            groups_per_step=lg.admission.groups_per_step,
+            leases_expired=lg.leases.expired_total,
+            **counters,
+        )
+        self.cuts[step] = (state, stored)
+        while len(self.cuts) > self.MAX_CUTS:
+            dropped = min(self.cuts)
+            del self.cuts[dropped]
+            log.warning("snapshot of step %d was never fetched; dropped", dropped)
+        log.info(
+            "snapshot at step %d: %d groups stored, %d to re-issue, next group %d",
+            step,
+            len(stored),
+            len(reissue),
+            lg.next_group,
+        )
+
+    def files(self, step: int) -> tuple[P.BufferState, P.Frames]:
+        """The files of the cut taken at ``step`` (asked for by the learner's writer)."""
+        if step not in self.cuts:
+            raise LedgerError(f"no snapshot was taken at step {step}")
+        state, stored = self.cuts.pop(step)
+        frames = P.Frames()
+        as_bytes = lambda data: np.frombuffer(data, np.uint8)  # noqa: E731
+        files = {
+            LEDGER_FILE: frames.add(as_bytes(encode_state(state))),
+            ROLLOUTS_FILE: frames.add(as_bytes(rollouts_to_arrow(stored))),
+        }
+        return P.BufferState(step=step, files=files), frames
+
+
+def restore_ledger(lg: PromptLedger, ckpt_dir: Path) -> LedgerState:
+    """Continue ``lg`` from the buffer files of a checkpoint; returns their state (the
+    server takes its counters from it)."""
+    state = decode_state((ckpt_dir / LEDGER_FILE).read_bytes())
+    for key, theirs, ours in (
+        ("data.path (number of prompts)", state.num_prompts, len(lg.prompts)),
+        ("data.shuffle_seed", state.shuffle_seed, lg.seed),
+        ("learner.groups_per_step", state.groups_per_step, lg.admission.groups_per_step),
+    ):
+        if theirs != ours:
+            raise SnapshotError(
+                f"cannot resume: the checkpoint was taken with {key} = {theirs}, "
+                f"this run has {ours}"
+            )
+    stored = rollouts_from_arrow((ckpt_dir / ROLLOUTS_FILE).read_bytes())
+    if len(stored) != state.stored_groups:
+        raise SnapshotError(
+            f"{ROLLOUTS_FILE} holds {len(stored)} groups, {LEDGER_FILE} says {state.stored_groups}"
+        )
+    lg.restore(state.step, state.version, state.next_group, stored, state.reissue)
+    lg.leases.expired_total = state.leases_expired
+    log.info(
+        "restored step %d, version %d: %d groups stored, %d to re-issue, next group %d",
+        state.step,
+        state.version,
+        len(stored),
+        len(state.reissue),
+        state.next_group,
+    )
     return state

@@ -31,6 +31,7 @@ from verl_async import protocol as P
 from verl_async.auth import client_keys
 from verl_async.rewards.scorer import GroupScores, Scorer
 from verl_async.runtime import RunContext
+from verl_async.startup import mark
 from verl_async.transport import AsyncBufferClient
 from verl_async.weight_sync import resolve_backend
 
@@ -94,7 +95,14 @@ class RolloutPusher:
             batch, self.outbox = self.outbox, []
             frames = P.Frames()
             groups = [f.message(self.generator_id, frames) for f in batch]
-            await self.client.request(P.PushRollouts(groups=groups), frames)
+            reply, _ = await self.client.request(P.PushRollouts(groups=groups), frames)
+            if isinstance(reply, P.Dropped):  # too slow: others were given these groups
+                log.warning(
+                    "the buffer dropped groups %s (%s): raise buffer.lease_timeout_s if "
+                    "this generator is just slow",
+                    reply.group_ids,
+                    reply.reason,
+                )
             for f in batch:
                 f.acknowledged.set()
 
@@ -261,18 +269,39 @@ def make_scorer(ctx: RunContext, index: int) -> Scorer:
 
 
 async def run_generator(ctx: RunContext, index: int) -> None:
-    from transformers import AutoTokenizer
+    """Start the engine, join the weight-sync group, generate until told to stop."""
+    role = f"generator{index}"
+    mark(ctx.path, role, "started")
+    # The scoring process starts first: its imports overlap the engine's start-up.
+    scorer = make_scorer(ctx, index)
+    try:
+        engine = await start_and_join(ctx, index, role)
+        try:
+            from transformers import AutoTokenizer
 
-    cfg = ctx.cfg
-    ep = ctx.endpoints
+            tokenizer = AutoTokenizer.from_pretrained(ctx.endpoints.model_path)
+            await Generator(ctx, index, engine, tokenizer, scorer).run()
+        finally:
+            try:
+                await engine.leave_weight_sync()
+            finally:
+                engine.shutdown()
+    finally:
+        scorer.close()
+
+
+async def start_and_join(ctx: RunContext, index: int, role: str) -> Engine:
+    """This generator's engine, up and a member of the weight-sync group."""
+    cfg, ep = ctx.cfg, ctx.endpoints
     tp = placement.tensor_parallel_size(placement.generator_groups(cfg)[index])
     llm = start_engine(
         cfg, ep.model_path, seed=cfg.learner.seed * 1000 + index, tensor_parallel_size=tp
     )
     engine = Engine(llm, cfg)
     del llm  # the Engine owns it from here (and drops it at shutdown)
+    log.info("engine up; joining the weight-sync group")
+    mark(ctx.path, role, "engine up")
     try:
-        log.info("engine up; joining the weight-sync group")
         await engine.join_weight_sync(
             ep.weights_host,
             ep.weights_port,
@@ -280,14 +309,8 @@ async def run_generator(ctx: RunContext, index: int) -> None:
             placement.sync_rank_offset(cfg, index),
             resolve_backend(cfg.weights.backend),
         )
-        tokenizer = AutoTokenizer.from_pretrained(ep.model_path)
-        scorer = make_scorer(ctx, index)
-        try:
-            await Generator(ctx, index, engine, tokenizer, scorer).run()
-        finally:
-            scorer.close()
-    finally:
-        try:
-            await engine.leave_weight_sync()
-        finally:
-            engine.shutdown()
+    except BaseException:
+        engine.shutdown()
+        raise
+    mark(ctx.path, role, "joined weight sync")
+    return engine

@@ -10,6 +10,7 @@ reference is replicated on every rank."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 
 import torch
@@ -18,6 +19,7 @@ from learners.critic import load_critic, load_reference
 from learners.trainer import Learner
 from verl_async.placement import sync_world_size
 from verl_async.runtime import RunContext
+from verl_async.startup import mark
 from verl_async.weight_sync import join_group, resolve_backend
 
 log = logging.getLogger("verl_async.learner")
@@ -28,6 +30,9 @@ def run_learner(ctx: RunContext) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cfg = ctx.cfg
+    main = int(os.environ.get("RANK", "0")) == 0
+    if main:
+        mark(ctx.path, "learner", "imported")
     # Parameters and optimizer state stay float32; a bf16/fp16 model.dtype is the compute
     # dtype (autocast), as the generators' weights are (published tensors are cast on load).
     mixed = {"float32": "no", "bfloat16": "bf16", "float16": "fp16"}[cfg.model.dtype]
@@ -58,6 +63,8 @@ def run_learner(ctx: RunContext) -> None:
         dtype = getattr(torch, cfg.model.dtype) if torch.cuda.is_available() else torch.float32
         reference = load_reference(cfg.algo.kl.ref_path or ep.model_path, accelerator.device, dtype)
     group = None
+    if main:
+        mark(ctx.path, "learner", "models ready")
     if accelerator.is_main_process:
         world = sync_world_size(cfg)
         log.info("waiting for %d generator worker(s) to join the weight-sync group", world - 1)
@@ -70,6 +77,7 @@ def run_learner(ctx: RunContext) -> None:
             cfg.weights.join_timeout_s,
         )
         log.info("weight-sync group ready")
+        mark(ctx.path, "learner", "joined weight sync")
     # SIGTERM (the launcher's stop, e.g. on Ctrl-C) unwinds the loop like Ctrl-C would, so
     # an in-progress checkpoint write is finished (or abandoned uncommitted) before exit.
     signal.signal(signal.SIGTERM, _interrupt)

@@ -45,6 +45,7 @@ from verl_async.auth import CurveKeys, client_keys
 from verl_async.metrics import MetricsWriter
 from verl_async.rewards.aggregate import RunningStats, combine, summarize
 from verl_async.runtime import RunContext
+from verl_async.startup import mark
 from verl_async.transport import BufferClient
 from verl_async.weight_sync import (
     SyncGroup,
@@ -139,6 +140,7 @@ class Learner:
             for step in steps:
                 t0 = time.monotonic()
                 batch, local = self.collect(batches)
+                self.mark_start_up(step == steps.start, "first batch")
                 advantages = self.compute_advantages(batch, local)
                 stats, critic_stats = self.update(batch, local, advantages)
                 sync_s = self.publish_weights()
@@ -157,6 +159,7 @@ class Learner:
                     ckpt_s,
                 )
                 prefill_s = None
+                self.mark_start_up(step == steps.start, "first step")
             batches.close()
         except KeyboardInterrupt:  # SIGTERM from the launcher (Ctrl-C) lands here too
             batches.close()
@@ -165,6 +168,10 @@ class Learner:
                 self.checkpointer.close(grace_s=self.cfg.checkpoint.write_timeout_s)
             raise
         self.finish()
+
+    def mark_start_up(self, first: bool, event: str) -> None:
+        if first and self.metrics is not None:  # rank 0, first step of this launch
+            mark(self.ctx.path, "learner", event)
 
     # ------------------------------------------------------------------ steps
 

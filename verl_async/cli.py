@@ -121,33 +121,27 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if args.command == "ckpt":
+    # Commands that take no dotted.key=value overrides: anything left over is an error.
+    plain = {
+        "ckpt": _ckpt,
+        "export": _export,
+        "model": _model,
+        "keys": _keys,
+        "plot": _plot,
+        "generator": _join,
+        "learner": _join,
+    }
+    if args.command in plain:
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        return _ckpt(args)
-    if args.command == "export":
-        if extra:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        return _export(args)
-    if args.command == "model":
-        if extra:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        return _model(args)
-    if args.command == "keys":
-        if extra:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        return _keys(args)
-    if args.command == "plot":
-        if extra:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        return _plot(args)
-    if args.command in ("generator", "learner"):
-        if extra:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        from verl_async.roles import run_join
-
-        return run_join(args)
+        return plain[args.command](args)
     return _run(parser, args, extra)
+
+
+def _join(args) -> int:
+    from verl_async.roles import run_join
+
+    return run_join(args)
 
 
 def _run(parser: argparse.ArgumentParser, args, extra: list[str]) -> int:

@@ -77,6 +77,11 @@ class BufferConfig(_Section):
     """Buffer port; 0 picks a free one."""
     request_timeout_s: PosFloat = 60.0
     """A client gives up on the buffer (and says so) after this long without a reply."""
+    lease_timeout_s: PosFloat = 300.0
+    """A prompt group not returned this long after it was issued goes to the next generator
+    that asks, and its holder's late rollout is dropped (work lost, logged): longer
+    than the slowest group takes to sample and score (raise it for long reasoning
+    responses), well below ``weights.join_timeout_s``, the learner's wait for one step."""
     keys_dir: str = ""
     """CurveZMQ key set made by ``verl-async keys DIR`` (relative to the working directory):
     the buffer and reward models admit only its clients. Empty: no authentication."""
@@ -315,9 +320,21 @@ class CheckpointConfig(_Section):
     """Longest wait for the previous checkpoint write before the next snapshot, or at exit."""
 
 
+class RayConfig(_Section):
+    """``launcher: ray``: the Ray cluster the roles run in as actors (docs/ray.md)."""
+
+    address: str = ""
+    """Cluster to join: "auto" or the head's HOST:PORT, from a node of it. Empty: start a
+    Ray instance on this machine for the run and shut it down at the end."""
+    timeout_s: PosFloat = 120.0
+    """Longest wait for Ray to place each role (its placement group and actor) or answer."""
+
+
 class RunConfig(_Section):
     name: str = "run"
     """Run name; the default run directory is runs/<name>-<timestamp>."""
+    launcher: Literal["local", "ray"] = "local"
+    """How ``train`` starts the roles: local processes, or Ray actors (``ray``, docs/ray.md)."""
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     data: DataConfig = msgspec.field(default_factory=DataConfig)
     buffer: BufferConfig = msgspec.field(default_factory=BufferConfig)
@@ -332,6 +349,7 @@ class RunConfig(_Section):
     placement: PlacementConfig = msgspec.field(default_factory=PlacementConfig)
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
+    ray: RayConfig = msgspec.field(default_factory=RayConfig)
 
 
 _PATH_RE = re.compile(r" - at `\$\.?(.*)`$")
@@ -467,6 +485,11 @@ def check_consistency(cfg: RunConfig) -> None:
     if cfg.eval.every_steps and not cfg.data.val_path:
         raise ConfigError("bad value for 'eval.every_steps': evaluation needs data.val_path")
     check_endpoints(cfg.buffer)
+    if cfg.ray.address.startswith("ray://"):
+        raise ConfigError(
+            "bad value for 'ray.address': Ray Client (ray://) is not supported; run "
+            "`verl-async train` on a node of the cluster with ray.address=auto"
+        )
 
 
 def check_endpoints(buffer: BufferConfig) -> None:

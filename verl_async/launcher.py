@@ -5,6 +5,7 @@ terminal reaches only the launcher, which then stops the roles in order: the lea
 first, so that a checkpoint write in progress is finished), with its output in
 ``logs/<role>.log``. Roles also die with the launcher (PR_SET_PDEATHSIG). A role that
 exits non-zero stops the run with a message naming it; nothing is left running.
+``launcher: ray`` starts the same roles inside Ray actors (``ray_launcher.py``).
 
 Resume (``--resume RUN_DIR`` or ``checkpoint.resume=true``): the newest checkpoint that
 verifies is chosen (each one skipped is reported with why); newer checkpoint directories
@@ -16,161 +17,62 @@ which will be trained again; and buffer and learner restore from it.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import datetime
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import msgspec
 from rich.markup import escape
 
 from verl_async import placement
-from verl_async.checkpoint import MANIFEST, list_checkpoints, newest_valid, spare_dir
-from verl_async.config import ConfigError, DataConfig, RunConfig, load_config, to_yaml
-from verl_async.metrics import complete_lines, read_metrics
+from verl_async.checkpoint import MANIFEST, list_checkpoints
+from verl_async.config import ConfigError, RunConfig, to_yaml
+from verl_async.metrics import read_metrics
 from verl_async.progress import ProgressReport, summarize
 from verl_async.reward_config import ModelReward
+from verl_async.run_dir import (
+    RoleFailed,
+    open_run_dir,
+    resolve_data_paths,
+)
 from verl_async.runtime import Endpoints, device_env, free_port, ranks_env, write_endpoints
+from verl_async.startup import mark, report_start_up
 
 
-class RoleFailed(RuntimeError):
-    pass
+class RoleProcess(Protocol):
+    """What watching and stopping a role needs of its process: a ``LocalProcess`` here,
+    or a ``ray_launcher.RayProcess`` inside a Ray actor (``launcher: ray``)."""
+
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def signal_group(self, sig: int) -> None: ...
+
+
+class LocalProcess(subprocess.Popen):
+    """A role started here, in a session of its own."""
+
+    def signal_group(self, sig: int) -> None:
+        """Signal the role's whole process group (vLLM's engine processes included)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, sig)
 
 
 @dataclass
 class Role:
     name: str
-    proc: subprocess.Popen
+    proc: RoleProcess
     log_path: Path
-    restart: Callable[[], subprocess.Popen] | None = None  # reward models: start it again
+    restart: Callable[[], RoleProcess] | None = None  # reward models: start it again
     restarts: int = 0
 
 
 MAX_RESTARTS = 5  # per reward-model process; a model that keeps dying stops the run
-
-
-def make_run_dir(cfg: RunConfig, run_dir: str | None) -> Path:
-    if run_dir is None:
-        run_dir = f"runs/{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}"
-    path = Path(run_dir).resolve()
-    if (path / "metrics.jsonl").exists():
-        raise RoleFailed(f"run directory '{path}' already holds a run; choose another --run-dir")
-    (path / "logs").mkdir(parents=True, exist_ok=True)
-    (path / "checkpoints").mkdir(exist_ok=True)
-    return path
-
-
-def resumable(run_dir: Path) -> bool:
-    """True when ``run_dir`` holds a run with a committed checkpoint (checkpoint.resume=true
-    resumes it; else the run starts, or starts over: ``start_over``)."""
-    return (run_dir / "config.yaml").is_file() and any(
-        (d / MANIFEST).is_file() for d in list_checkpoints(run_dir)
-    )
-
-
-PARTIAL = ("metrics.jsonl", "trained.jsonl", "eval.jsonl", "tensorboard")
-
-
-def start_over(run_dir: Path, console) -> None:
-    """checkpoint.resume=true on a run stopped before its first checkpoint: nothing to resume
-    from, so the run starts again in ``run_dir``. What it wrote per step (metrics, trail,
-    uncommitted checkpoint directories) goes; every log gets a note, and the new run's
-    output is appended below it."""
-    if not any((run_dir / name).exists() for name in PARTIAL):
-        return  # stopped before its first step: nothing to clear
-    note = (
-        f"no checkpoint in '{run_dir}' to resume from: the run starts over there "
-        "(its metrics and trail so far are cleared)"
-    )
-    console.print(f"[yellow]{escape(note)}[/]")
-    for name in PARTIAL:
-        path = run_dir / name
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink(missing_ok=True)
-    for d in list_checkpoints(run_dir):
-        if not (d / MANIFEST).is_file():
-            shutil.rmtree(d)
-    shutil.rmtree(spare_dir(run_dir), ignore_errors=True)
-    for log in sorted((run_dir / "logs").glob("*.log")):
-        with open(log, "a") as f:
-            f.write(f"\n--- {datetime.now():%Y-%m-%d %H:%M:%S} verl-async: {note} ---\n\n")
-
-
-def open_run_dir(
-    cfg: RunConfig, run_dir_arg: str | None, console, resume: bool
-) -> tuple[Path, Path | None]:
-    """The run directory and the checkpoint to resume from (None: the run starts)."""
-    if run_dir_arg is not None and cfg.checkpoint.resume and not resume:
-        path = Path(run_dir_arg).resolve()
-        resume = resumable(path)
-        if not resume and path.is_dir():
-            start_over(path, console)
-    if resume:
-        run_dir = Path(run_dir_arg).resolve()
-        return run_dir, choose_checkpoint(cfg, run_dir, console)
-    return make_run_dir(cfg, run_dir_arg), None
-
-
-def choose_checkpoint(cfg: RunConfig, run_dir: Path, console) -> Path:
-    """The checkpoint to resume ``run_dir`` from; the run directory is made to match it."""
-    if not (run_dir / "config.yaml").is_file():
-        raise RoleFailed(f"cannot resume: '{run_dir}' holds no run (no config.yaml)")
-    check_resumable(load_config(run_dir / "config.yaml"), cfg)
-    found = newest_valid(run_dir, report=lambda m: console.print(f"[yellow]{escape(m)}[/]"))
-    if found is None:
-        raise RoleFailed(
-            f"cannot resume: no checkpoint in '{run_dir / 'checkpoints'}' verifies "
-            "(see `verl-async ckpt verify`); start a new run instead"
-        )
-    ckpt, manifest = found
-    for later in [d for d in list_checkpoints(run_dir) if d > ckpt]:
-        if (later / MANIFEST).is_file():
-            later.rename(later.with_name(f"damaged_{later.name}"))
-        else:
-            shutil.rmtree(later)
-    for name in ("metrics.jsonl", "trained.jsonl", "eval.jsonl"):
-        truncate_steps(run_dir / name, manifest.step)
-    console.print(
-        f"resuming from [bold]{escape(ckpt.name)}[/] (step {manifest.step}, version {manifest.version})"
-    )
-    return ckpt
-
-
-def check_resumable(old: RunConfig, new: RunConfig) -> None:
-    """The keys a checkpoint's ledger and weights depend on must not change on resume."""
-    for key in ("model", "data", "learner.groups_per_step"):
-        a, b = old, new
-        for part in key.split("."):
-            a, b = getattr(a, part), getattr(b, part)
-        if key == "data":  # the stored paths are resolved; compare like with like
-            a, b = resolve_data_paths(a), resolve_data_paths(b)
-        if a != b:
-            raise ConfigError(f"'{key}' differs from the run being resumed; it cannot change")
-
-
-def truncate_steps(path: Path, step: int) -> None:
-    """Keep the lines of steps < ``step`` (atomically: a crash leaves old or new file)."""
-    if not path.is_file():
-        return
-    keep = [line for line in complete_lines(path.read_text()) if json.loads(line)["step"] < step]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(keep))
-    os.replace(tmp, path)
-
-
-def resolve_data_paths(data: DataConfig) -> DataConfig:
-    """Data paths made absolute (roles run from the run directory's point of view)."""
-    resolve = lambda p: str(Path(p).resolve()) if p else ""  # noqa: E731
-    return msgspec.structs.replace(data, path=resolve(data.path), val_path=resolve(data.val_path))
 
 
 def model_dir(key: str, value: str) -> str:
@@ -285,9 +187,9 @@ def spawn(
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     argv = argv or role_argv(module, run_dir, extra)
 
-    def start() -> subprocess.Popen:
+    def start() -> LocalProcess:
         with open(log_path, "ab") as log_file:
-            return subprocess.Popen(
+            return LocalProcess(
                 argv,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
@@ -316,38 +218,78 @@ def learner_launch(cfg: RunConfig, run_dir: Path) -> tuple[list[str], dict[str, 
     return argv, ranks_env(devices)
 
 
-def start_roles(cfg: RunConfig, run_dir: Path) -> list[Role]:
+@dataclass(frozen=True)
+class RolePlan:
+    """One role process of the run, whichever launcher starts it."""
+
+    name: str
+    module: str
+    env: dict[str, str]  # placement (device_env, ranks_env), added to the process's own
+    extra: list[str] = field(default_factory=list)
+    devices: list[str] = field(default_factory=list)  # none: the buffer, which owns none
+    restartable: bool = False
+    argv: list[str] | None = None  # instead of role_argv(module, ...): the learner's job
+
+    def command(self, run_dir: Path) -> list[str]:
+        return self.argv or role_argv(self.module, run_dir, self.extra)
+
+
+def plan_roles(cfg: RunConfig, run_dir: Path) -> list[RolePlan]:
     """Buffer, reward models, learner, and one generator process per device group."""
-    roles = [spawn("buffer", "buffer", run_dir)]
+    plans = [RolePlan("buffer", "buffer", {})]
     models = [s for s in cfg.rewards.sources if isinstance(s, ModelReward)]
     for i, src in enumerate(models):
-        env = device_env(placement.reward_model_device(cfg, i))
-        name = f"reward_model_{src.name}"
-        roles.append(spawn(name, "reward_model", run_dir, env, ["--name", src.name], True))
+        device = placement.reward_model_device(cfg, i)
+        name, extra = f"reward_model_{src.name}", ["--name", src.name]
+        plans.append(RolePlan(name, "reward_model", device_env(device), extra, [device], True))
     argv, env = learner_launch(cfg, run_dir)
-    roles.append(spawn("learner", "learners", run_dir, env, argv=argv))
+    plans.append(
+        RolePlan("learner", "learners", env, [], placement.learner_devices(cfg), argv=argv)
+    )
     for i, group in enumerate(placement.generator_groups(cfg)):
-        roles.append(
-            spawn(f"generator{i}", "generators", run_dir, device_env(group), ["--index", str(i)])
-        )
-    return roles
+        extra = ["--index", str(i)]
+        plans.append(RolePlan(f"generator{i}", "generators", device_env(group), extra, group))
+    return plans
+
+
+def start_roles(cfg: RunConfig, run_dir: Path) -> list[Role]:
+    """Every role of ``plan_roles`` as a process of this machine."""
+    return [
+        spawn(p.name, p.module, run_dir, p.env, p.extra, p.restartable, argv=p.argv)
+        for p in plan_roles(cfg, run_dir)
+    ]
+
+
+@contextlib.contextmanager
+def local_roles(cfg: RunConfig, run_dir: Path) -> Iterator[list[Role]]:
+    """``launcher: local``: the roles as processes of this machine, stopped on the way out."""
+    roles = start_roles(cfg, run_dir)
+    try:
+        yield roles
+    finally:
+        stop_roles(roles)
+
+
+def launch(cfg: RunConfig, run_dir: Path, console) -> contextlib.AbstractContextManager:
+    """The started roles of ``cfg.launcher`` (a context that stops them when left)."""
+    if cfg.launcher == "ray":
+        from verl_async.ray_launcher import ray_roles
+
+        return ray_roles(cfg, run_dir, console)
+    return local_roles(cfg, run_dir)
 
 
 def stop_roles(roles: list[Role], grace_s: float = 10.0) -> None:
     """SIGTERM each role's whole process group (vLLM's engine processes included), then SIGKILL."""
     for role in roles:
-        _signal_group(role.proc, signal.SIGTERM)
+        role.proc.signal_group(signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for role in roles:
         with contextlib.suppress(subprocess.TimeoutExpired):
             role.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        _signal_group(role.proc, signal.SIGKILL)  # stragglers, and children of exited roles
-        role.proc.wait()
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, sig)
+        role.proc.signal_group(signal.SIGKILL)  # stragglers, and children of exited roles
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            role.proc.wait(timeout=grace_s)  # SIGKILL: reaped within milliseconds
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -357,8 +299,11 @@ def _tail(path: Path, lines: int = 15) -> str:
         return ""
 
 
-def watch(roles: list[Role], cfg: RunConfig, run_dir: Path, console) -> None:
-    """Show progress until the learner finishes; raise RoleFailed if any role dies first."""
+def watch(
+    roles: list[Role], cfg: RunConfig, run_dir: Path, console, t0: float | None = None
+) -> None:
+    """Show progress (and, at the first step, where start-up time went since ``t0``) until
+    the learner finishes; raise RoleFailed if any role dies first."""
     learner = next(r for r in roles if r.name == "learner")
     with ProgressReport(console, cfg.trainer.total_steps, cfg.trainer.log_every) as report:
         while True:
@@ -374,7 +319,10 @@ def watch(roles: list[Role], cfg: RunConfig, run_dir: Path, console) -> None:
                         f"last lines of {role.log_path}:\n{_tail(role.log_path)}"
                     )
             finished = learner.proc.poll() == 0  # before reading: its last row is then in
-            report.update(read_metrics(run_dir / "metrics.jsonl"))
+            rows = read_metrics(run_dir / "metrics.jsonl")
+            if rows and t0 is not None:
+                t0 = report_start_up(run_dir, console, t0)  # once
+            report.update(rows)
             if finished:
                 return
             time.sleep(0.5)
@@ -393,7 +341,7 @@ def restarted(role: Role, code: int, console) -> bool:
         markup=False,
         soft_wrap=True,
     )
-    _signal_group(role.proc, signal.SIGKILL)  # anything it left behind
+    role.proc.signal_group(signal.SIGKILL)  # anything it left behind
     role.proc = role.restart()
     return True
 
@@ -409,26 +357,33 @@ def wait_for_exit(roles: list[Role], timeout_s: float) -> None:
 
 def train(cfg: RunConfig, run_dir_arg: str | None, console, resume: bool = False) -> Path:
     """Start (or with ``resume``, continue) the run in ``run_dir_arg``; return its directory."""
-    placement.check_devices_exist(cfg)  # before anything is written or started
+    t0 = time.time()  # the start-up breakdown counts from here
+    if cfg.launcher == "ray":
+        from verl_async.ray_launcher import check_installed
+
+        check_installed()
+    if cfg.launcher == "local" or not cfg.ray.address:  # a cluster's devices: Ray places them
+        placement.check_devices_exist(cfg)  # before anything is written or started
     check_data(cfg)
     run_dir, ckpt = open_run_dir(cfg, run_dir_arg, console, resume)
     console.print(f"run directory: [bold]{escape(str(run_dir))}[/]", soft_wrap=True)
     prepare(cfg, run_dir, ckpt, data_checked=True)
-    roles = start_roles(cfg, run_dir)
-    try:
-        watch(roles, cfg, run_dir, console)
-        wait_for_exit(roles, timeout_s=30)  # generators see `stop` within a poll and exit
-    except KeyboardInterrupt:
-        console.print("[yellow]interrupted: finishing a checkpoint write in progress...[/]")
-        learner = [r for r in roles if r.name == "learner"]
-        stop_roles(learner, grace_s=cfg.checkpoint.write_timeout_s)
-        console.print("[yellow]stopping every process...[/]")
-        if any((d / MANIFEST).is_file() for d in list_checkpoints(run_dir)):
-            console.print(
-                f"resume with: verl-async train --resume {run_dir}", markup=False, soft_wrap=True
-            )
-        raise
-    finally:
-        stop_roles(roles)
+    with launch(cfg, run_dir, console) as roles:
+        mark(run_dir, "launcher", "roles started")
+        try:
+            watch(roles, cfg, run_dir, console, t0)
+            wait_for_exit(roles, timeout_s=30)  # generators see `stop` within a poll and exit
+        except KeyboardInterrupt:
+            console.print("[yellow]interrupted: finishing a checkpoint write in progress...[/]")
+            learner = [r for r in roles if r.name == "learner"]
+            stop_roles(learner, grace_s=cfg.checkpoint.write_timeout_s)
+            console.print("[yellow]stopping every process...[/]")
+            if any((d / MANIFEST).is_file() for d in list_checkpoints(run_dir)):
+                console.print(
+                    f"resume with: verl-async train --resume {run_dir}",
+                    markup=False,
+                    soft_wrap=True,
+                )
+            raise
     summarize(run_dir, console)
     return run_dir

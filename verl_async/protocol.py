@@ -241,6 +241,15 @@ class Ack(_Msg):
     pass
 
 
+class Dropped(_Msg):
+    """Reply to ``PushRollouts``: the groups ``group_ids`` were not taken because this
+    connection's lease on them had expired (they went to another generator); every other
+    group of the message was recorded, as with ``Ack``."""
+
+    group_ids: list[int]
+    reason: str
+
+
 class VersionStatus(_Msg):
     target_version: int
     update: WeightUpdate | None
@@ -313,6 +322,7 @@ class Stats(_Msg):
     target_version: int
     dropped_stale: int
     admission_blocked: int
+    leases_expired: int = 0  # groups taken back from a holder that did not return them in time
 
 
 class Error(_Msg):
@@ -349,6 +359,7 @@ Body = Union[  # noqa: UP007 (msgspec needs a runtime Union of tagged Structs)
     GetRun,
     Prompts,
     Ack,
+    Dropped,
     VersionStatus,
     Batch,
     BufferState,

@@ -76,8 +76,9 @@ def buffer_command(cfg, run_dir_arg: str | None, resume: bool, console) -> None:
     """Prepare the run directory, print how to join, become the buffer process."""
     from rich.markup import escape
 
-    from verl_async.launcher import RoleFailed, check_data, open_run_dir, prepare, role_argv
+    from verl_async.launcher import check_data, prepare, role_argv
     from verl_async.reward_config import ModelReward
+    from verl_async.run_dir import RoleFailed, open_run_dir
 
     if any(isinstance(s, ModelReward) for s in cfg.rewards.sources):
         raise RoleFailed(

@@ -7,13 +7,18 @@ vLLM load the directory like any Hugging Face checkpoint.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from verl_async.config import TinyModelConfig
 from verl_async.tasks.max_digit import VOCAB
 
 _MARKER = "verl_async_tiny.json"
+_CACHE_FORMAT = 1  # bump when a build of the same config would differ
 
 
 def build_tokenizer(out_dir: Path) -> None:
@@ -34,15 +39,62 @@ def build_tokenizer(out_dir: Path) -> None:
 
 
 def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig) -> Path:
-    """Write the tiny model to ``out_dir`` unless the same one is already there."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+    """Write the tiny model to ``out_dir`` unless the same one is already there; a copy
+    of an identical build in the cache (``cache_dir``) saves importing torch."""
     out_dir = Path(out_dir)
     wanted = json.dumps({"vocab": VOCAB, **_as_dict(cfg)}, sort_keys=True)
     marker = out_dir / _MARKER
     if marker.is_file() and marker.read_text() == wanted:
         return out_dir
+    cached = cache_dir(wanted)
+    if cached is not None and (cached / _MARKER).is_file():
+        _copy(cached, out_dir)
+        return out_dir
+    _build(out_dir, cfg, wanted)
+    if cached is not None:
+        _store(out_dir, cached)
+    return out_dir
+
+
+def cache_dir(wanted: str) -> Path | None:
+    """Where a build of ``wanted`` is kept: ``$VERL_ASYNC_CACHE`` (default
+    ~/.cache/verl-async) / tiny / a hash of the config and the torch and transformers
+    versions that built it; None when VERL_ASYNC_CACHE=off."""
+    from importlib.metadata import version
+
+    base = os.environ.get("VERL_ASYNC_CACHE", str(Path.home() / ".cache" / "verl-async"))
+    if base == "off":
+        return None
+    key = f"{_CACHE_FORMAT}|{wanted}|{version('torch')}|{version('transformers')}"
+    return Path(base) / "tiny" / hashlib.sha256(key.encode()).hexdigest()[:20]
+
+
+def _copy(src: Path, out_dir: Path) -> None:
+    """The cached files, the marker last (an interrupted copy is built again next time)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for f in sorted(src.iterdir(), key=lambda f: f.name == _MARKER):
+        shutil.copy2(f, out_dir / f.name)
+
+
+def _store(built: Path, cached: Path) -> None:
+    """Keep a copy of ``built`` as ``cached``: written aside, then renamed into place."""
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=cached.parent, prefix=".build-"))
+    except OSError:
+        return  # a cache that cannot be written is skipped
+    try:
+        _copy(built, tmp)
+        os.replace(tmp, cached)
+    except OSError:  # another run stored it meanwhile, or the disk is full
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _build(out_dir: Path, cfg: TinyModelConfig, wanted: str) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    marker = out_dir / _MARKER
     out_dir.mkdir(parents=True, exist_ok=True)
     config = LlamaConfig(
         vocab_size=len(VOCAB),
@@ -64,7 +116,6 @@ def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig) -> Path:
     model.save_pretrained(out_dir)
     build_tokenizer(out_dir)
     marker.write_text(wanted)
-    return out_dir
 
 
 def _as_dict(cfg: TinyModelConfig) -> dict:

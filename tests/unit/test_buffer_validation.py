@@ -1,7 +1,7 @@
 """The buffer against hostile input: every rejection pinned, valid input still accepted.
 
 Three layers, all without a network: the pure validators (protocol.tensor / vector,
-ledger.check_issued / unpack_rollout, the server's request checks), the rate-limited
+ledger.check_issued, rollouts.unpack_rollout, the server's request checks), the rate-limited
 rejection log, and ``BufferServer._dispatch`` driven in-process with the replies captured.
 Hypothesis throws random bytes and structurally wrong messages at each layer; the
 strategies here (``hostile_messages``) are also what tests/integration/test_buffer_fuzz.py
@@ -22,14 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from buffer.evaluation import EvalRounds
-from buffer.ledger import (
-    Issued,
-    LedgerError,
-    PromptLedger,
-    RolloutLimits,
-    check_issued,
-    unpack_rollout,
-)
+from buffer.leases import Leases
+from buffer.ledger import Issued, LedgerError, PromptLedger, check_issued
 from buffer.requests import (
     MAX_PARKED_PER_CLIENT,
     RejectionLog,
@@ -40,6 +34,7 @@ from buffer.requests import (
     check_non_negative,
     check_wait,
 )
+from buffer.rollouts import RolloutLimits, unpack_rollout
 from buffer.server import BufferServer
 from verl_async import protocol as P
 from verl_async.data import PromptRecord
@@ -198,9 +193,9 @@ def test_check_issued_names_who_the_group_belongs_to():
         assert str(err.value) == message
 
 
-def _ledger(b=2, eta=1, steps=4, n=16) -> PromptLedger:
+def _ledger(b=2, eta=1, steps=4, n=16, leases: Leases | None = None) -> PromptLedger:
     prompts = [PromptRecord(f"p{i}", str(i), prompt_ids=(1, 2)) for i in range(n)]
-    return PromptLedger(prompts, Admission(b, eta), steps, seed=0)
+    return PromptLedger(prompts, Admission(b, eta), steps, seed=0, leases=leases)
 
 
 def test_check_returnable_says_why_a_group_cannot_come_back():
@@ -223,7 +218,7 @@ def test_check_returnable_says_why_a_group_cannot_come_back():
         assert str(err.value) == message
     ledger.check_returnable([1, 2, 3])
     ledger.restore(0, 0, 4, [stored], [1, 2, 3])
-    with pytest.raises(LedgerError, match="group 2 was issued before the restore and waits"):
+    with pytest.raises(LedgerError, match="group 2 waits to be issued again"):
         ledger.check_returnable([2])
 
 
@@ -534,9 +529,9 @@ class Harness:
 
     ids = itertools.count()
 
-    def __init__(self, limits: RolloutLimits = LIMITS) -> None:
+    def __init__(self, limits: RolloutLimits = LIMITS, leases: Leases | None = None) -> None:
         self.server = BufferServer(
-            _ledger(),
+            _ledger(leases=leases),
             max_staleness=1,
             endpoint=f"inproc://buffer-validation-{next(self.ids)}",
             num_sources=1,
@@ -568,6 +563,10 @@ class Harness:
         s, lg = self.server, self.server.ledger
         return (
             dict(lg.in_flight),
+            list(lg.reissue),
+            dict(lg.leases.deadline),
+            dict(lg.leases.held),
+            sorted(lg.leases.lapsed),
             sorted(lg.returned),
             lg.next_group,
             lg.consumed_steps,
@@ -575,7 +574,7 @@ class Harness:
             s.update,
             [(p.identity, p.body) for p in s.parked],
             s.stopping,
-            sorted(s.cuts),
+            sorted(s.cuts.cuts),
             sorted(s.steps),
             sorted(s.evals.rounds),
             s.rate.total,

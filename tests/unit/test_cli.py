@@ -179,7 +179,7 @@ def _stopped_run(run_dir: Path, cfg) -> None:
 
 
 def test_checkpoint_resume_starts_over_a_run_stopped_before_its_first_checkpoint(tmp_path):
-    from verl_async.launcher import open_run_dir
+    from verl_async.run_dir import open_run_dir
 
     cfg = load_config(None, ["checkpoint.resume=true"])
     run_dir = tmp_path / "run"
@@ -194,7 +194,7 @@ def test_checkpoint_resume_starts_over_a_run_stopped_before_its_first_checkpoint
 
 
 def test_checkpoint_resume_resumes_when_a_checkpoint_exists(tmp_path):
-    from verl_async.launcher import open_run_dir
+    from verl_async.run_dir import open_run_dir
 
     cfg = load_config(None, ["checkpoint.resume=true"])
     run_dir = tmp_path / "run"

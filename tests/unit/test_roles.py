@@ -67,3 +67,23 @@ def test_joining_twice_rewrites_nothing(tmp_path):
         (run_dir / "config.yaml").stat().st_mtime_ns,
         (run_dir / "endpoints.json").stat().st_mtime_ns,
     )
+
+
+def test_a_cached_tiny_model_is_the_same_bytes_as_a_fresh_build(tmp_path, monkeypatch):
+    from verl_async.tiny_model import cache_dir
+
+    monkeypatch.setenv("VERL_ASYNC_CACHE", str(tmp_path / "cache"))
+    first = build_tiny_model(tmp_path / "a", TinyModelConfig())  # built, then stored
+    stored = list((tmp_path / "cache" / "tiny").iterdir())
+    assert len(stored) == 1 and (stored[0] / "model.safetensors").is_file()
+    copied = build_tiny_model(tmp_path / "b", TinyModelConfig())  # copied from the cache
+    monkeypatch.setenv("VERL_ASYNC_CACHE", "off")
+    assert cache_dir("anything") is None
+    fresh = build_tiny_model(tmp_path / "c", TinyModelConfig())
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert (first / name).read_bytes() == (copied / name).read_bytes()
+        assert (first / name).read_bytes() == (fresh / name).read_bytes()
+    other = msgspec.structs.replace(TinyModelConfig(), seed=TinyModelConfig().seed + 1)
+    monkeypatch.setenv("VERL_ASYNC_CACHE", str(tmp_path / "cache"))
+    build_tiny_model(tmp_path / "d", other)
+    assert len(list((tmp_path / "cache" / "tiny").iterdir())) == 2  # its own entry

@@ -1,0 +1,95 @@
+"""``launcher: ray``: the tiny task with two vLLM generators and a learner, each role a
+Ray actor in its placement group on a local Ray instance (CPU), run through the CLI; and
+the GPUs a multi-GPU role is handed, on a local instance told of GPUs it does not have.
+
+Short on purpose (a Ray start costs seconds on a 2-core machine): what it checks is the
+launcher (every role placed, watched and stopped, Ray gone afterwards), not learning,
+which test_scale_out.py checks in the same shape."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from verl_async import ray_launcher
+from verl_async.config import load_config
+from verl_async.launcher import RolePlan
+
+from .conftest import processes_mentioning, run_cli
+
+STEPS = 12
+ROLES = ("buffer", "learner", "generator0", "generator1")
+
+
+def test_two_generators_and_a_learner_train_as_ray_actors(tmp_path):
+    run_dir = tmp_path / "run"
+    res = run_cli(
+        [
+            "train", "configs/tiny.yaml", "--run-dir", str(run_dir), "launcher=ray",
+            f"trainer.total_steps={STEPS}", "checkpoint.every_steps=0",
+            "placement.generators=[cpu, cpu]", "placement.learners=[cpu]",
+        ],
+        timeout=400,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    session = re.search(r"local instance \(4 CPU, 0 GPU; session files in (\S+)\)", res.stderr)
+    assert session, res.stderr[-3000:]  # sized to the 4 bundles, not to this machine
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    trail = [json.loads(line) for line in (run_dir / "trained.jsonl").read_text().splitlines()]
+    groups = [g for t in trail for g, _ in t["groups"]]
+    assert len(groups) == len(set(groups)) == STEPS * 8  # every group trained exactly once
+    for role in ROLES:  # placed by the launcher, and started from inside its actor
+        assert re.search(
+            rf"^ray: {role} in actor \w+ on \S+ \(placement group \w+", res.stderr, re.M
+        )
+        log = (run_dir / "logs" / f"{role}.log").read_text()
+        assert re.search(
+            rf"verl-async: {role} in Ray actor \w+ on node \S+ \(placement group \w+", log
+        )
+    for i in (0, 1):  # both engines generated and followed the pushed weights
+        gen = (run_dir / "logs" / f"generator{i}.log").read_text()
+        loaded = [int(v) for v in re.findall(r"loaded version (\d+)", gen)]
+        assert loaded and max(loaded) >= STEPS // 2, (i, loaded[-5:])
+    _assert_ray_is_gone(Path(session.group(1)))
+
+
+def _assert_ray_is_gone(session: Path) -> None:
+    """No process of this test's Ray instance (raylet, gcs_server, workers) is left, and
+    its session folder was removed (the run succeeded)."""
+    deadline = time.monotonic() + 15
+    while processes_mentioning(str(session)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert processes_mentioning(str(session)) == []
+    assert not session.exists()
+
+
+def test_a_role_over_two_gpus_sees_both_of_its_bundles_gpus(tmp_path, monkeypatch):
+    """The GPU hand-over without GPUs: a local instance is told of the three GPUs the
+    placement names (Ray schedules logical GPUs), and each role prints what it sees. A
+    two-GPU group's actor holds one bundle; the other bundle's GPU is added for its role."""
+    show = [sys.executable, "-c", "import os; print('sees', os.environ['CUDA_VISIBLE_DEVICES'])"]
+    plans = [
+        RolePlan("pair", "x", {}, devices=["cuda:0", "cuda:1"], argv=show),
+        RolePlan("single", "x", {}, devices=["cuda:2"], argv=show),
+    ]
+    monkeypatch.setattr(ray_launcher, "plan_roles", lambda cfg, run_dir: plans)
+    (tmp_path / "logs").mkdir()
+    console = Console(file=io.StringIO(), width=200)
+    with ray_launcher.ray_roles(load_config(None, ["launcher=ray"]), tmp_path, console) as roles:
+        assert [role.proc.wait(timeout=60) for role in roles] == [0, 0]
+    out = console.file.getvalue()
+    assert "local instance (3 CPU, 3 GPU;" in out  # a CPU per bundle
+    seen = {}
+    for name in ("pair", "single"):
+        log = (tmp_path / "logs" / f"{name}.log").read_text()
+        seen[name] = re.search(r"^sees (\S+)$", log, re.M).group(1).split(",")
+    assert len(seen["pair"]) == 2 and len(seen["single"]) == 1
+    assert sorted(seen["pair"] + seen["single"]) == ["0", "1", "2"]  # each GPU once
+    _assert_ray_is_gone(Path(re.search(r"session files in (\S+)\)", out).group(1)))

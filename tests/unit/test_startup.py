@@ -1,0 +1,46 @@
+"""The start-up breakdown: milestones in their order, first time each, from t0."""
+
+import json
+
+from verl_async.startup import FILE, breakdown, format_breakdown, mark, read_marks
+
+
+def test_marks_append_and_the_breakdown_orders_them(tmp_path):
+    for role, event in [
+        ("learner", "first step"),
+        ("generator0", "engine up"),
+        ("buffer", "serving"),
+        ("generator1", "engine up"),
+    ]:
+        mark(tmp_path, role, event)
+    with open(tmp_path / FILE, "a") as f:
+        f.write('{"role": "learner", "ev')  # a line still being written
+    marks = read_marks(tmp_path)
+    assert [m["event"] for m in marks] == ["first step", "engine up", "serving", "engine up"]
+    t0 = min(m["t"] for m in marks) - 1.0
+    rows = breakdown(marks, t0)
+    assert [(r, e) for r, e, _ in rows] == [
+        ("buffer", "serving"),
+        ("generator0", "engine up"),
+        ("learner", "first step"),
+        ("generator1", "engine up"),  # not in ORDER: after the known ones, by time
+    ]
+    assert all(1.0 <= s < 5.0 for _, _, s in rows)
+
+
+def test_the_first_time_a_milestone_is_reached_in_this_launch_counts():
+    marks = [
+        {"role": "learner", "event": "first step", "t": 40.0},  # the launch before a resume
+        {"role": "learner", "event": "first step", "t": 110.0},
+        {"role": "learner", "event": "first step", "t": 130.0},
+        {"role": "buffer", "event": "serving", "t": 102.5},
+    ]
+    rows = breakdown(marks, 100.0)
+    assert rows == [("buffer", "serving", 2.5), ("learner", "first step", 10.0)]
+    assert format_breakdown(rows) == "start-up: buffer serving 2.5 s, learner first step 10.0 s"
+
+
+def test_marking_an_unwritable_run_dir_is_harmless(tmp_path):
+    mark(tmp_path / "missing", "buffer", "serving")
+    assert read_marks(tmp_path / "missing") == []
+    assert json.loads(json.dumps(read_marks(tmp_path))) == []
