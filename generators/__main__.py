@@ -6,7 +6,9 @@ from verl_async.runtime import load_context, start_role
 
 
 def main() -> None:
-    args = start_role("generator", "verl-async generator", with_index=True)
+    # Unpinned until its engine is up: the engine's processes each import vLLM, and on a
+    # small machine that start-up goes faster on every core (generators/main.py pins then).
+    args = start_role("generator", "verl-async generator", with_index=True, pin=False)
     from generators.main import run_generator
 
     uvloop.run(run_generator(load_context(args.run_dir), args.index))
