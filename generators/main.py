@@ -30,7 +30,7 @@ from verl_async import placement
 from verl_async import protocol as P
 from verl_async.auth import client_keys
 from verl_async.rewards.scorer import GroupScores, Scorer
-from verl_async.runtime import RunContext, pin_process_tree
+from verl_async.runtime import RunContext
 from verl_async.startup import mark
 from verl_async.transport import AsyncBufferClient
 from verl_async.weight_sync import resolve_backend
@@ -299,7 +299,6 @@ async def start_and_join(ctx: RunContext, index: int, role: str) -> Engine:
     )
     engine = Engine(llm, cfg)
     del llm  # the Engine owns it from here (and drops it at shutdown)
-    pin_process_tree()  # this process, the engine's and the scoring process: on our cores
     log.info("engine up; joining the weight-sync group")
     mark(ctx.path, role, "engine up")
     try:

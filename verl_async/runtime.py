@@ -8,7 +8,6 @@ config field is ever filled in after validation.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ctypes
 import faulthandler
 import logging
@@ -171,47 +170,6 @@ def _pin(wanted: set[int]) -> None:
         torch.set_num_threads(len(wanted))
 
 
-def pin_process_tree() -> None:
-    """Pin this process, every thread of it and every process it started (and theirs) to
-    its ``cpu:N`` placement: for a role that started unpinned (``start_role(pin=False)``)
-    so that its start-up (imports in several processes) could use every core, once that
-    is over. Processes and threads that are gone or not ours are skipped."""
-    cores = os.environ.get("VERL_ASYNC_CPU_CORES")
-    if cores is None:
-        return
-    wanted = {int(c) for c in cores.split(",")}
-    if not wanted <= os.sched_getaffinity(0):
-        return
-    for pid in [os.getpid(), *_descendants(os.getpid())]:
-        try:
-            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-        except OSError:
-            continue
-        for tid in tids:
-            with contextlib.suppress(OSError):  # a thread that has just ended
-                os.sched_setaffinity(tid, wanted)
-
-
-def _descendants(root: int) -> list[int]:
-    """PIDs of every process below ``root`` (from /proc: each process's parent)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [root]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
-
-
 def unpin_this_thread() -> None:
     """Let the calling thread run on any core the process had before pinning.
 
@@ -230,14 +188,12 @@ def start_role(
     with_index: bool = False,
     with_name: bool = False,
     more: Callable[[argparse.ArgumentParser], None] | None = None,
-    pin: bool = True,
 ) -> argparse.Namespace:
     """Common prologue of a role process: arguments, parent-death signal, logging, pinning.
 
     ``with_index``: one of several alike (``--index``, generators); ``with_name``: the
     process serving one named reward source (``--name``, reward models); ``more`` adds a
-    role's own options to the parser; ``pin=False``: the role pins itself later
-    (``pin_process_tree``)."""
+    role's own options to the parser."""
     args = role_args(description, with_index, with_name, more)
     # A crash in native code (SIGSEGV, SIGABRT, ...) leaves every thread's Python stack in
     # the role's log instead of a bare exit code.
@@ -245,6 +201,5 @@ def start_role(
     die_with_parent()
     suffix = str(args.index) if with_index else f"[{args.name}]" if with_name else ""
     setup_logging(name + suffix)
-    if pin:
-        apply_cpu_pinning()
+    apply_cpu_pinning()
     return args

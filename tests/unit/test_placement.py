@@ -384,33 +384,3 @@ def test_every_learner_rank_needs_a_sample():
         "bad value for 'placement.learners': 3 learner ranks but a step has only 2 samples "
         "(learner.groups_per_step x generators.group_size); every rank needs at least one"
     )
-
-
-def test_a_process_tree_started_unpinned_is_pinned_whole(monkeypatch):
-    """Threads and child processes that exist before ``pin_process_tree`` end up on the
-    placement's cores as well (sched_setaffinity(0) alone would pin one thread)."""
-    import subprocess
-    import sys
-    import threading
-
-    if len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("needs two cores to tell pinned from unpinned")
-    core = min(os.sched_getaffinity(0))
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-    stop = threading.Event()
-    thread = threading.Thread(target=stop.wait)
-    thread.start()
-    before = os.sched_getaffinity(0)
-    try:
-        monkeypatch.setenv("VERL_ASYNC_CPU_CORES", str(core))
-        runtime.pin_process_tree()
-        assert os.sched_getaffinity(0) == {core}
-        assert os.sched_getaffinity(thread.native_id) == {core}
-        assert os.sched_getaffinity(child.pid) == {core}
-    finally:
-        for tid in os.listdir(f"/proc/{os.getpid()}/task"):
-            os.sched_setaffinity(int(tid), before)
-        stop.set()
-        thread.join()
-        child.kill()
-        child.wait()
