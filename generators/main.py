@@ -272,22 +272,21 @@ async def run_generator(ctx: RunContext, index: int) -> None:
     """Start the engine, join the weight-sync group, generate until told to stop."""
     role = f"generator{index}"
     mark(ctx.path, role, "started")
-    # The scoring process starts first: its imports overlap the engine's start-up.
-    scorer = make_scorer(ctx, index)
+    engine = await start_and_join(ctx, index, role)
     try:
-        engine = await start_and_join(ctx, index, role)
-        try:
-            from transformers import AutoTokenizer
+        from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(ctx.endpoints.model_path)
+        tokenizer = AutoTokenizer.from_pretrained(ctx.endpoints.model_path)
+        scorer = make_scorer(ctx, index)
+        try:
             await Generator(ctx, index, engine, tokenizer, scorer).run()
         finally:
-            try:
-                await engine.leave_weight_sync()
-            finally:
-                engine.shutdown()
+            scorer.close()
     finally:
-        scorer.close()
+        try:
+            await engine.leave_weight_sync()
+        finally:
+            engine.shutdown()
 
 
 async def start_and_join(ctx: RunContext, index: int, role: str) -> Engine:
