@@ -102,12 +102,14 @@ def main() -> None:
         summary[arm] = {"first_step_s": first, "total_s": total}
         print(f"{arm}: first step {first:.1f} s, whole command {total:.1f} s (mean of "
               f"{args.repeats})")  # fmt: skip
-    if base is not None:
-        ratio = summary["current"]["first_step_s"] / summary[arms[1][0]]["first_step_s"]
-        summary["ratio_first_step"] = ratio
-        print(f"summary: first step at {ratio:.2f}x the baseline's time ({machine()})")
     print("milestones of the last current run:", milestones(out / f"current{args.repeats - 1}"))
+    first = summary["current"]["first_step_s"]
+    line = f"summary: first step {first:.1f} s after the command started"
+    if base is not None:
+        summary["ratio_first_step"] = first / summary[arms[1][0]]["first_step_s"]
+        line += f", {summary['ratio_first_step']:.2f}x the baseline's time"
     (out / "startup.json").write_text(json.dumps(summary, indent=1))
+    print(f"{line} ({machine()})")
 
 
 if __name__ == "__main__":

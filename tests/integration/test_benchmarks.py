@@ -192,3 +192,19 @@ def test_plot_run(tmp_path):
     )
     assert res.returncode == 0, res.stderr[-2000:]
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_startup(tmp_path):
+    out = _run("startup.py", ["--repeats", "1", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "startup.json").read_text())
+    assert 0 < result["current"]["first_step_s"] <= result["current"]["total_s"]
+    assert "learner first step" in out  # the milestones the roles marked
+
+
+def test_soak(tmp_path):
+    out = _run("soak.py", ["--minutes", "0.4", "--every", "3", "--out", str(tmp_path / "run")])
+    result = json.loads((tmp_path / "run" / "soak.json").read_text())
+    assert result["steps"] > 0
+    assert {"buffer", "generators", "learners"} <= set(result["roles"])
+    assert all(s["late_mib"] > 0 for s in result["roles"].values())
+    assert "generators:" in out
