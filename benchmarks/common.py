@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -34,6 +35,17 @@ def run_train(
         )
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
     return rows, seconds
+
+
+def interrupt(proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    """Stop a ``verl-async train`` as Ctrl-C would (SIGINT: roles stopped in order), and
+    kill it if it has not exited after ``timeout_s``."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def rolling(values: list[float], window: int) -> list[float]:

@@ -25,14 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, machine, mean, run_train  # noqa: E402
+from common import ROOT, interrupt, machine, mean, run_train  # noqa: E402
 
 from verl_async.metrics import read_metrics  # noqa: E402
 
@@ -99,12 +98,7 @@ def fill_only(run_dir: Path, overrides: list[str], args) -> list[dict]:
                 raise SystemExit(f"run {run_dir.name} ended or timed out before its first step")
             time.sleep(0.5)
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        interrupt(proc)
     return read_metrics(run_dir / "metrics.jsonl")[:1]
 
 

@@ -17,14 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, machine  # noqa: E402
+from common import ROOT, interrupt, machine  # noqa: E402
 
 from verl_async.metrics import read_metrics  # noqa: E402
 
@@ -137,11 +136,7 @@ def main() -> None:
             rows.append({"t": time.monotonic() - t0, "rss": sample(proc.pid)})
             time.sleep(args.every)
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        interrupt(proc)
     steps = len((run_dir / "metrics.jsonl").read_text().splitlines())
     summary = {"machine": machine(), "minutes": args.minutes, "steps": steps,
                "roles": summarize(rows), "samples": rows}  # fmt: skip
