@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -120,3 +121,42 @@ def test_a_dying_generator_stops_the_run_with_its_name(tmp_path):
     assert "generator0" in err and "exited with code" in err
     time.sleep(1)
     assert not processes_mentioning(str(run_dir)), "processes outlived the failed run"
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text() if entry.name.isdigit() else ""
+        except OSError:
+            continue
+        if stat and int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            kids.append(int(entry.name))
+    return kids
+
+
+def test_a_killed_launcher_leaves_no_engine_process_behind(tmp_path):
+    """kill -9 of ``verl-async train``: every role gets SIGTERM (PR_SET_PDEATHSIG), and the
+    generator shuts its vLLM engine down, whose engine-core and worker processes (named
+    ``VLLM::...``, so nothing else finds them) would otherwise live on under init."""
+    run_dir = tmp_path / "killed"
+    argv = [sys.executable, "-m", "verl_async.cli", "train", "configs/tiny.yaml",
+            "--run-dir", str(run_dir), "trainer.total_steps=100000"]  # fmt: skip
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "metrics.jsonl").exists() or not _rows(run_dir):
+            assert proc.poll() is None and time.monotonic() < deadline, "no first step"
+            time.sleep(0.5)
+        generator = [p for p in processes_mentioning(str(run_dir)) if "generators" in cmdline(p)]
+        engine = [c for g in generator for c in _children(g)]
+        engine += [w for c in engine for w in _children(c)]
+        assert any("VLLM" in cmdline(p) for p in engine), [cmdline(p) for p in engine]
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 60
+    while any(cmdline(p) for p in generator + engine) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not [cmdline(p) for p in generator + engine if cmdline(p)], "outlived the launcher"
+    assert not processes_mentioning(str(run_dir))
