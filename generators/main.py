@@ -260,9 +260,9 @@ def make_scorer(ctx: RunContext, index: int) -> Scorer:
     if ctx.endpoints.reward_models:
         from verl_async.rewards.model_client import RewardModelClient
 
-        timeout_s = ctx.cfg.rewards.timeout_s
+        timeout_s, curve = ctx.cfg.rewards.timeout_s, client_keys(ctx.cfg)
         clients = {
-            name: RewardModelClient(endpoint, timeout_s, client_keys(ctx.cfg))
+            name: RewardModelClient(endpoint, timeout_s, curve)
             for name, endpoint in ctx.endpoints.reward_models.items()
         }
     return Scorer(ctx.run_dir, ctx.cfg.rewards, clients, log_name=f"reward_worker{index}")

@@ -10,7 +10,6 @@ reference is replicated on every rank."""
 from __future__ import annotations
 
 import logging
-import os
 import signal
 
 import torch
@@ -30,13 +29,13 @@ def run_learner(ctx: RunContext) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cfg = ctx.cfg
-    main = int(os.environ.get("RANK", "0")) == 0
-    if main:
-        mark(ctx.path, "learner", "imported")
     # Parameters and optimizer state stay float32; a bf16/fp16 model.dtype is the compute
     # dtype (autocast), as the generators' weights are (published tensors are cast on load).
     mixed = {"float32": "no", "bfloat16": "bf16", "float16": "fp16"}[cfg.model.dtype]
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed)
+    main = accelerator.is_main_process
+    if main:
+        mark(ctx.path, "learner", "imported")
     torch.manual_seed(cfg.learner.seed)
     ep = ctx.endpoints
     model = AutoModelForCausalLM.from_pretrained(ep.model_path, dtype=torch.float32)
@@ -65,7 +64,6 @@ def run_learner(ctx: RunContext) -> None:
     group = None
     if main:
         mark(ctx.path, "learner", "models ready")
-    if accelerator.is_main_process:
         world = sync_world_size(cfg)
         log.info("waiting for %d generator worker(s) to join the weight-sync group", world - 1)
         group = join_group(

@@ -76,6 +76,7 @@ def buffer_command(cfg, run_dir_arg: str | None, resume: bool, console) -> None:
     """Prepare the run directory, print how to join, become the buffer process."""
     from rich.markup import escape
 
+    from verl_async import placement
     from verl_async.launcher import check_data, prepare, role_argv
     from verl_async.reward_config import ModelReward
     from verl_async.run_dir import RoleFailed, open_run_dir
@@ -91,20 +92,11 @@ def buffer_command(cfg, run_dir_arg: str | None, resume: bool, console) -> None:
     address = endpoints.buffer
     console.print(f"run directory: [bold]{escape(str(run_dir))}[/]", soft_wrap=True)
     console.print(f"buffer: [bold]{escape(address)}[/]; join the run with", soft_wrap=True)
-    for i in range(len(_generator_groups(run_dir))):
+    for i in range(len(placement.generator_groups(cfg))):
         console.print(f"  verl-async generator --buffer {address} --index {i}", markup=False)
     console.print(f"  verl-async learner --buffer {address}", markup=False)
-    sys.stdout.flush()
-    sys.stderr.flush()
     argv = role_argv("buffer", run_dir, ["--exit-after-stop-s", str(BUFFER_EXIT_AFTER_STOP_S)])
-    os.execve(argv[0], argv, {**os.environ, "PYTHONUNBUFFERED": "1"})
-
-
-def _generator_groups(run_dir: Path) -> list:
-    from verl_async import placement
-    from verl_async.config import load_config
-
-    return placement.generator_groups(load_config(run_dir / "config.yaml"))
+    _become(argv, {})
 
 
 # ----------------------------------------------------------------------------- joining
