@@ -25,6 +25,7 @@ def encode_step(step: StepBatch, num_sources: int, **meters: float) -> tuple[P.B
         step=step.step,
         group_ids=[g.group_id for g in groups],
         group_prompts=[g.prompt_id for g in groups],
+        group_generators=[g.generator_id for g in groups],
         sample_group=[g.group_id for g, _ in samples],
         sample_index=[i for _, i in samples],
         shard_sizes=[len(shard) for shard in step.shards],

@@ -73,15 +73,26 @@ class Leases:
             k = next(iter(self.deadline))
             if self.deadline[k] > now:
                 break
-            del self.deadline[k]
-            client = self.holder.pop(k)
-            self._release(client)
-            due.setdefault(client, []).append(k)
-            self.lapsed[(k, client)] = now
-            if len(self.lapsed) > MAX_LAPSED:
-                self.lapsed.popitem(last=False)
+            due.setdefault(self._lapse(k, now), []).append(k)
             self.expired_total += 1
         return due
+
+    def revoke(self, group_ids: list[int]) -> None:
+        """End these leases now, as if they had run out: their holder is known to be gone
+        (its generator was restarted). A rollout of them from that connection is refused."""
+        now = self.clock()
+        for k in group_ids:
+            self._lapse(k, now)
+
+    def _lapse(self, group_id: int, now: float) -> bytes:
+        """End ``group_id``'s lease, remembering it as lapsed; returns its holder."""
+        del self.deadline[group_id]
+        client = self.holder.pop(group_id)
+        self._release(client)
+        self.lapsed[(group_id, client)] = now
+        if len(self.lapsed) > MAX_LAPSED:
+            self.lapsed.popitem(last=False)
+        return client
 
     def _release(self, client: bytes) -> None:
         self.held[client] -= 1

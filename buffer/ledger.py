@@ -171,6 +171,19 @@ class PromptLedger:
             self.reissue = deque(sorted(self.reissue))
         return expired
 
+    def take_back(self, generator_id: int) -> list[int]:
+        """Every group in flight at generator ``generator_id``, taken back at once (its
+        process was restarted: nothing it held will come back); each is first in line
+        to be issued again. Returns their ids."""
+        ids = sorted(
+            k for k, issued in self.in_flight.items() if issued.generator_id == generator_id
+        )
+        self.leases.revoke(ids)
+        for k in ids:
+            del self.in_flight[k]
+        self.reissue = deque(sorted([*self.reissue, *ids]))
+        return ids
+
     def in_flight_of(self, generator_id: int) -> int:
         return sum(1 for i in self.in_flight.values() if i.generator_id == generator_id)
 

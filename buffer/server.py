@@ -68,6 +68,7 @@ from buffer.requests import (
 )
 from buffer.rollouts import RolloutLimits, unpack_rollout
 from buffer.snapshot import Cuts, restore_ledger
+from buffer.sync_epochs import SyncEpochs
 from verl_async import protocol as P
 from verl_async.auth import ServerKeys, serve_curve
 
@@ -113,6 +114,7 @@ class BufferServer:
         self.max_staleness = max_staleness
         self.endpoint = endpoint
         self.update: P.WeightUpdate | None = None
+        self.sync = SyncEpochs()
         self.target_version = 0
         self.steps: dict[int, StepBatch] = {}
         self.parked: list[Parked] = []
@@ -242,7 +244,13 @@ class BufferServer:
             case P.AnnounceWeights():
                 self.update = body.update
                 self.target_version = body.update.version
+                self.sync.announced(body.update.epoch)
                 return P.Ack(), None
+            case P.JoinSync():
+                return self._join_sync(body.generator_id), None
+            case P.SyncStatus():
+                self.sync.status(body.formed, body.regroup)
+                return P.SyncEpoch(current=self.sync.current, wanted=self.sync.wanted), None
             case P.GetStats():
                 return self.stats(), None
             case P.StartEval():
@@ -288,6 +296,9 @@ class BufferServer:
                 check_get_batch(body, total, None if cut is None else len(cut.shards))
             case P.AnnounceWeights():
                 check_announce(body.update, self.target_version)
+                self.sync.check_announced(body.update.epoch)
+            case P.JoinSync():
+                check_non_negative(body, "generator_id")
             case P.PushEval():
                 check_eval_results(body, self.num_sources, self.target_version)
             case P.StartEval() | P.GetEval() | P.SnapshotBuffer() | P.FetchSnapshot():
@@ -361,9 +372,23 @@ class BufferServer:
                 str(ids),
             )
 
+    def _join_sync(self, generator_id: int) -> P.SyncEpoch:
+        """A generator's engine is up: the epoch to join; if the id was seen before, its
+        old process is gone and what it held is issued again now."""
+        epoch, restart = self.sync.join(generator_id)
+        if restart:
+            ids = self.ledger.take_back(generator_id)
+            log.warning(
+                "generator %d started again: it joins weight-sync epoch %d; the %d groups "
+                "its previous process held go to the next generator that asks: %s",
+                generator_id, epoch, len(ids), ids,
+            )  # fmt: skip
+        return P.SyncEpoch(current=self.sync.current, wanted=epoch)
+
     def _try_answer(self, body: P.PollVersion | P.GetBatch):
         if isinstance(body, P.PollVersion):
-            if self.target_version > body.loaded_version or self.stopping:
+            regrouped = self.sync.current > body.sync_epoch and self.update is not None
+            if self.target_version > body.loaded_version or self.stopping or regrouped:
                 return P.VersionStatus(
                     target_version=self.target_version, update=self.update, stop=self.stopping
                 ), None
@@ -504,4 +529,5 @@ class BufferServer:
             dropped_stale=self.dropped_stale_total,
             admission_blocked=self.admission_blocked,
             leases_expired=lg.leases.expired_total,
+            generator_restarts=self.sync.restarts,
         )

@@ -91,16 +91,33 @@ class Engine:
         self.running = asyncio.Event()  # cleared while a swap is in progress
         self.running.set()
         self.resubmitted = 0  # requests aborted by a swap and continued from their prefix
+        self.sync_epoch = 0  # the weight-sync group's epoch the workers are members of
+        self.sync_args: tuple = ()  # how they joined it (for the next epoch)
+        self.weights_lost = False  # an update failed midway: paused until a whole one arrives
 
     async def join_weight_sync(
-        self, host: str, port: int, world_size: int, rank_offset: int, backend: str
+        self,
+        host: str,
+        port: int,
+        world_size: int,
+        rank_offset: int,
+        backend: str,
+        epoch: int = 0,
     ) -> None:
+        """Every worker joins the weight-sync group of ``epoch`` (blocks until the whole
+        group has; an earlier epoch's group is dropped first)."""
         w = self.cfg.weights
+        self.sync_args = (host, port, world_size, rank_offset, backend)
         await self.llm.collective_rpc(
             "verl_join_weight_sync",
             timeout=w.join_timeout_s,
-            args=(host, port, world_size, rank_offset, backend, w.timeout_s),
+            args=(*self.sync_args, w.timeout_s, epoch),
         )
+        self.sync_epoch = epoch
+
+    async def rejoin_weight_sync(self, epoch: int) -> None:
+        """The learner rebuilt the group (a generator was restarted): join ``epoch``."""
+        await self.join_weight_sync(*self.sync_args, epoch=epoch)
 
     async def leave_weight_sync(self, timeout_s: float = 5.0) -> None:
         """Shut each worker's end of the group down before the engine stops (best effort:
@@ -174,10 +191,15 @@ class Engine:
         return [d[ids[i]].logprob for i, d in enumerate(final.prompt_logprobs) if d is not None]
 
     async def apply_update(self, update: WeightUpdate) -> float:
-        """Pause (``weights.mode``: keep or abort in-flight requests), receive, reset, resume."""
+        """Pause (``weights.mode``: keep or abort in-flight requests), receive, reset, resume.
+
+        If the broadcast fails midway (a member of the group died), the weights are a mix
+        of two versions: the engine stays paused, ``weights_lost`` is set, and the error
+        propagates; the next whole update (over the rebuilt group) resumes it."""
         t0 = time.perf_counter()
         self.running.clear()
-        await self._pause(self.cfg.weights.mode)
+        if not self.weights_lost:  # else still paused since the failed one
+            await self._pause(self.cfg.weights.mode)
         specs = [[p.name, p.dtype, list(p.shape)] for p in update.params]
         try:
             await self.llm.collective_rpc(
@@ -185,6 +207,11 @@ class Engine:
                 timeout=self.cfg.weights.timeout_s,
                 args=(specs, update.bucket_bytes),
             )
+        except Exception:
+            self.weights_lost = True
+            raise
+        self.weights_lost = False
+        try:
             await self.llm.reset_prefix_cache()
         finally:
             await self.llm.resume_generation()

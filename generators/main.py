@@ -228,29 +228,55 @@ class Generator:
     # ------------------------------------------------------------------ weights
 
     async def follow_weights(self) -> None:
-        """Long-poll the buffer for new versions and swap them in as they are announced."""
+        """Long-poll the buffer for new versions and swap them in as they are announced;
+        rejoin the weight-sync group when it was rebuilt (buffer/sync_epochs.py)."""
         wait_s = 1.0
+        engine = self.engine
         while not self.stop:
             status, _ = await self.buffer.request(
                 P.PollVersion(
                     generator_id=self.index,
-                    loaded_version=self.engine.loaded_version,
+                    loaded_version=engine.loaded_version,
                     wait_s=wait_s,
+                    sync_epoch=engine.sync_epoch,
                 ),
                 extra_wait_s=wait_s,
             )
             if status.stop:
                 self.stop = True
                 return
-            if status.update is not None and status.update.version > self.engine.loaded_version:
-                seconds = await self.engine.apply_update(status.update)
-                log.info(
-                    "loaded version %d in %.3fs (%s mode; resubmitted %d requests so far)",
-                    status.update.version,
-                    seconds,
-                    self.cfg.weights.mode,
-                    self.engine.resubmitted,
-                )
+            update = status.update
+            if update is None:
+                continue
+            if update.epoch > engine.sync_epoch:
+                log.info("the weight-sync group was rebuilt: joining epoch %d", update.epoch)
+                await engine.rejoin_weight_sync(update.epoch)
+            elif update.version <= engine.loaded_version or engine.weights_lost:
+                # Nothing new; or this epoch's group failed us: wait for the next one.
+                await asyncio.sleep(0.2 if engine.weights_lost else 0)
+                continue
+            await self.load(update)
+
+    async def load(self, update: P.WeightUpdate) -> None:
+        """Receive and load one update; one that fails midway leaves the engine paused
+        until the learner has rebuilt the group and sent the weights again."""
+        try:
+            seconds = await self.engine.apply_update(update)
+        except Exception as exc:  # noqa: BLE001 (a member died mid-broadcast; not fatal)
+            log.warning(
+                "receiving version %d failed (%s); sampling is paused until the learner "
+                "rebuilds the weight-sync group and sends the weights again",
+                update.version,
+                str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__,
+            )
+            return
+        log.info(
+            "loaded version %d in %.3fs (%s mode; resubmitted %d requests so far)",
+            update.version,
+            seconds,
+            self.cfg.weights.mode,
+            self.engine.resubmitted,
+        )
 
 
 def make_scorer(ctx: RunContext, index: int) -> Scorer:
@@ -298,18 +324,32 @@ async def start_and_join(ctx: RunContext, index: int, role: str) -> Engine:
     )
     engine = Engine(llm, cfg)
     del llm  # the Engine owns it from here (and drops it at shutdown)
-    log.info("engine up; joining the weight-sync group")
     mark(ctx.path, role, "engine up")
     try:
+        epoch = await sync_epoch(ctx, index)
+        log.info("engine up; joining the weight-sync group (epoch %d)", epoch)
         await engine.join_weight_sync(
             ep.weights_host,
             ep.weights_port,
             placement.sync_world_size(cfg),  # every vLLM worker of every engine is a member
             placement.sync_rank_offset(cfg, index),
             resolve_backend(cfg.weights.backend),
+            epoch,
         )
     except BaseException:
         engine.shutdown()
         raise
     mark(ctx.path, role, "joined weight sync")
     return engine
+
+
+async def sync_epoch(ctx: RunContext, index: int) -> int:
+    """The weight-sync epoch to join, from the buffer: 0 at the start of a run; a newer one
+    when this generator was started again (the buffer then issues its groups again)."""
+    cfg = ctx.cfg
+    client = AsyncBufferClient(ctx.endpoints.buffer, cfg.buffer.request_timeout_s, client_keys(cfg))
+    try:
+        reply, _ = await client.request(P.JoinSync(generator_id=index))
+    finally:
+        client.close()
+    return reply.wanted

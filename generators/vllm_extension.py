@@ -26,14 +26,27 @@ class WeightSyncExtension:
         rank_offset: int,
         backend: str,
         timeout_s: float,
+        epoch: int = 0,
     ) -> int:
-        """Join the group as rank ``rank_offset + worker rank``; returns that rank."""
+        """Join the group of ``epoch`` as rank ``rank_offset + worker rank``; returns that
+        rank. A group of an earlier epoch is dropped first (its store connection is kept)."""
         rank = rank_offset + self.rank
-        self.verl_group = join_group(host, port, rank, world_size, backend, timeout_s)
+        old = getattr(self, "verl_group", None)
+        store = None
+        if old is not None:
+            old.drop()
+            store = old.store
+        self.verl_group = join_group(
+            host, port, rank, world_size, backend, timeout_s, epoch=epoch, store=store
+        )
         return rank
 
     def verl_receive_weights(self, specs: list[list], bucket_bytes: int) -> int:
-        """Receive one update broadcast by the learner and load it; returns bytes received."""
+        """Receive one update broadcast by the learner and load it; returns bytes received.
+
+        A broadcast that fails midway (a member died) still finalizes the reload, so the
+        model stays loadable; its weights are then a mix, and the generator does not
+        sample again until a whole update has arrived (``Engine.apply_update``)."""
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload,
             initialize_layerwise_reload,
@@ -43,10 +56,12 @@ class WeightSyncExtension:
         param_specs = [ParamSpec(name, dtype, tuple(shape)) for name, dtype, shape in specs]
         received = 0
         initialize_layerwise_reload(model)
-        for bucket in receive_weights(self.verl_group, param_specs, bucket_bytes, self.device):
-            model.load_weights(bucket)
-            received += sum(t.numel() * t.element_size() for _, t in bucket)
-        finalize_layerwise_reload(model, self.model_config)
+        try:
+            for bucket in receive_weights(self.verl_group, param_specs, bucket_bytes, self.device):
+                model.load_weights(bucket)
+                received += sum(t.numel() * t.element_size() for _, t in bucket)
+        finally:
+            finalize_layerwise_reload(model, self.model_config)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return received

@@ -42,6 +42,7 @@ class TrainBatch:
     gen_idle_s: float
     group_ids: list[int]  # the step's groups (audit trail: trained.jsonl)
     group_prompts: list[int]  # prompt index of each group
+    group_generators: list[int]  # the generator that sampled each group
     sample_digests: list[int]  # crc32 of each sample's (group, index), tokens, logprobs, versions
     prompts_skipped: int  # prompts the buffer left out as too long
     shard_sizes: list[int]  # [ranks] rows of each rank's shard, in order
@@ -114,6 +115,7 @@ def collate(msg: P.Batch, frames: list, pad_id: int, pin: bool = False) -> Train
         gen_idle_s=msg.gen_idle_s,
         group_ids=list(msg.group_ids),
         group_prompts=list(msg.group_prompts),
+        group_generators=list(msg.group_generators),
         sample_digests=digests,
         prompts_skipped=msg.prompts_skipped,
         shard_sizes=list(msg.shard_sizes) or [n],
@@ -128,8 +130,10 @@ def fetch_batch(
     pad_id: int,
     pin: bool,
     deadline_s: float,
+    on_wait=None,
 ) -> TrainBatch:
-    """Long-poll the buffer until step ``step`` is complete; the learner version at step s is s."""
+    """Long-poll the buffer until step ``step`` is complete; the learner version at step s
+    is s. ``on_wait()`` is called after each poll that found it incomplete."""
     t0 = time.monotonic()
     poll_s = 2.0
     while True:
@@ -139,6 +143,8 @@ def fetch_batch(
         )
         if isinstance(reply, P.Batch):
             return collate(reply, frames, pad_id, pin)
+        if on_wait is not None:
+            on_wait()
         if time.monotonic() - t0 > deadline_s:
             raise TimeoutError(
                 f"step {step}: {reply.missing_groups} prompt groups still missing after {deadline_s:.0f}s; "
@@ -178,6 +184,7 @@ class Prefetcher:
     to ``device`` on a side stream by that thread, so the host-to-device copy overlaps the
     current step's compute too; ``get`` makes the compute stream wait for that copy only.
     Without ``background`` each batch is fetched and copied when the step asks for it.
+    ``on_wait()`` runs on the calling thread about once a second while a batch is awaited.
     """
 
     def __init__(
@@ -192,7 +199,9 @@ class Prefetcher:
         deadline_s: float,
         background: bool = True,
         curve: CurveKeys | None = None,
+        on_wait=None,
     ) -> None:
+        self.on_wait = on_wait
         self.q: queue.Queue = queue.Queue(maxsize=1)
         self.deadline_s = deadline_s
         self.device = device
@@ -207,9 +216,9 @@ class Prefetcher:
             self.client = BufferClient(endpoint, timeout_s, self.curve)
             self.steps = iter(steps)
 
-    def _fetch(self, client: BufferClient, step: int, stream=None):
+    def _fetch(self, client: BufferClient, step: int, stream=None, on_wait=None):
         _, _, _, rank, world, pad_id = self.args
-        batch = fetch_batch(client, step, rank, world, pad_id, self.cuda, self.deadline_s)
+        batch = fetch_batch(client, step, rank, world, pad_id, self.cuda, self.deadline_s, on_wait)
         return copy_to_device(batch, self.device, stream)
 
     def _run(self) -> None:
@@ -227,15 +236,28 @@ class Prefetcher:
     def get(self) -> TrainBatch:
         t0 = time.monotonic()
         if self.thread is None:
-            item = self._fetch(self.client, next(self.steps))
+            item = self._fetch(self.client, next(self.steps), on_wait=self.on_wait)
         else:
-            item = self.q.get(timeout=self.deadline_s + 30)
+            item = self._next(t0 + self.deadline_s + 30)
         if isinstance(item, BaseException):
             raise item
         batch = wait_for_copy(*item)
         # What the learner actually waited, not how long the batch took to complete.
         batch.wait_s = time.monotonic() - t0
         return batch
+
+    def _next(self, deadline: float):
+        """The prefetch thread's next item, calling ``on_wait`` each second until it comes."""
+        while True:
+            try:
+                return self.q.get(timeout=1.0)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"no batch from the prefetch thread in {self.deadline_s + 30:.0f}s"
+                    ) from None
+                if self.on_wait is not None:
+                    self.on_wait()
 
     def close(self) -> None:
         if self.thread is None:

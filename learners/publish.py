@@ -1,15 +1,38 @@
-"""Publishing weights: full tensors from (possibly sharded) parameters, bucket by bucket,
-and the background broadcast that overlaps the next training step."""
+"""Publishing weights: full tensors from (possibly sharded) parameters, bucket by bucket;
+learner rank 0 announces each version, broadcasts it (in the background, overlapping the
+next step), and rebuilds the weight-sync group when its membership changed.
+
+A generator that dies leaves the group broken: gloo fails the next broadcast at once
+("Connection closed by peer"), NCCL hangs until ``weights.timeout_s``. The launcher starts
+the generator again; its new workers cannot enter the old group, so the group is built
+anew under the next epoch (buffer/sync_epochs.py numbers them). Before each publish rank 0
+asks the buffer whether a new epoch is wanted (a restarted generator asked for one, or the
+last broadcast failed); if so it drops the old group (members blocked in it fail at
+once), announces the weights with the new epoch so the surviving generators rejoin, waits
+for every member, and broadcasts. Every generator then holds the same, whole version.
+"""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
-from verl_async.weight_sync import Bucket, SyncGroup, broadcast_packed
+from verl_async import protocol as P
+from verl_async.transport import BufferClient
+from verl_async.weight_sync import (
+    Bucket,
+    SyncGroup,
+    broadcast_bucket,
+    broadcast_packed,
+    join_group,
+    pack_bucket,
+)
+
+log = logging.getLogger("verl_async.learner")
 
 
 class BackgroundBroadcast:
@@ -20,27 +43,30 @@ class BackgroundBroadcast:
     learner waits for this one, so generators never skip a version.
     """
 
-    def __init__(self, group: SyncGroup, timeout_s: float) -> None:
-        self.group = group
+    def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.seconds = 0.0  # duration of the last finished broadcast
 
-    def start(self, buffers: list[torch.Tensor]) -> None:
+    def start(self, group: SyncGroup, buffers: list[torch.Tensor]) -> None:
         self.wait()
         self.thread = threading.Thread(
-            target=self._run, args=(buffers,), name="weight-broadcast", daemon=True
+            target=self._run, args=(group, buffers), name="weight-broadcast", daemon=True
         )
         self.thread.start()
 
-    def _run(self, buffers: list[torch.Tensor]) -> None:
+    def _run(self, group: SyncGroup, buffers: list[torch.Tensor]) -> None:
         t0 = time.monotonic()
         try:
-            broadcast_packed(self.group, buffers)
+            broadcast_packed(group, buffers)
         except BaseException as exc:  # re-raised in the training thread by wait()
             self.error = exc
         self.seconds = time.monotonic() - t0
+
+    @property
+    def busy(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
 
     def wait(self) -> None:
         if self.thread is not None:
@@ -51,8 +77,131 @@ class BackgroundBroadcast:
                     "is every generator alive? (see logs/generator*.log)"
                 )
             self.thread = None
-        if self.error is not None:
-            raise self.error
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
+
+
+class WeightSync:
+    """Rank 0's publishing: ``publish`` one version; ``rebuild_wanted`` while idle."""
+
+    def __init__(
+        self, group: SyncGroup, client: BufferClient, host: str, port: int, backend: str, cfg
+    ) -> None:
+        self.group = group
+        self.client = client
+        self.host, self.port, self.backend = host, port, backend
+        self.timeout_s = cfg.weights.timeout_s
+        self.join_timeout_s = cfg.weights.join_timeout_s
+        self.broadcast = BackgroundBroadcast(self.timeout_s) if cfg.weights.overlap else None
+        self.failed = False  # the last broadcast did not reach every member
+        self.rebuilds = 0
+        self.client.request(P.SyncStatus(formed=group.epoch))
+
+    @property
+    def epoch(self) -> int:
+        return self.group.epoch
+
+    def publish(
+        self, update: P.WeightUpdate, buckets: Iterable[tuple[Bucket, dict[str, torch.Tensor]]]
+    ) -> None:
+        """Announce ``update`` and broadcast ``buckets`` (every one is consumed: under FSDP2
+        the other ranks gather them with this one), in the background with
+        ``weights.overlap``; the group is rebuilt first when a new epoch is wanted."""
+        self._finish_previous()
+        if self.broadcast is not None:
+            buffers = [pack_bucket(b, tensors) for b, tensors in buckets]
+            self._announce(update)
+            self.broadcast.start(self.group, buffers)
+            return
+        self._announce(update)
+        for b, tensors in buckets:
+            if not self.failed:
+                try:
+                    broadcast_bucket(self.group, pack_bucket(b, tensors))
+                except RuntimeError as exc:
+                    self._broadcast_failed(exc)
+
+    def rebuild_wanted(self) -> bool:
+        """Whether the group should be rebuilt now (asked while waiting for a batch)."""
+        if self.broadcast is not None and self.broadcast.busy:
+            return False
+        self._finish_previous()
+        status, _ = self.client.request(P.SyncStatus(regroup=self.failed))
+        return status.wanted > self.epoch
+
+    def finish(self) -> None:
+        """The last broadcast, waited for; a failure now only costs the generators' last
+        version (training is over), so it is logged, not raised."""
+        try:
+            self._finish_previous()
+        except TimeoutError as exc:
+            log.warning("%s", exc)
+        if self.failed:
+            log.warning("the last weight broadcast did not reach every generator")
+
+    def close(self) -> None:
+        self.group.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _finish_previous(self) -> None:
+        if self.broadcast is None:
+            return
+        try:
+            self.broadcast.wait()
+        except RuntimeError as exc:  # gloo: a member closed its connection
+            self._broadcast_failed(exc)
+        except TimeoutError as exc:  # NCCL (or a hung member): drop the group to end it
+            self._broadcast_failed(exc)
+            self.group.drop()
+            self.broadcast.thread.join(self.timeout_s)
+            self.broadcast.thread = self.broadcast.error = None
+
+    def _broadcast_failed(self, exc: BaseException) -> None:
+        self.failed = True
+        log.warning(
+            "a weight broadcast failed (a generator died?): %s; the weight-sync group will "
+            "be rebuilt",
+            str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__,
+        )
+
+    def _announce(self, update: P.WeightUpdate) -> None:
+        """Announce ``update`` over the current group, or over a rebuilt one if wanted."""
+        status, _ = self.client.request(P.SyncStatus(regroup=self.failed))
+        epoch = status.wanted if status.wanted > self.epoch else self.epoch
+        update = P.WeightUpdate(
+            version=update.version,
+            params=update.params,
+            bucket_bytes=update.bucket_bytes,
+            epoch=epoch,
+        )
+        if epoch == self.epoch:
+            self.client.request(P.AnnounceWeights(update=update))
+            return
+        t0 = time.monotonic()
+        log.warning("rebuilding the weight-sync group: epoch %d -> %d", self.epoch, epoch)
+        store, world = self.group.store, self.group.world_size
+        self.group.drop()  # members still blocked in the old group fail now
+        # Announced first: the surviving generators learn the epoch from it and rejoin.
+        self.client.request(P.AnnounceWeights(update=update))
+        try:
+            self.group = join_group(
+                self.host, self.port, 0, world, self.backend, self.join_timeout_s, epoch, store
+            )
+        except Exception as exc:
+            raise RuntimeError(
+                f"weight-sync epoch {epoch}: not every generator joined within "
+                f"weights.join_timeout_s={self.join_timeout_s:.0f}s ({exc}); see "
+                "logs/generator*.log"
+            ) from exc
+        self.client.request(P.SyncStatus(formed=epoch))
+        self.failed = False
+        self.rebuilds += 1
+        log.warning(
+            "weight-sync group rebuilt (epoch %d, %d members) in %.1fs; sending version %d",
+            epoch, world, time.monotonic() - t0, update.version,
+        )  # fmt: skip
 
 
 def gathered_buckets(

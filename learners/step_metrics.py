@@ -59,6 +59,8 @@ def step_row(
         "is_weight_max": s.is_weight_max,
         "is_clipped_fraction": s.is_clipped_fraction,
         "grad_norm": s.grad_norm,
+        "rollout_logp_diff_max": s.rollout_logp_diff_max,
+        "rollout_fresh_fraction": round(s.rollout_fresh_fraction, 4),
         # Peak resident memory of the learner process so far (Linux reports KiB).
         "learner_peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
     }

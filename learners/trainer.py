@@ -34,7 +34,7 @@ from learners.critic import (
 from learners.distributed import DataParallel
 from learners.evaluation import EvalTracker
 from learners.plan import plan_update
-from learners.publish import BackgroundBroadcast, gathered_buckets
+from learners.publish import WeightSync, gathered_buckets
 from learners.state_dicts import model_state, optimizer_state
 from learners.step_metrics import algo_metrics, step_row
 from learners.update import StepStats, policy_update, prox_pass
@@ -47,13 +47,7 @@ from verl_async.rewards.aggregate import RunningStats, combine, summarize
 from verl_async.runtime import RunContext
 from verl_async.startup import mark
 from verl_async.transport import BufferClient
-from verl_async.weight_sync import (
-    SyncGroup,
-    broadcast_bucket,
-    pack_bucket,
-    param_specs,
-    plan_buckets,
-)
+from verl_async.weight_sync import SyncGroup, param_specs, plan_buckets, resolve_backend
 
 log = logging.getLogger("verl_async.learner")
 
@@ -83,7 +77,6 @@ class Learner:
         self.raw_model = accelerator.unwrap_model(model)
         self.optimizer = optimizer
         self.scheduler = scheduler
-        self.group = group
         self.pad_id = pad_id
         self.critic = critic  # algo.adv_estimator: gae
         self.raw_critic = accelerator.unwrap_model(critic) if critic is not None else None
@@ -96,14 +89,22 @@ class Learner:
         )
         self.version = 0
         self.steps_done = 0
-        self.broadcast = (  # None: no group, or broadcasts inside the step
-            BackgroundBroadcast(group, self.cfg.weights.timeout_s)
-            if group is not None and self.cfg.weights.overlap
-            else None
-        )
         self.curve = client_keys(self.cfg)  # CurveZMQ keys of every buffer socket (None: none)
         self.client = BufferClient(
             ctx.endpoints.buffer, self.cfg.buffer.request_timeout_s, self.curve
+        )
+        ep = ctx.endpoints
+        self.sync = (  # rank 0: announce, broadcast, rebuild the group after a restart
+            None
+            if group is None
+            else WeightSync(
+                group,
+                self.client,
+                ep.weights_host,
+                ep.weights_port,
+                resolve_backend(self.cfg.weights.backend),
+                self.cfg,
+            )  # fmt: skip
         )
         main = accelerator.is_main_process
         self.metrics = MetricsWriter(ctx.path, ctx.cfg) if main else None
@@ -213,6 +214,7 @@ class Learner:
             deadline_s=cfg.weights.join_timeout_s,
             background=cfg.learner.prefetch,
             curve=self.curve,
+            on_wait=self.while_waiting,
         )
 
     def collect(self, batches: Prefetcher) -> tuple[TrainBatch, TrainBatch]:
@@ -287,7 +289,7 @@ class Learner:
             self.algo, backward=self.acc.backward,
             clip_grad=lambda: self.clip_grad(self.model, cfg.learner.grad_clip),
             temperature=cfg.generators.temperature, logp_prox=local.logp_prox,
-            logp_ref=local.logp_ref, step=not warming, plan=plan,
+            logp_ref=local.logp_ref, step=not warming, plan=plan, version=self.version,
         )  # fmt: skip
         if self.scheduler is not None and not warming:
             self.scheduler.step()
@@ -314,19 +316,20 @@ class Learner:
         bucket = self.cfg.weights.bucket_mb << 20
         buckets = gathered_buckets(state, plan_buckets(specs, bucket))
         update = P.WeightUpdate(version=self.version, params=specs, bucket_bytes=bucket)
-        if self.group is None:  # other ranks: take part in the gathers
+        if self.sync is None:  # other ranks: take part in the gathers
             for _ in buckets:
                 pass
-        elif self.broadcast is not None:
-            self.broadcast.wait()  # the previous version has reached every generator
-            buffers = [pack_bucket(b, tensors) for b, tensors in buckets]
-            self.client.request(P.AnnounceWeights(update=update))
-            self.broadcast.start(buffers)
         else:
-            self.client.request(P.AnnounceWeights(update=update))
-            for b, tensors in buckets:
-                broadcast_bucket(self.group, pack_bucket(b, tensors))
+            self.sync.publish(update, buckets)
         return time.monotonic() - t0
+
+    def while_waiting(self) -> None:
+        """Called about once a second while the step's batch is not in. With one learner
+        rank, a generator restarted meanwhile gets the current weights now: when every
+        generator had died, no batch would come until it did (with several ranks the
+        gathers need every rank, so the group is rebuilt at the next publish)."""
+        if self.sync is not None and self.dp.world == 1 and self.sync.rebuild_wanted():
+            self.publish_weights(new_version=False)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -447,8 +450,10 @@ class Learner:
                 self.cfg.rewards.sources,
             )
         )
-        if self.broadcast is not None:
-            row["weight_broadcast_s"] = round(self.broadcast.seconds, 4)  # last finished one
+        if self.sync is not None:
+            if self.sync.broadcast is not None:  # the last finished one
+                row["weight_broadcast_s"] = round(self.sync.broadcast.seconds, 4)
+            row["weight_sync_epoch"] = self.sync.epoch
         if prefill_s is not None:
             row["prefill_s"] = round(prefill_s, 4)
         if checkpoint_s is not None:
@@ -478,13 +483,14 @@ class Learner:
             "step": step,
             "version": self.version,
             "groups": [list(p) for p in zip(batch.group_ids, batch.group_prompts, strict=True)],
+            "generators": batch.group_generators,
             "samples": batch.sample_digests,
         }
         self.trail.write(json.dumps(trail) + "\n")
 
     def finish(self) -> None:
-        if self.broadcast is not None:
-            self.broadcast.wait()
+        if self.sync is not None:
+            self.sync.finish()
         if self.evals is not None:
             self.evals.finish(self.cfg.eval.timeout_s)  # the final weights' evaluation
         if self.checkpointer is not None:
@@ -501,9 +507,9 @@ class Learner:
         group down while the interpreter is fully alive (not during its teardown)."""
         if self.checkpointer is not None:
             self.checkpointer.stop()
-        if self.group is not None:
+        if self.sync is not None:
             try:
-                self.group.close()
+                self.sync.close()
             except Exception as exc:  # a peer already gone; never mask the loop's own error
                 log.warning("weight-sync group shutdown failed: %s", exc)
 

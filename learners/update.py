@@ -37,6 +37,11 @@ class StepStats:
     is_clipped_fraction: float
     grad_norm: float
     kl_loss: float | None = None  # the KL-to-reference loss term (algo.kl.loss_coef > 0)
+    # Tokens sampled by the very weights being trained (version == the learner's): their
+    # vLLM log-probs must equal pi_prox's. The largest gap (verl's rollout_probs_diff, in
+    # log space) shows a weight push gone wrong; the fraction says how many were compared.
+    rollout_logp_diff_max: float = 0.0
+    rollout_fresh_fraction: float = 0.0
 
 
 def logits_of(
@@ -61,6 +66,7 @@ def policy_update(
     logp_ref: torch.Tensor | None = None,
     step: bool = True,
     plan: list[Minibatch] | None = None,
+    version: int | None = None,
 ) -> StepStats:
     """pi_prox, then one optimizer step per minibatch of ``plan`` (learners/plan.py; by
     default ``algo.minibatches`` chunks of this batch on one rank, no micro-batching).
@@ -74,7 +80,8 @@ def policy_update(
     pi_prox: ``logp_prox`` when the caller computed it already, else with one minibatch
     the gradient pass runs at the weights pi_prox is defined by, so pi_prox is that pass's
     log-probs, detached: no separate forward (a quarter of the step's compute on a real
-    model); else a no-grad pass first.
+    model); else a no-grad pass first. ``version``: the weights' version (for the
+    rollout-versus-learner log-prob check of ``StepStats``).
     """
     mask = batch.loss_mask
     if plan is None:
@@ -130,7 +137,7 @@ def policy_update(
         grads.append({**sums, "grad": grad})
     if entropy is None:  # no pass before the update: the entropies seen during it
         entropy = seen_entropy
-    return _step_stats(parts, grads, logp_prox, entropy, batch)
+    return _step_stats(parts, grads, logp_prox, entropy, batch, version)
 
 
 def actor_loss(
@@ -166,7 +173,9 @@ def actor_loss(
     return out, pg_loss, kl_loss
 
 
-def _step_stats(parts: list, grads: list, logp_prox, entropy, batch: TrainBatch) -> StepStats:
+def _step_stats(
+    parts: list, grads: list, logp_prox, entropy, batch: TrainBatch, version: int | None = None
+) -> StepStats:
     """Metrics of one update. Token means are weighted by each micro-batch's tokens; the
     loss (and KL loss) is each minibatch's sum over its micro-batches, averaged over
     minibatches; the largest behaviour weight is the maximum."""
@@ -175,7 +184,11 @@ def _step_stats(parts: list, grads: list, logp_prox, entropy, batch: TrainBatch)
     weight = sum(w for _, w in parts) or 1.0
     mean = lambda get: sum(float(get(o)) * w for o, w in parts) / weight  # noqa: E731
     per_mb = lambda key: sum(g[key] for g in grads) / len(grads)  # noqa: E731
+    fresh = (mask > 0) & (batch.token_versions == (-2 if version is None else version))
+    gap = (logp_prox - batch.behav_logprobs).abs()[fresh]
     return StepStats(
+        rollout_logp_diff_max=float(gap.max()) if len(gap) else 0.0,
+        rollout_fresh_fraction=float(fresh.sum() / n_tok),
         loss=per_mb("loss"),
         pg_loss=per_mb("pg_loss"),
         kl=float((kl_k3(logp_prox, batch.behav_logprobs) * mask).sum() / n_tok),

@@ -117,6 +117,10 @@ class GeneratorConfig(_Section):
     """Longest prompt + response the engine accepts."""
     gpu_memory_utilization: Fraction = 0.5
     """Fraction of GPU memory vLLM may take (GPU only)."""
+    max_restarts: NonNegInt = 3
+    """Times the launcher starts a generator process again after it died (``launcher:
+    local``); the run stops at the next death. Its groups are issued again and the
+    weight-sync group is rebuilt with it (docs/faults.md)."""
 
 
 class LearnerConfig(_Section):

@@ -68,8 +68,9 @@ class Role:
     name: str
     proc: RoleProcess
     log_path: Path
-    restart: Callable[[], RoleProcess] | None = None  # reward models: start it again
+    restart: Callable[[], RoleProcess] | None = None  # start it again (if it may be)
     restarts: int = 0
+    max_restarts: int = 0
 
 
 MAX_RESTARTS = 5  # per reward-model process; a model that keeps dying stops the run
@@ -177,7 +178,7 @@ def spawn(
     run_dir: Path,
     env: dict[str, str] | None = None,
     extra: list[str] = (),
-    restartable: bool = False,
+    max_restarts: int = 0,
     argv: list[str] | None = None,
 ) -> Role:
     """Start role ``name`` (``role_argv(module, ...)``, or ``argv`` when given) in a session
@@ -198,7 +199,7 @@ def spawn(
                 start_new_session=True,
             )
 
-    return Role(name, start(), log_path, start if restartable else None)
+    return Role(name, start(), log_path, start if max_restarts else None, 0, max_restarts)
 
 
 def learner_launch(cfg: RunConfig, run_dir: Path) -> tuple[list[str], dict[str, str]]:
@@ -227,7 +228,7 @@ class RolePlan:
     env: dict[str, str]  # placement (device_env, ranks_env), added to the process's own
     extra: list[str] = field(default_factory=list)
     devices: list[str] = field(default_factory=list)  # none: the buffer, which owns none
-    restartable: bool = False
+    max_restarts: int = 0  # times it is started again after dying (0: its death ends the run)
     argv: list[str] | None = None  # instead of role_argv(module, ...): the learner's job
 
     def command(self, run_dir: Path) -> list[str]:
@@ -241,21 +242,26 @@ def plan_roles(cfg: RunConfig, run_dir: Path) -> list[RolePlan]:
     for i, src in enumerate(models):
         device = placement.reward_model_device(cfg, i)
         name, extra = f"reward_model_{src.name}", ["--name", src.name]
-        plans.append(RolePlan(name, "reward_model", device_env(device), extra, [device], True))
+        plans.append(
+            RolePlan(name, "reward_model", device_env(device), extra, [device], MAX_RESTARTS)
+        )
     argv, env = learner_launch(cfg, run_dir)
     plans.append(
         RolePlan("learner", "learners", env, [], placement.learner_devices(cfg), argv=argv)
     )
     for i, group in enumerate(placement.generator_groups(cfg)):
         extra = ["--index", str(i)]
-        plans.append(RolePlan(f"generator{i}", "generators", device_env(group), extra, group))
+        restarts = cfg.generators.max_restarts
+        plans.append(
+            RolePlan(f"generator{i}", "generators", device_env(group), extra, group, restarts)
+        )
     return plans
 
 
 def start_roles(cfg: RunConfig, run_dir: Path) -> list[Role]:
     """Every role of ``plan_roles`` as a process of this machine."""
     return [
-        spawn(p.name, p.module, run_dir, p.env, p.extra, p.restartable, argv=p.argv)
+        spawn(p.name, p.module, run_dir, p.env, p.extra, p.max_restarts, argv=p.argv)
         for p in plan_roles(cfg, run_dir)
     ]
 
@@ -329,14 +335,16 @@ def watch(
 
 
 def restarted(role: Role, code: int, console) -> bool:
-    """Start a reward-model process again after it died (its clients' requests meanwhile
-    time out and score the source's default); False for every other role, or past the limit."""
-    if role.restart is None or role.restarts >= MAX_RESTARTS:
+    """Start a role again after it died, up to its ``max_restarts``: a reward model (its
+    clients' requests meanwhile time out and score the source's default) or a generator
+    (the buffer issues its groups again and the learner rebuilds the weight-sync group
+    with it). False for every other role, for an exit with code 0, or past the limit."""
+    if role.restart is None or code == 0 or role.restarts >= role.max_restarts:
         return False
     role.restarts += 1
     console.print(
         f"the {role.name} process exited with code {code}; restarting it "
-        f"({role.restarts}/{MAX_RESTARTS}); see {role.log_path}",
+        f"({role.restarts}/{role.max_restarts}); see {role.log_path}",
         style="yellow",
         markup=False,
         soft_wrap=True,

@@ -109,6 +109,7 @@ class WeightUpdate(msgspec.Struct, frozen=True, kw_only=True):
     version: int
     params: list[ParamSpec]
     bucket_bytes: int
+    epoch: int = 0  # the weight-sync group it goes over (buffer/sync_epochs.py)
 
 
 # ----------------------------------------------------------------------------- requests
@@ -137,11 +138,28 @@ class PushEval(_Msg):
 
 
 class PollVersion(_Msg):
-    """Long poll: reply when the target version exceeds ``loaded_version`` or at ``wait_s``."""
+    """Long poll: reply when the target version exceeds ``loaded_version``, when weights
+    were announced over a newer weight-sync epoch than ``sync_epoch``, or at ``wait_s``."""
 
     generator_id: int
     loaded_version: int
     wait_s: float
+    sync_epoch: int = 0
+
+
+class JoinSync(_Msg):
+    """From a generator whose engine is up: which weight-sync epoch its workers join
+    (``SyncEpoch.wanted``). Sent again under the same id, it announces a restart."""
+
+    generator_id: int
+
+
+class SyncStatus(_Msg):
+    """From learner rank 0: the group of epoch ``formed`` is complete (-1: no news);
+    ``regroup``: a broadcast failed, build a new one. Reply ``SyncEpoch``."""
+
+    formed: int = -1
+    regroup: bool = False
 
 
 class GetBatch(_Msg):
@@ -250,6 +268,14 @@ class Dropped(_Msg):
     reason: str
 
 
+class SyncEpoch(_Msg):
+    """The weight-sync epoch weights were last announced over, and the one to build
+    (equal when none is wanted)."""
+
+    current: int
+    wanted: int
+
+
 class VersionStatus(_Msg):
     target_version: int
     update: WeightUpdate | None
@@ -281,6 +307,7 @@ class Batch(_Msg):
     gen_blocked_s: float = 0.0  # generators' seconds refused by admission so far (all generators)
     gen_idle_s: float = 0.0  # the part of it with nothing in flight (engine idle)
     group_prompts: list[int] = []  # prompt index of each of group_ids (the audit trail)
+    group_generators: list[int] = []  # the generator that sampled each of group_ids
     prompts_skipped: int = 0  # prompts left out of the data set (longer than max_prompt_length)
     sample_index: list[int] = []  # [N] index of each sample within its group
     shard_sizes: list[int] = []  # [world_size] samples of each rank's shard, in order
@@ -323,6 +350,7 @@ class Stats(_Msg):
     dropped_stale: int
     admission_blocked: int
     leases_expired: int = 0  # groups taken back from a holder that did not return them in time
+    generator_restarts: int = 0  # generator processes that joined again under a known id
 
 
 class Error(_Msg):
@@ -357,6 +385,8 @@ Body = Union[  # noqa: UP007 (msgspec needs a runtime Union of tagged Structs)
     FetchSnapshot,
     Shutdown,
     GetRun,
+    JoinSync,
+    SyncStatus,
     Prompts,
     Ack,
     Dropped,
@@ -367,6 +397,7 @@ Body = Union[  # noqa: UP007 (msgspec needs a runtime Union of tagged Structs)
     Stats,
     Error,
     RunInfo,
+    SyncEpoch,
 ]
 
 

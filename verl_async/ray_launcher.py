@@ -387,7 +387,8 @@ def start_actor(
         max_restarts=0,
     ).remote(plan.name, plan.command(run_dir), plan.env, str(log), os.getcwd())
     proc = RayProcess(actor, plan.name, log, timeout_s)
-    return Role(plan.name, proc, log, proc.restart if plan.restartable else None)
+    restart = proc.restart if plan.max_restarts else None
+    return Role(plan.name, proc, log, restart, 0, plan.max_restarts)
 
 
 def other_gpus(plan: RolePlan, group: Any, timeout_s: float) -> list[str]:

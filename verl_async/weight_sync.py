@@ -9,6 +9,12 @@ so it lives beside vLLM's own and the learner's Accelerate/FSDP group.
 One update = one control message over ZeroMQ (``WeightUpdate``: names, dtypes, shapes,
 bucket size), then ``len(plan_buckets(...))`` broadcasts of uint8 buckets. Both sides
 derive the same bucket plan from the control message, so no sizes travel in-band.
+
+Membership changes by epochs. The group of epoch e is built under the store prefix
+``verl_async/weights/e`` (epoch 0: every member at start). When a generator dies and is
+restarted, learner rank 0 drops the group of epoch e, which fails every member's pending
+broadcast at once, and everyone builds epoch e + 1 over the same TCPStore
+(``learners/publish.py`` decides when; the buffer hands out the epoch numbers).
 """
 
 from __future__ import annotations
@@ -41,28 +47,56 @@ def resolve_backend(backend: str) -> str:
 class SyncGroup:
     """The process group plus the store it was built over (which must outlive it)."""
 
-    group: ProcessGroup
+    group: ProcessGroup | None  # None once dropped
     store: TCPStore
     rank: int
     world_size: int
+
+    epoch: int = 0
 
     def close(self) -> None:
         """Shut the group down while the interpreter is fully alive. Left to interpreter
         teardown, gloo's destructor can run after Python's finalization has begun and
         abort the process ("terminate called without an active exception"), turning a
         finished run into exit code -6."""
-        self.group.shutdown()
+        if self.group is not None:
+            self.group.shutdown()
+
+    def drop(self) -> None:
+        """Destroy the process group, keeping the store for the next epoch. Destroying
+        closes its connections, so a member blocked in a broadcast of this group fails at
+        once ("Connection closed by peer") instead of waiting out the timeout (``shutdown``
+        alone leaves gloo's connections open). NCCL communicators are aborted first."""
+        group, self.group = self.group, None
+        if (
+            group is not None
+            and hasattr(group, "abort")
+            and not isinstance(group, ProcessGroupGloo)
+        ):
+            group.abort()
+        del group
 
 
 def join_group(
-    host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float
+    host: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    backend: str,
+    timeout_s: float,
+    epoch: int = 0,
+    store: TCPStore | None = None,
 ) -> SyncGroup:
-    """Create (rank 0) or join the weight-sync group. Blocks until all ranks have joined."""
+    """Create (rank 0) or join the weight-sync group of ``epoch``. Blocks until all ranks
+    have joined. ``store``: the one an earlier epoch's group was built over (rank 0 is its
+    server, so it must reuse it); without it a new connection is made."""
     timeout = dt.timedelta(seconds=timeout_s)
-    store = TCPStore(
-        host, port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=True
-    )
-    prefixed = PrefixStore("verl_async/weights", store)
+    if store is None:
+        store = TCPStore(
+            host, port, world_size, is_master=(rank == 0), timeout=timeout,
+            wait_for_workers=epoch == 0,
+        )  # fmt: skip
+    prefixed = PrefixStore(f"verl_async/weights/{epoch}", store)
     if backend == "nccl":
         from torch._C._distributed_c10d import ProcessGroupNCCL
 
@@ -73,7 +107,7 @@ def join_group(
         group = ProcessGroupGloo(prefixed, rank, world_size, timeout)
     else:
         raise ValueError(f"unknown weight-sync backend '{backend}'")
-    return SyncGroup(group, store, rank, world_size)
+    return SyncGroup(group, store, rank, world_size, epoch)
 
 
 def dtype_of(name: str) -> torch.dtype:

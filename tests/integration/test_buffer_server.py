@@ -142,3 +142,54 @@ def test_snapshot_cut_is_taken_at_the_barrier_and_encoded_when_fetched(buffer_pr
     assert stats.returned == 2 and proc.poll() is None
     learner.close()
     writer.close()
+
+
+def test_a_restarted_generator_gets_its_groups_reissued_and_a_new_sync_epoch(buffer_proc):
+    """JoinSync under a known generator id: what the old process held is issued again at
+    once (its late rollout is refused), and a new weight-sync epoch is wanted once the
+    current one is complete; the learner's announcement over it makes it current."""
+    endpoint, _ = buffer_proc
+    old, new, learner = (BufferClient(endpoint, timeout_s=20) for _ in range(3))
+    first = lambda c: c.request(P.JoinSync(generator_id=1))[0]  # noqa: E731
+    assert first(old) == P.SyncEpoch(current=0, wanted=0)  # the start of the run
+    # The learner has not yet reported epoch 0 complete: a restart now joins it too.
+    assert first(new) == P.SyncEpoch(current=0, wanted=0)
+    assert learner.request(P.SyncStatus(formed=0))[0] == P.SyncEpoch(current=0, wanted=0)
+
+    reply, _ = old.request(P.GetPrompts(generator_id=1, loaded_version=0, max_groups=8))
+    held = [g.group_id for g in reply.groups]
+    assert held == [0, 1]
+    assert first(new) == P.SyncEpoch(current=0, wanted=1)  # restarted: epoch 1 is wanted
+    assert learner.request(P.GetStats())[0].generator_restarts == 2
+    # Issued again at once (buffer.lease_timeout_s is 300 s in this config).
+    reply, _ = new.request(P.GetPrompts(generator_id=1, loaded_version=0, max_groups=8))
+    assert [g.group_id for g in reply.groups] == held
+    frames = P.Frames()
+    z = frames.add(np.zeros(1, np.int32))
+    late = P.RolloutGroup(
+        group_id=0, prompt_id=reply.groups[0].prompt_id, generator_id=1, prompt_ids=z,
+        response_ids=z, behav_logprobs=frames.add(np.zeros(1, np.float32)), token_versions=z,
+        lengths=[1], scores=[[0.0]], failed=[0], data_source="default", gen_seconds=0.0,
+    )  # fmt: skip
+    # The old process's rollout of a group now issued to the new one is not taken.
+    assert old.request(P.PushRollouts(groups=[late]), frames)[0] == P.Dropped(
+        group_ids=[0], reason="lease expired"
+    )
+
+    # The learner asks (no news), then announces over epoch 1: it is current.
+    assert learner.request(P.SyncStatus())[0] == P.SyncEpoch(current=0, wanted=1)
+    update = P.WeightUpdate(version=0, params=[], bucket_bytes=1, epoch=1)
+    with pytest.raises(BufferRejected, match="epoch 2"):
+        learner.request(
+            P.AnnounceWeights(
+                update=P.WeightUpdate(**{**msgspec.structs.asdict(update), "epoch": 2})
+            )
+        )
+    learner.request(P.AnnounceWeights(update=update))
+    status, _ = new.request(P.PollVersion(generator_id=0, loaded_version=0, wait_s=5.0))
+    assert status.update.epoch == 1  # answered at once: a generator of epoch 0 must rejoin
+    assert learner.request(P.SyncStatus(formed=1, regroup=True))[0] == P.SyncEpoch(
+        current=1, wanted=2
+    )
+    for c in (old, new, learner):
+        c.close()

@@ -85,7 +85,9 @@ def _assert_run_can_be_watched(run_dir):
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000, name
 
 
-def test_a_dying_generator_stops_the_run_with_its_name(tmp_path):
+def test_a_generator_dying_past_its_restarts_stops_the_run_with_its_name(tmp_path):
+    """With ``generators.max_restarts=0`` the first death is past the limit (restarts
+    themselves: tests/integration/test_generator_restart.py)."""
     run_dir = tmp_path / "crash"
     proc = subprocess.Popen(
         [
@@ -97,6 +99,7 @@ def test_a_dying_generator_stops_the_run_with_its_name(tmp_path):
             "--run-dir",
             str(run_dir),
             "trainer.total_steps=100000",
+            "generators.max_restarts=0",
         ],
         cwd=ROOT,
         stdout=subprocess.PIPE,
@@ -110,7 +113,7 @@ def test_a_dying_generator_stops_the_run_with_its_name(tmp_path):
         ):
             assert proc.poll() is None, proc.stderr.read()[-3000:]
             time.sleep(0.5)
-        victims = [p for p in processes_mentioning(str(run_dir)) if "generators" in cmdline(p)]
+        victims = [p for p in processes_mentioning(str(run_dir)) if " -m generators " in cmdline(p)]
         assert victims, "generator process not found"
         os.kill(victims[0], signal.SIGKILL)
         _, err = proc.communicate(timeout=120)

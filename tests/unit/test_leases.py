@@ -162,6 +162,23 @@ def test_a_late_rollout_is_refused_and_the_new_holders_is_taken_once():
     assert _ids(ledger.consume(0)) == [0, 1]
 
 
+def test_a_restarted_generators_groups_are_taken_back_at_once_and_first_in_line():
+    clock = Clock()
+    ledger = _ledger(clock, b=2, eta=1, timeout_s=300.0)
+    ledger.issue(1, 0, 2, client=b"A")  # generator 1's old process
+    ledger.issue(0, 0, 2, client=b"B")  # generator 0
+    assert ledger.take_back(1) == [0, 1]  # no clock movement: not an expiry
+    assert list(ledger.reissue) == [0, 1] and sorted(ledger.in_flight) == [2, 3]
+    assert ledger.leases.held == {b"B": 2} and ledger.leases.expired_total == 0
+    with pytest.raises(LedgerError, match="group 0: the lease of this connection"):
+        ledger.check_returnable([0], b"A")
+    assert _ids(ledger.issue(1, 0, 2, client=b"C")[0]) == [0, 1]  # the new process
+    assert ledger.take_back(7) == []  # an id holding nothing
+    ledger.record_return(_stored(0))
+    ledger.record_return(_stored(1))
+    assert _ids(ledger.consume(0)) == [0, 1]
+
+
 def test_a_reissued_group_is_admitted_like_a_fresh_one():
     """eta = 0: group 2 belongs to step 1 and may only go to a generator running version 1;
     after its lease expires a generator still at version 0 cannot take it either, and the

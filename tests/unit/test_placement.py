@@ -345,7 +345,7 @@ def test_learner_command_for_cuda_ranks_and_for_one_rank(tmp_path):
 def test_start_roles_starts_one_generator_per_group(monkeypatch, tmp_path):
     started = []
 
-    def fake_spawn(name, module, run_dir, env=None, extra=(), restartable=False, argv=None):
+    def fake_spawn(name, module, run_dir, env=None, extra=(), max_restarts=0, argv=None):
         started.append((name, module, env, list(extra), argv))
         return name
 

@@ -155,3 +155,36 @@ def test_pg_loss_leaves_out_the_kl_loss_term(tmp_path):
     )
     assert s.kl_loss > 1e-3
     assert s.loss == pytest.approx(s.pg_loss + 0.1 * s.kl_loss, abs=1e-6)
+
+
+def test_rollout_logp_gap_is_measured_on_tokens_of_the_trained_version_only(tmp_path):
+    """Tokens of the learner's version: |pi_prox - pi_behav|'s maximum; others left out."""
+    from transformers import AutoModelForCausalLM
+
+    path = build_tiny_model(tmp_path / "m", TinyModelConfig())
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    batch = _batch()
+    logp_prox, _ = prox_pass(model, batch, 1.0)
+    mask = batch.loss_mask > 0
+    # Behaviour log-probs: pi_prox exactly, except one token 0.25 off; sample 3 is of an
+    # older version and 5.0 off (ignored: other weights sampled it).
+    behav = torch.where(mask, logp_prox, batch.behav_logprobs)
+    rows, cols = mask.nonzero(as_tuple=True)
+    behav[rows[0], cols[0]] += 0.25
+    behav[3][mask[3]] -= 5.0
+    versions = torch.where(mask, 7, -1)
+    versions[3][mask[3]] = 6
+    batch.behav_logprobs, batch.token_versions = behav, versions
+    algo = msgspec.structs.replace(AlgoConfig(), minibatches=1)
+    adv = torch.zeros(4)
+    stats = policy_update(
+        model, torch.optim.SGD(model.parameters(), lr=0.0), batch, adv, algo,
+        backward=lambda loss: loss.backward(), clip_grad=lambda: 0.0, version=7,
+    )  # fmt: skip
+    assert stats.rollout_logp_diff_max == pytest.approx(0.25, abs=1e-5)
+    assert stats.rollout_fresh_fraction == pytest.approx(0.75)  # 3 of 4 samples, same lengths
+    none = policy_update(
+        model, torch.optim.SGD(model.parameters(), lr=0.0), batch, adv, algo,
+        backward=lambda loss: loss.backward(), clip_grad=lambda: 0.0,
+    )  # fmt: skip
+    assert (none.rollout_logp_diff_max, none.rollout_fresh_fraction) == (0.0, 0.0)

@@ -71,7 +71,8 @@ def test_the_actors_run_the_roles_usual_commands():
     assert plans["generator0"].env == {"CUDA_VISIBLE_DEVICES": "0,1"}
     assert "torch.distributed.run" in plans["learner"].command(run_dir)
     assert plans["reward_model_rm"].command(run_dir)[-2:] == ["--name", "rm"]
-    assert plans["reward_model_rm"].restartable and not plans["buffer"].restartable
+    assert plans["reward_model_rm"].max_restarts == 5 and not plans["buffer"].max_restarts
+    assert plans["generator0"].max_restarts == 3
 
 
 def test_a_loopback_buffer_keeps_every_role_on_the_launchers_node():
