@@ -8,10 +8,62 @@ Encoded once per step: every rank is sent the same message.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
-from buffer.ledger import StepBatch
+from buffer.ledger import LedgerError, PromptLedger, StepBatch, filter_stale, shard_samples
 from verl_async import protocol as P
+
+log = logging.getLogger("verl_async.buffer")
+
+
+class StepBatches:
+    """The steps handed out to the learner ranks, by step number.
+
+    A step is consumed from the ledger when its first rank asks for it (once every group of
+    it has returned, and only after the step before it), checked for staleness against the
+    learner's version, split over the ranks, and kept for the other ranks and for
+    checkpoint cuts a few steps more.
+    """
+
+    # Step batches kept behind the newest one asked for: a checkpoint at step s stores the
+    # groups of steps >= s already handed out. A rank's prefetcher runs up to two steps
+    # ahead of the step it trains, and with several ranks one of them may be one step
+    # further than the rank 0 taking the checkpoint.
+    KEEP_STEPS_BEHIND = 3
+
+    def __init__(self, ledger: PromptLedger, max_staleness: int) -> None:
+        self.ledger = ledger
+        self.max_staleness = max_staleness
+        self.steps: dict[int, StepBatch] = {}
+        self.dropped_stale_total = 0  # samples the batch-time staleness check removed
+
+    def get(self, req: P.GetBatch) -> StepBatch | None:
+        """Step ``req.step``, consumed now if it is complete and next; None if not yet."""
+        step = self.steps.get(req.step)
+        if step is not None:
+            return step
+        lg = self.ledger
+        if req.step < lg.consumed_steps:
+            raise LedgerError(f"step {req.step} was handed out already and is not held any more")
+        # A later step waits for the one before it: steps are consumed in order.
+        if req.step > lg.consumed_steps or lg.missing_for(req.step):
+            return None
+        groups = lg.consume(req.step)
+        kept, dropped = filter_stale(groups, req.learner_version, self.max_staleness)
+        if dropped:
+            log.error(
+                "dropped %d stale samples at step %d: staleness control is broken",
+                dropped,
+                req.step,
+            )
+        self.dropped_stale_total += dropped
+        step = StepBatch(req.step, kept, shard_samples(kept, req.world_size), dropped, groups)
+        self.steps[req.step] = step
+        for old in [s for s in self.steps if s < req.step - self.KEEP_STEPS_BEHIND]:
+            del self.steps[old]
+        return step
 
 
 def encode_step(step: StepBatch, num_sources: int, **meters: float) -> tuple[P.Batch, P.Frames]:

@@ -43,7 +43,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from buffer.batches import encode_step
+from buffer.batches import StepBatches, encode_step
 from buffer.evaluation import EvalRounds
 from buffer.ledger import (
     AdmissionClock,
@@ -52,8 +52,6 @@ from buffer.ledger import (
     StepBatch,
     TokenRate,
     check_issued,
-    filter_stale,
-    shard_samples,
 )
 from buffer.requests import (
     RejectionLog,
@@ -116,10 +114,9 @@ class BufferServer:
         self.update: P.WeightUpdate | None = None
         self.sync = SyncEpochs()
         self.target_version = 0
-        self.steps: dict[int, StepBatch] = {}
+        self.batches = StepBatches(ledger, max_staleness)  # the steps handed to the learner
         self.parked: list[Parked] = []
         self.rate = TokenRate()
-        self.dropped_stale_total = 0
         self.admission_blocked = 0
         self.clock = AdmissionClock()
         self.cuts = Cuts(ledger)  # checkpoint cuts waiting for their files to be fetched
@@ -291,7 +288,7 @@ class BufferServer:
                 check_loaded(body.loaded_version, self.target_version)
                 check_wait(body.wait_s)
             case P.GetBatch():
-                cut = self.steps.get(body.step)
+                cut = self.batches.steps.get(body.step)
                 total = self.ledger.total_groups // self.ledger.admission.groups_per_step
                 check_get_batch(body, total, None if cut is None else len(cut.shards))
             case P.AnnounceWeights():
@@ -396,28 +393,9 @@ class BufferServer:
         return self._batch_shard(body)
 
     def _batch_shard(self, req: P.GetBatch):
-        step = self.steps.get(req.step)
+        step = self.batches.get(req)
         if step is None:
-            if req.step < self.ledger.consumed_steps:
-                raise LedgerError(
-                    f"step {req.step} was handed out already and is not held any more"
-                )
-            # A later step waits for the one before it: steps are consumed in order.
-            if req.step > self.ledger.consumed_steps or self.ledger.missing_for(req.step):
-                return None
-            groups = self.ledger.consume(req.step)
-            kept, dropped = filter_stale(groups, req.learner_version, self.max_staleness)
-            if dropped:
-                log.error(
-                    "dropped %d stale samples at step %d: staleness control is broken",
-                    dropped,
-                    req.step,
-                )
-            self.dropped_stale_total += dropped
-            step = StepBatch(req.step, kept, shard_samples(kept, req.world_size), dropped, groups)
-            self.steps[req.step] = step
-            for old in [s for s in self.steps if s < req.step - self.KEEP_STEPS_BEHIND]:
-                del self.steps[old]
+            return None
         step.served.add(req.rank)
         return self._encode_shard(step, req.rank)
 
@@ -489,21 +467,15 @@ class BufferServer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    # Step batches kept behind the newest one asked for: a checkpoint at step s stores the
-    # groups of steps >= s already handed out. A rank's prefetcher runs up to two steps
-    # ahead of the step it trains, and with several ranks one of them may be one step
-    # further than the rank 0 taking the checkpoint.
-    KEEP_STEPS_BEHIND = 3
-
     def take_cut(self, step: int, version: int) -> None:
         """The checkpoint barrier (buffer/snapshot.py): the state as of ``step``."""
         blocked_s, idle_s = self.clock.totals(time.monotonic())
         self.cuts.take(
             step,
-            {t: batch.consumed for t, batch in self.steps.items()},
+            {t: batch.consumed for t, batch in self.batches.steps.items()},
             version=version,
             max_staleness=self.max_staleness,
-            dropped_stale=self.dropped_stale_total,
+            dropped_stale=self.batches.dropped_stale_total,
             admission_blocked=self.admission_blocked,
             gen_blocked_s=blocked_s,
             gen_idle_s=idle_s,
@@ -513,7 +485,7 @@ class BufferServer:
         """Continue from the buffer files of a checkpoint (before serving anyone)."""
         state = restore_ledger(self.ledger, ckpt_dir)
         self.target_version = state.version
-        self.dropped_stale_total = state.dropped_stale
+        self.batches.dropped_stale_total = state.dropped_stale
         self.admission_blocked = state.admission_blocked
         self.clock.blocked_total = state.gen_blocked_s
         self.clock.idle_total = state.gen_idle_s
@@ -526,7 +498,7 @@ class BufferServer:
             consumed=lg.consumed_steps * lg.admission.groups_per_step,
             stored_groups=len(lg.returned),
             target_version=self.target_version,
-            dropped_stale=self.dropped_stale_total,
+            dropped_stale=self.batches.dropped_stale_total,
             admission_blocked=self.admission_blocked,
             leases_expired=lg.leases.expired_total,
             generator_restarts=self.sync.restarts,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -204,4 +205,6 @@ def test_a_run_under_hostile_input_completes_and_trains_every_group_once(tmp_pat
     assert rejected and summaries, log[-2000:]
     assert len(rejected) + len(summaries) <= 21 * windows, len(rejected)
     assert len(lines) < 40 * windows
-    assert "Traceback" not in log and " failed" not in log
+    # A handler that raised logs "<Request> from <peer> failed" with its traceback; a
+    # rejection may say "failed" too ("failed counts"), so match the handler's line.
+    assert "Traceback" not in log and not re.search(r" from [0-9a-f]+ failed", log)

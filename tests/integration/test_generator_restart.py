@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from .conftest import ROOT
+from .conftest import ROOT, cmdline, processes_mentioning
 
 STEPS, B = 40, 8  # configs/tiny.yaml: 8 groups a step
 KILL_AFTER_STEPS = 8
@@ -35,24 +35,15 @@ def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
-def _generator_pid(launcher_pid: int, index: int) -> int:
-    """The ``python -m generators ... --index <index>`` child of the launcher."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            argv = (entry / "cmdline").read_bytes().rstrip(b"\0").split(b"\0")
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if (
-            ppid == launcher_pid
-            and b"generators" in argv
-            and argv[-2:] == [b"--index", str(index).encode()]
-        ):
-            return int(entry.name)
-    raise AssertionError(f"no generator {index} under the launcher {launcher_pid}")
+def _generator_pid(run_dir: Path, index: int) -> int:
+    """The ``python -m generators --run-dir RUN_DIR --index <index>`` process."""
+    pids = [
+        p
+        for p in processes_mentioning(str(run_dir))
+        if " -m generators " in cmdline(p) and cmdline(p).split()[-2:] == ["--index", str(index)]
+    ]
+    assert len(pids) == 1, pids
+    return pids[0]
 
 
 def test_a_killed_generator_is_restarted_and_the_run_trains_every_group_once(tmp_path):
@@ -81,7 +72,7 @@ def test_a_killed_generator_is_restarted_and_the_run_trains_every_group_once(tmp
             assert time.monotonic() < deadline, "the run never got going"
             time.sleep(0.2)
         killed_at = len(_rows(run_dir / "metrics.jsonl"))
-        os.kill(_generator_pid(proc.pid, 1), signal.SIGKILL)
+        os.kill(_generator_pid(run_dir, 1), signal.SIGKILL)
         assert proc.wait(timeout=300) == 0, out.read_text()[-3000:]
     finally:
         if proc.poll() is None:

@@ -575,7 +575,7 @@ class Harness:
             [(p.identity, p.body) for p in s.parked],
             s.stopping,
             sorted(s.cuts.cuts),
-            sorted(s.steps),
+            sorted(s.batches.steps),
             sorted(s.evals.rounds),
             s.rate.total,
         )

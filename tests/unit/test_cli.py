@@ -369,3 +369,36 @@ def test_plain_progress_prints_every_due_step_even_when_several_land_between_pol
     report.update([row] * 3)  # steps 2 and 3 arrived together
     report.update([row] * 4)
     assert [line.split()[1] for line in out.getvalue().splitlines()] == ["2/4", "4/4"]
+
+
+class _Exited:
+    """A role process that has exited with ``code`` (what ``restarted`` sees)."""
+
+    def __init__(self, code: int) -> None:
+        self.code = code
+        self.signals: list[int] = []
+
+    def poll(self) -> int:
+        return self.code
+
+    def signal_group(self, sig: int) -> None:
+        self.signals.append(sig)
+
+
+def test_a_role_is_restarted_on_a_nonzero_exit_up_to_its_limit_and_never_after_exit_0(tmp_path):
+    console = Console(file=io.StringIO(), width=200)
+    starts = []
+    role = Role(
+        "generator1", _Exited(-9), tmp_path / "g.log", lambda: starts.append(1) or _Exited(-9), 0, 2
+    )
+    first = role.proc
+    assert launcher.restarted(role, -9, console) and launcher.restarted(role, -9, console)
+    assert first.signals == [9]  # what the dead one left behind is killed
+    assert not launcher.restarted(role, -9, console)  # past generators.max_restarts
+    assert (len(starts), role.restarts) == (2, 2)
+    done = Role("generator0", _Exited(0), tmp_path / "g0.log", lambda: _Exited(0), 0, 3)
+    assert not launcher.restarted(done, 0, console)  # told to stop: not a death
+    fixed = Role("learner", _Exited(1), tmp_path / "l.log", None, 0, 0)
+    assert not launcher.restarted(fixed, 1, console)
+    out = console.file.getvalue()
+    assert "the generator1 process exited with code -9; restarting it (2/2)" in out
