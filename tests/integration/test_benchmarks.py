@@ -194,6 +194,19 @@ def test_plot_run(tmp_path):
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_peers(tmp_path):
+    """TRL's GRPOTrainer and verl-async, 3 steps each of the tiny default."""
+    out = _run("peers.py", ["--preset", "tiny", "--steps", "3", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "peers.json").read_text())
+    assert [r["system"] for r in result["runs"]] == ["verl-async", "trl"]
+    for run in result["runs"]:
+        assert run["steps"] == 3 and len(run["curve"]["reward"]) == 3, run["system"]
+    # TRL got exactly the token ids verl-async's engine got
+    assert result["prompt_check"]["identical"] == result["prompt_check"]["checked"] > 0
+    assert (tmp_path / "peers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| trl |" in out
+
+
 def test_startup(tmp_path):
     out = _run("startup.py", ["--repeats", "1", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "startup.json").read_text())
