@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 
+import msgspec
 import torch
 
 from verl_async import protocol as P
@@ -95,7 +96,6 @@ class WeightSync:
         self.join_timeout_s = cfg.weights.join_timeout_s
         self.broadcast = BackgroundBroadcast(self.timeout_s) if cfg.weights.overlap else None
         self.failed = False  # the last broadcast did not reach every member
-        self.rebuilds = 0
         self.client.request(P.SyncStatus(formed=group.epoch))
 
     @property
@@ -170,12 +170,7 @@ class WeightSync:
         """Announce ``update`` over the current group, or over a rebuilt one if wanted."""
         status, _ = self.client.request(P.SyncStatus(regroup=self.failed))
         epoch = status.wanted if status.wanted > self.epoch else self.epoch
-        update = P.WeightUpdate(
-            version=update.version,
-            params=update.params,
-            bucket_bytes=update.bucket_bytes,
-            epoch=epoch,
-        )
+        update = msgspec.structs.replace(update, epoch=epoch)
         if epoch == self.epoch:
             self.client.request(P.AnnounceWeights(update=update))
             return
@@ -197,7 +192,6 @@ class WeightSync:
             ) from exc
         self.client.request(P.SyncStatus(formed=epoch))
         self.failed = False
-        self.rebuilds += 1
         log.warning(
             "weight-sync group rebuilt (epoch %d, %d members) in %.1fs; sending version %d",
             epoch, world, time.monotonic() - t0, update.version,

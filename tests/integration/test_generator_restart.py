@@ -96,7 +96,10 @@ def test_a_killed_generator_is_restarted_and_the_run_trains_every_group_once(tmp
     # at the learner's version, carry the learner's log-probs.
     by_step = {line["step"]: line["generators"] for line in _rows(run_dir / "trained.jsonl")}
     after = [r for r in rows if r["weight_sync_epoch"] == 1 and 1 in by_step[r["step"]]]
-    assert len(after) >= (STEPS - killed_at) // 2, [by_step[r["step"]] for r in rows]
+    rebuilt = [r["step"] for r in rows if r["weight_sync_epoch"] == 1]
+    assert rebuilt and killed_at <= rebuilt[0] < STEPS - 10  # after the kill, mid-run
+    # How steps split between the two generators varies; a handful is enough to compare.
+    assert len(after) >= 3, [by_step[r["step"]] for r in rows]
     assert all(r["rollout_fresh_fraction"] == 1.0 for r in after)
     worst = max(r["rollout_logp_diff_max"] for r in after)
     assert worst < LOGP_ATOL, worst
