@@ -92,7 +92,6 @@ class Engine:
         self.running.set()
         self.resubmitted = 0  # requests aborted by a swap and continued from their prefix
         self.sync_epoch = 0  # the weight-sync group's epoch the workers are members of
-        self.sync_args: tuple = ()  # how they joined it (for the next epoch)
         self.weights_lost = False  # an update failed midway: paused until a whole one arrives
 
     async def join_weight_sync(
@@ -105,19 +104,22 @@ class Engine:
         epoch: int = 0,
     ) -> None:
         """Every worker joins the weight-sync group of ``epoch`` (blocks until the whole
-        group has; an earlier epoch's group is dropped first)."""
+        group has)."""
         w = self.cfg.weights
-        self.sync_args = (host, port, world_size, rank_offset, backend)
         await self.llm.collective_rpc(
             "verl_join_weight_sync",
             timeout=w.join_timeout_s,
-            args=(*self.sync_args, w.timeout_s, epoch),
+            args=(host, port, world_size, rank_offset, backend, w.timeout_s, epoch),
         )
         self.sync_epoch = epoch
 
     async def rejoin_weight_sync(self, epoch: int) -> None:
-        """The learner rebuilt the group (a generator was restarted): join ``epoch``."""
-        await self.join_weight_sync(*self.sync_args, epoch=epoch)
+        """The learner rebuilt the group (a generator was restarted): every worker drops its
+        end of the old one and joins ``epoch`` (blocks until the whole group has)."""
+        await self.llm.collective_rpc(
+            "verl_rejoin_weight_sync", timeout=self.cfg.weights.join_timeout_s, args=(epoch,)
+        )
+        self.sync_epoch = epoch
 
     async def leave_weight_sync(self, timeout_s: float = 5.0) -> None:
         """Shut each worker's end of the group down before the engine stops (best effort:

@@ -33,7 +33,7 @@ from verl_async.rewards.scorer import GroupScores, Scorer
 from verl_async.runtime import RunContext
 from verl_async.startup import mark
 from verl_async.transport import AsyncBufferClient
-from verl_async.weight_sync import resolve_backend
+from verl_async.weight_sync import failure_line, resolve_backend
 
 log = logging.getLogger("verl_async.generator")
 
@@ -267,7 +267,7 @@ class Generator:
                 "receiving version %d failed (%s); sampling is paused until the learner "
                 "rebuilds the weight-sync group and sends the weights again",
                 update.version,
-                str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__,
+                failure_line(exc),
             )
             return
         log.info(

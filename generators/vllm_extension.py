@@ -28,18 +28,14 @@ class WeightSyncExtension:
         timeout_s: float,
         epoch: int = 0,
     ) -> int:
-        """Join the group of ``epoch`` as rank ``rank_offset + worker rank``; returns that
-        rank. A group of an earlier epoch is dropped first (its store connection is kept)."""
+        """Join the group of ``epoch`` as rank ``rank_offset + worker rank``; returns that rank."""
         rank = rank_offset + self.rank
-        old = getattr(self, "verl_group", None)
-        store = None
-        if old is not None:
-            old.drop()
-            store = old.store
-        self.verl_group = join_group(
-            host, port, rank, world_size, backend, timeout_s, epoch=epoch, store=store
-        )
+        self.verl_group = join_group(host, port, rank, world_size, backend, timeout_s, epoch)
         return rank
+
+    def verl_rejoin_weight_sync(self, epoch: int) -> None:
+        """The learner rebuilt the group: drop this worker's end of it and join ``epoch``."""
+        self.verl_group = self.verl_group.rebuild(epoch)
 
     def verl_receive_weights(self, specs: list[list], bucket_bytes: int) -> int:
         """Receive one update broadcast by the learner and load it; returns bytes received.

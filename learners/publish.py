@@ -29,7 +29,7 @@ from verl_async.weight_sync import (
     SyncGroup,
     broadcast_bucket,
     broadcast_packed,
-    join_group,
+    failure_line,
     pack_bucket,
 )
 
@@ -86,14 +86,10 @@ class BackgroundBroadcast:
 class WeightSync:
     """Rank 0's publishing: ``publish`` one version; ``rebuild_wanted`` while idle."""
 
-    def __init__(
-        self, group: SyncGroup, client: BufferClient, host: str, port: int, backend: str, cfg
-    ) -> None:
+    def __init__(self, group: SyncGroup, client: BufferClient, cfg) -> None:
         self.group = group
         self.client = client
-        self.host, self.port, self.backend = host, port, backend
         self.timeout_s = cfg.weights.timeout_s
-        self.join_timeout_s = cfg.weights.join_timeout_s
         self.broadcast = BackgroundBroadcast(self.timeout_s) if cfg.weights.overlap else None
         self.failed = False  # the last broadcast did not reach every member
         self.client.request(P.SyncStatus(formed=group.epoch))
@@ -163,38 +159,35 @@ class WeightSync:
         log.warning(
             "a weight broadcast failed (a generator died?): %s; the weight-sync group will "
             "be rebuilt",
-            str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__,
+            failure_line(exc),
         )
 
     def _announce(self, update: P.WeightUpdate) -> None:
         """Announce ``update`` over the current group, or over a rebuilt one if wanted."""
         status, _ = self.client.request(P.SyncStatus(regroup=self.failed))
-        epoch = status.wanted if status.wanted > self.epoch else self.epoch
+        epoch = max(status.wanted, self.epoch)
         update = msgspec.structs.replace(update, epoch=epoch)
         if epoch == self.epoch:
             self.client.request(P.AnnounceWeights(update=update))
             return
         t0 = time.monotonic()
         log.warning("rebuilding the weight-sync group: epoch %d -> %d", self.epoch, epoch)
-        store, world = self.group.store, self.group.world_size
         self.group.drop()  # members still blocked in the old group fail now
         # Announced first: the surviving generators learn the epoch from it and rejoin.
         self.client.request(P.AnnounceWeights(update=update))
-        try:
-            self.group = join_group(
-                self.host, self.port, 0, world, self.backend, self.join_timeout_s, epoch, store
-            )
+        try:  # the group's timeout is weights.join_timeout_s (learners/setup.py)
+            self.group = self.group.rebuild(epoch)
         except Exception as exc:
             raise RuntimeError(
                 f"weight-sync epoch {epoch}: not every generator joined within "
-                f"weights.join_timeout_s={self.join_timeout_s:.0f}s ({exc}); see "
+                f"weights.join_timeout_s={self.group.timeout_s:.0f}s ({exc}); see "
                 "logs/generator*.log"
             ) from exc
         self.client.request(P.SyncStatus(formed=epoch))
         self.failed = False
         log.warning(
             "weight-sync group rebuilt (epoch %d, %d members) in %.1fs; sending version %d",
-            epoch, world, time.monotonic() - t0, update.version,
+            epoch, self.group.world_size, time.monotonic() - t0, update.version,
         )  # fmt: skip
 
 

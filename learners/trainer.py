@@ -47,7 +47,7 @@ from verl_async.rewards.aggregate import RunningStats, combine, summarize
 from verl_async.runtime import RunContext
 from verl_async.startup import mark
 from verl_async.transport import BufferClient
-from verl_async.weight_sync import SyncGroup, param_specs, plan_buckets, resolve_backend
+from verl_async.weight_sync import SyncGroup, param_specs, plan_buckets
 
 log = logging.getLogger("verl_async.learner")
 
@@ -93,19 +93,8 @@ class Learner:
         self.client = BufferClient(
             ctx.endpoints.buffer, self.cfg.buffer.request_timeout_s, self.curve
         )
-        ep = ctx.endpoints
-        self.sync = (  # rank 0: announce, broadcast, rebuild the group after a restart
-            None
-            if group is None
-            else WeightSync(
-                group,
-                self.client,
-                ep.weights_host,
-                ep.weights_port,
-                resolve_backend(self.cfg.weights.backend),
-                self.cfg,
-            )  # fmt: skip
-        )
+        # rank 0: announce, broadcast, rebuild the group after a generator restart
+        self.sync = None if group is None else WeightSync(group, self.client, self.cfg)
         main = accelerator.is_main_process
         self.metrics = MetricsWriter(ctx.path, ctx.cfg) if main else None
         self.trail = open(ctx.path / "trained.jsonl", "a", buffering=1) if main else None  # noqa: SIM115 (closed in finish())

@@ -51,7 +51,8 @@ class SyncGroup:
     store: TCPStore
     rank: int
     world_size: int
-
+    backend: str
+    timeout_s: float  # of its rendezvous and of each collective
     epoch: int = 0
 
     def close(self) -> None:
@@ -76,6 +77,12 @@ class SyncGroup:
             group.abort()
         del group
 
+    def rebuild(self, epoch: int) -> SyncGroup:
+        """Drop this group and build the group of ``epoch`` with the same rank and members
+        over the same store (rank 0 is its server). Blocks until every member has joined."""
+        self.drop()
+        return _build(self.store, self.rank, self.world_size, self.backend, self.timeout_s, epoch)
+
 
 def join_group(
     host: str,
@@ -85,17 +92,22 @@ def join_group(
     backend: str,
     timeout_s: float,
     epoch: int = 0,
-    store: TCPStore | None = None,
 ) -> SyncGroup:
-    """Create (rank 0) or join the weight-sync group of ``epoch``. Blocks until all ranks
-    have joined. ``store``: the one an earlier epoch's group was built over (rank 0 is its
-    server, so it must reuse it); without it a new connection is made."""
+    """Create (rank 0) or join the weight-sync group of ``epoch`` over a new store
+    connection (a restarted generator joins a later epoch this way; members of an earlier
+    epoch use ``SyncGroup.rebuild``). Blocks until all ranks have joined."""
+    store = TCPStore(
+        host, port, world_size, is_master=(rank == 0), timeout=dt.timedelta(seconds=timeout_s),
+        wait_for_workers=epoch == 0,
+    )  # fmt: skip
+    return _build(store, rank, world_size, backend, timeout_s, epoch)
+
+
+def _build(
+    store: TCPStore, rank: int, world_size: int, backend: str, timeout_s: float, epoch: int
+) -> SyncGroup:
+    """The process group of ``epoch`` over ``store`` (its keys under an epoch's prefix)."""
     timeout = dt.timedelta(seconds=timeout_s)
-    if store is None:
-        store = TCPStore(
-            host, port, world_size, is_master=(rank == 0), timeout=timeout,
-            wait_for_workers=epoch == 0,
-        )  # fmt: skip
     prefixed = PrefixStore(f"verl_async/weights/{epoch}", store)
     if backend == "nccl":
         from torch._C._distributed_c10d import ProcessGroupNCCL
@@ -107,7 +119,13 @@ def join_group(
         group = ProcessGroupGloo(prefixed, rank, world_size, timeout)
     else:
         raise ValueError(f"unknown weight-sync backend '{backend}'")
-    return SyncGroup(group, store, rank, world_size, epoch)
+    return SyncGroup(group, store, rank, world_size, backend, timeout_s, epoch)
+
+
+def failure_line(exc: BaseException) -> str:
+    """An exception of a failed broadcast or join as one short line for a log (gloo's
+    messages run over several lines)."""
+    return str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
 
 
 def dtype_of(name: str) -> torch.dtype:
