@@ -22,6 +22,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import zmq
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -29,7 +30,7 @@ from hypothesis import strategies as st
 from verl_async import protocol as P
 from verl_async.transport import BufferClient, BufferUnavailable
 
-from ..unit.test_buffer_validation import hostile_messages
+from ..unit.test_buffer_validation import _envelope, hostile_messages, make_group, received
 from .conftest import ROOT, processes_mentioning
 
 # 80 steps: on a quiet machine 30 took only 7 s of training, too short a window for
@@ -120,6 +121,19 @@ class Fuzzer:
 
         one()
 
+    def collide(self, group_id: int) -> None:
+        """One well-formed rollout of ``group_id`` under the real generator's id (0): if
+        the group is in flight, only the connection check stands in its way."""
+        frames = P.Frames()
+        group, _ = make_group(
+            k=group_id,
+            n=GROUP_SIZE,
+            tokens=2,
+            frames=frames,
+            ver=np.zeros(2 * GROUP_SIZE, np.int32),
+        )
+        self.exchange([_envelope(P.PushRollouts(groups=[group]), 1), *received(frames)])
+
     def close(self) -> None:
         self.sock.close(linger=0)
 
@@ -138,8 +152,10 @@ def _rows(path: Path) -> list[dict]:
 def _fuzz_until_the_run_ends(fuzzer: Fuzzer, endpoint: str, proc: subprocess.Popen) -> int:
     """Fire batches until the buffer is gone; returns messages sent while groups were
     being generated and trained. Each batch aims part of its rollouts at the groups in
-    flight right now (asked with GetStats, a harmless request) to collide with the real
-    generator's."""
+    flight right now (asked with GetStats, a harmless request: about the last
+    ``issued - returned`` ids issued) to collide with the real generator's, and one
+    rollout straight at the latest group issued (hypothesis favours the ends of a range,
+    and the low end is usually returned already)."""
     stats_client = BufferClient(endpoint, timeout_s=REPLY_TIMEOUT_S)
     during_training = 0
     try:
@@ -148,9 +164,11 @@ def _fuzz_until_the_run_ends(fuzzer: Fuzzer, endpoint: str, proc: subprocess.Pop
                 stats, _ = stats_client.request(P.GetStats())
             except BufferUnavailable:
                 break  # the buffer is gone: the run is ending
-            issued = stats.issued
-            in_flight = st.integers(max(issued - 3 * B, 0), issued + 1)
+            issued, out = stats.issued, max(stats.issued - stats.returned, 1)
+            in_flight = st.integers(max(issued - out, 0), issued)
             before = fuzzer.sent
+            if issued > 0:
+                fuzzer.collide(issued - 1)
             fuzzer.fire(st.one_of(in_flight, in_flight, st.integers(-3, STEPS * B + 16)))
             if issued > 0 and stats.consumed < STEPS * B:
                 during_training += fuzzer.sent - before
