@@ -316,14 +316,19 @@ async def run_generator(ctx: RunContext, index: int) -> None:
 
 
 async def start_and_join(ctx: RunContext, index: int, role: str) -> Engine:
-    """This generator's engine, up and a member of the weight-sync group."""
+    """This generator's engine (``generators.engine``), up and a member of the weight-sync
+    group."""
     cfg, ep = ctx.cfg, ctx.endpoints
-    tp = placement.tensor_parallel_size(placement.generator_groups(cfg)[index])
-    llm = start_engine(
-        cfg, ep.model_path, seed=cfg.learner.seed * 1000 + index, tensor_parallel_size=tp
-    )
-    engine = Engine(llm, cfg)
-    del llm  # the Engine owns it from here (and drops it at shutdown)
+    seed = cfg.learner.seed * 1000 + index
+    if cfg.generators.engine == "hf":
+        from generators.hf_engine import start_hf_engine
+
+        engine = start_hf_engine(cfg, ep.model_path, seed)
+    else:
+        tp = placement.tensor_parallel_size(placement.generator_groups(cfg)[index])
+        llm = start_engine(cfg, ep.model_path, seed=seed, tensor_parallel_size=tp)
+        engine = Engine(llm, cfg)
+        del llm  # the Engine owns it from here (and drops it at shutdown)
     mark(ctx.path, role, "engine up")
     try:
         epoch = await sync_epoch(ctx, index)

@@ -91,6 +91,10 @@ class BufferConfig(_Section):
 
 
 class GeneratorConfig(_Section):
+    engine: Literal["vllm", "hf"] = "vllm"
+    """What samples: ``vllm`` (an AsyncLLM engine, continuous batching) or ``hf`` (the
+    model in the generator's own process, sampled with transformers in waves: no engine
+    processes to start, for models too small for vLLM's fixed costs; docs/engines.md)."""
     count: PosInt | None = None
     """Number of generator processes (one vLLM engine each). Empty: one per group of
     ``placement.generators``; a number that disagrees with those groups is an error."""

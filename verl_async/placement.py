@@ -125,6 +125,11 @@ def validate(cfg: RunConfig) -> None:
             )
     for i, group in enumerate(generator_groups(cfg)):
         _check_group(f"placement.generators.{i}", group)
+        if cfg.generators.engine == "hf" and tensor_parallel_size(group) > 1:
+            raise ConfigError(
+                f"bad value for 'placement.generators.{i}': generators.engine 'hf' runs on "
+                f"one GPU, not {len(group)}; use generators.engine 'vllm' for tensor parallelism"
+            )
     if len({is_cuda(d) for d in p.learners}) > 1:
         raise ConfigError(
             "bad value for 'placement.learners': learner ranks must be all CPU or all CUDA "

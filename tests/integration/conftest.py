@@ -16,6 +16,20 @@ def pytest_collection_modifyitems(items):
         item.add_marker(pytest.mark.integration)
 
 
+ENGINES = ["vllm", "hf"]  # generators.engine: every engine-level test runs on both
+
+
+def start_test_engine(kind: str, cfg, model_path: Path, seed: int):
+    """A generator engine of ``kind`` in this process; call it inside a running event loop."""
+    if kind == "hf":
+        from generators.hf_engine import start_hf_engine
+
+        return start_hf_engine(cfg, str(model_path), seed)
+    from generators.engine import Engine, start_engine
+
+    return Engine(start_engine(cfg, str(model_path), seed=seed), cfg)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("model"), TinyModelConfig())

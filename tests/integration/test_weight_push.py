@@ -1,16 +1,17 @@
-"""A learner-side broadcast reaches running vLLM engines: their logprobs follow the new weights."""
+"""A learner-side broadcast reaches running engines (vLLM and transformers): their logprobs
+follow the new weights."""
 
 import asyncio
 import threading
 
+import pytest
 import torch
 
-from generators.engine import Engine, start_engine
 from verl_async import protocol as P
 from verl_async.config import load_config
 from verl_async.weight_sync import join_group, param_specs, send_weights
 
-from .conftest import ROOT
+from .conftest import ENGINES, ROOT, start_test_engine
 
 SEQUENCE = [1, 3, 5, 9, 7, 4, 13, 8, 2]  # <bos> max 0 4 2 ... a fixed token sequence
 
@@ -21,17 +22,17 @@ def hf_logprobs(model, ids):
     return torch.tensor([logp[i - 1, ids[i]].item() for i in range(1, len(ids))])
 
 
-async def vllm_logprobs(engine: Engine, ids):
+async def engine_logprobs(engine, ids):
     return torch.tensor(await engine.prompt_logprobs(ids))
 
 
-async def scenario(tiny_model, port, count: int):
+async def scenario(tiny_model, port, count: int, kind: str):
     """``count`` engines (weight-sync ranks 1..count) and the learner (rank 0) in this process."""
     from transformers import AutoModelForCausalLM
 
     cfg = load_config(ROOT / "configs/tiny.yaml", ["weights.bucket_mb=1"])
     learner = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    engines = [Engine(start_engine(cfg, str(tiny_model), seed=i), cfg) for i in range(count)]
+    engines = [start_test_engine(kind, cfg, tiny_model, seed=i) for i in range(count)]
     try:
         holder = {}
         joiner = threading.Thread(
@@ -47,7 +48,7 @@ async def scenario(tiny_model, port, count: int):
             )
         )
         joiner.join(60)
-        before = [await vllm_logprobs(e, SEQUENCE) for e in engines]
+        before = [await engine_logprobs(e, SEQUENCE) for e in engines]
         old = hf_logprobs(learner, SEQUENCE)
 
         # One real optimizer step of the learner on the fixed sequence.
@@ -67,15 +68,18 @@ async def scenario(tiny_model, port, count: int):
             *(e.apply_update(update) for e in engines)
         )  # one broadcast, both receive
         sender.join(60)
-        after = [await vllm_logprobs(e, SEQUENCE) for e in engines]
+        after = [await engine_logprobs(e, SEQUENCE) for e in engines]
         return old, before, new, after, [e.loaded_version for e in engines]
     finally:
         for e in engines:
             e.shutdown()
 
 
-def test_one_push_changes_both_generators_logprobs_to_the_learners(tiny_model, free_port):
-    old, before, new, after, versions = asyncio.run(scenario(tiny_model, free_port(), count=2))
+@pytest.mark.parametrize("kind", ENGINES)
+def test_one_push_changes_both_generators_logprobs_to_the_learners(tiny_model, free_port, kind):
+    old, before, new, after, versions = asyncio.run(
+        scenario(tiny_model, free_port(), count=2, kind=kind)
+    )
     assert versions == [1, 1]
     assert (new - old).abs().max() > 0.05  # the optimizer step really moved the logprobs
     for b, a in zip(before, after, strict=True):
