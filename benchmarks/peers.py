@@ -169,6 +169,9 @@ def check_matchable(cfg: RunConfig) -> None:
         )
 
 
+SAMPLERS = {"vllm": "vLLM's continuous batching", "hf": "the transformers engine's waves"}
+
+
 def unmatched(cfg: RunConfig) -> list[str]:
     """What the TRL run cannot do the way verl-async does it, for this config."""
     g, algo = cfg.generators, cfg.algo
@@ -182,15 +185,17 @@ def unmatched(cfg: RunConfig) -> list[str]:
         f"Placement: verl-async runs generators on {cfg.placement.generators} and learners on "
         f"{cfg.placement.learners}; TRL runs both stages in one process on "
         f"{TORCH_THREADS} torch threads.",
-        "Sampler: vLLM (verl-async) against transformers generate (TRL); same temperature, "
-        "top_p, top_k and length cap, different random streams, so the samples differ.",
+        f"Sampler: {SAMPLERS[g.engine]} (verl-async, generators.engine={g.engine}) against "
+        "transformers generate (TRL); same temperature, top_p, top_k and length cap, "
+        "different random streams, so the samples differ.",
         "Prompt order: verl-async's per-epoch permutation (data.shuffle_seed) against TRL's "
         "seeded sampler; the same prompt set, a different order.",
         "Minibatches: verl-async splits the batch in order, TRL shuffles the rows first.",
         "Advantages: (r - mean) / (std + eps) with eps 1e-6 in verl-async, 1e-4 in TRL "
         "(unbiased group std on both sides).",
-        f"Engine settings (max_inflight_groups={g.max_inflight_groups}, kv_cache_mb="
-        f"{g.kv_cache_mb}, max_model_len={g.max_model_len}) have no TRL counterpart: "
+        f"Engine settings (max_inflight_groups={g.max_inflight_groups}"
+        + (f", kv_cache_mb={g.kv_cache_mb}" if g.engine == "vllm" else "")
+        + f", max_model_len={g.max_model_len}) have no TRL counterpart: "
         "generate samples the whole generation batch at once (prompts longer than "
         "max_model_len - max_new_tokens are left out on both sides).",
         f"Left out of the verl-async run because TRL does none of it here: {VERL_OVERRIDES} "

@@ -7,7 +7,9 @@ Each run is the whole command, timed from outside: ``first_step_s`` is from the 
 the command to the first row of metrics.jsonl, ``total_s`` to its exit. The run then
 stops at once (``trainer.total_steps`` = 2 by default), so start-up is what is timed.
 With ``--against REF`` the same runs are made with the code of REF, checked out in a
-temporary git worktree and put first on PYTHONPATH (every role process inherits it).
+temporary git worktree and put first on PYTHONPATH (every role process inherits it); a
+config inside the repository is read from that worktree too (the default's settings are
+part of what changed).
 Runs alternate (ABBA), and the summary is the ratio of the means. Where the code writes
 ``startup.jsonl``, the per-role milestones of the last run are printed too.
 """
@@ -31,6 +33,9 @@ def timed_run(config: Path, run_dir: Path, overrides: list[str], code: Path | No
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if code is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(code), env.get("PYTHONPATH", "")]).rstrip(":")
+        config = config.resolve()
+        if config.is_relative_to(ROOT):
+            config = code / config.relative_to(ROOT)
     metrics = run_dir / "metrics.jsonl"
     t0 = time.monotonic()
     proc = subprocess.Popen(

@@ -1,8 +1,8 @@
 """A generator SIGKILLed mid-run: the launcher starts it again and the run goes on.
 
-``verl-async train configs/tiny.yaml`` runs with two generators. Once the learner has
-trained a few steps, this test SIGKILLs generator 1's process (its vLLM engine processes
-are left behind, as after a crash). The launcher must start it again; the buffer must issue
+``verl-async train configs/tiny.yaml`` runs with two generators, on each engine. Once the
+learner has trained a few steps, this test SIGKILLs generator 1's process (with vLLM, its
+engine processes are left behind, as after a crash). The launcher must start it again; the buffer must issue
 the groups the dead process held to the next generator that asks (not wait out their
 lease, set here far beyond the test's length); the learner must rebuild the weight-sync
 group (epoch 1) with the surviving generator and the new one, and send them its weights.
@@ -22,13 +22,15 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from .conftest import ROOT, cmdline, processes_mentioning
 
-STEPS, B = 40, 8  # configs/tiny.yaml: 8 groups a step
-KILL_AFTER_STEPS = 8
-LOGP_ATOL = (
-    1e-4  # float32 vLLM against float32 transformers (tests/integration/test_weight_push.py)
-)
+B = 8  # configs/tiny.yaml: 8 groups a step
+# (steps, kill after): the restarted generator must be back (engine start-up: ~20 s for
+# vLLM, ~5 s for hf) well before the end, and hf runs its steps several times faster.
+RUNS = {"vllm": (40, 8), "hf": (200, 20)}
+LOGP_ATOL = 1e-4  # float32 engine against float32 learner (tests/integration/test_weight_push.py)
 
 
 def _rows(path: Path) -> list[dict]:
@@ -46,10 +48,13 @@ def _generator_pid(run_dir: Path, index: int) -> int:
     return pids[0]
 
 
-def test_a_killed_generator_is_restarted_and_the_run_trains_every_group_once(tmp_path):
+@pytest.mark.parametrize("engine", sorted(RUNS))
+def test_a_killed_generator_is_restarted_and_the_run_trains_every_group_once(tmp_path, engine):
     run_dir, out = tmp_path / "run", tmp_path / "out.txt"
+    steps, kill_after = RUNS[engine]
     overrides = [
-        f"trainer.total_steps={STEPS}",
+        f"generators.engine={engine}",
+        f"trainer.total_steps={steps}",
         "checkpoint.every_steps=0",
         "placement.generators=[cpu, cpu]",
         "placement.learners=[cpu]",
@@ -67,7 +72,7 @@ def test_a_killed_generator_is_restarted_and_the_run_trains_every_group_once(tmp
         )  # fmt: skip
     try:
         deadline = time.monotonic() + 240
-        while len(_rows(run_dir / "metrics.jsonl")) < KILL_AFTER_STEPS:
+        while len(_rows(run_dir / "metrics.jsonl")) < kill_after:
             assert proc.poll() is None, out.read_text()[-3000:]
             assert time.monotonic() < deadline, "the run never got going"
             time.sleep(0.2)
@@ -82,9 +87,9 @@ def test_a_killed_generator_is_restarted_and_the_run_trains_every_group_once(tmp
     assert "the generator1 process exited with code -9; restarting it (1/3)" in text
 
     rows = _rows(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in rows] == list(range(STEPS))
+    assert [r["step"] for r in rows] == list(range(steps))
     trained = [g for line in _rows(run_dir / "trained.jsonl") for g, _ in line["groups"]]
-    assert sorted(trained) == list(range(STEPS * B))  # each group once, none lost
+    assert sorted(trained) == list(range(steps * B))  # each group once, none lost
 
     logs = run_dir / "logs"
     buffer_log = (logs / "buffer.log").read_text()
@@ -97,7 +102,7 @@ def test_a_killed_generator_is_restarted_and_the_run_trains_every_group_once(tmp
     by_step = {line["step"]: line["generators"] for line in _rows(run_dir / "trained.jsonl")}
     after = [r for r in rows if r["weight_sync_epoch"] == 1 and 1 in by_step[r["step"]]]
     rebuilt = [r["step"] for r in rows if r["weight_sync_epoch"] == 1]
-    assert rebuilt and killed_at <= rebuilt[0] < STEPS - 10  # after the kill, mid-run
+    assert rebuilt and killed_at <= rebuilt[0] < steps - 10  # after the kill, mid-run
     # How steps split between the two generators varies; a handful is enough to compare.
     assert len(after) >= 3, [by_step[r["step"]] for r in rows]
     assert all(r["rollout_fresh_fraction"] == 1.0 for r in after)

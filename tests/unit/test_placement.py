@@ -75,6 +75,11 @@ GPU_NODE = [
             "bad value for 'generators.count': 2 disagrees with placement.generators "
             "(1 engine(s)); leave it out or make them agree",
         ),
+        (  # the transformers engine has no tensor parallelism
+            ["generators.engine=hf", "placement.generators=[cuda:0, [cuda:1, cuda:2]]"],
+            "bad value for 'placement.generators.1': generators.engine 'hf' runs on one GPU, "
+            "not 2; use generators.engine 'vllm' for tensor parallelism",
+        ),
         (
             ["placement.generators=[cpu:0, [cpu:2, cpu:3]]", "generators.count=1"],
             "bad value for 'generators.count': 1 disagrees with placement.generators "
@@ -95,6 +100,11 @@ def test_each_placement_error_is_one_message_naming_the_key(overrides, message):
         ["placement.generators=[cpu:0, cpu:2]", "generators.count=2"],  # count agrees
         ["placement.generators=[[cuda:0, cuda:1]]", "placement.learners=[cpu:0, cpu:1]"],
         ["placement.reward_models=[cpu:1, cpu:1]"],  # reward models may share the learner's core
+        [
+            "generators.engine=hf",
+            "placement.generators=[[cpu:0, cpu:1]]",
+            "placement.learners=[cpu]",
+        ],
         GPU_NODE,
     ],
 )
