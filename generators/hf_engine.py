@@ -88,6 +88,7 @@ class HFEngine:
         self.lock = asyncio.Lock()  # held by a wave, a swap or a probe
         self.abort = threading.Event()  # a swap in abort mode: end the wave at its next token
         self.server = asyncio.create_task(self._serve())
+        self.server.add_done_callback(self._server_ended)
 
     # ------------------------------------------------------------------ weight sync
 
@@ -147,6 +148,8 @@ class HFEngine:
         prefix under the new weights."""
         out = Sample(prompt_ids=list(prompt_ids))
         while True:
+            if self.server.done():
+                raise RuntimeError("the transformers engine's wave loop is not running")
             budget = how.max_tokens - len(out.token_ids)
             future = asyncio.get_running_loop().create_future()
             self.queue.append(
@@ -197,6 +200,20 @@ class HFEngine:
                 for req, (tokens, logprobs, aborted) in zip(batch, results, strict=True):
                     if not req.future.done():  # a cancelled request has no one waiting
                         req.future.set_result((tokens, logprobs, version, aborted))
+
+    def _server_ended(self, task: asyncio.Task) -> None:
+        """The wave loop ends at shutdown; should it ever die, no request waits forever."""
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            log.error("the transformers engine's wave loop failed: %r", error)
+        for req in self.queue:
+            if req.future.done():
+                continue
+            if error is None:
+                req.future.cancel()
+            else:
+                req.future.set_exception(error)
+        self.queue = []
 
     def _take(self) -> list[_Request]:
         """The next wave: the oldest request's sampling settings, up to ``max_batch``."""
@@ -255,10 +272,7 @@ class HFEngine:
         return torch.tensor([any(s in t for s in stop) for t in texts], device=self.device)
 
     def shutdown(self) -> None:
-        self.server.cancel()
-        for req in self.queue:
-            req.future.cancel()
-        self.queue = []
+        self.server.cancel()  # its done-callback cancels the requests still queued
 
 
 def sample_processed(

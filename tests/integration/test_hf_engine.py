@@ -118,3 +118,24 @@ def test_a_swap_mid_wave_stamps_every_token_with_the_version_that_computed_it(
         assert any(set(s.versions) == {0, 1} for s in samples), "no request spanned the swap"
     else:  # the swap waited for the wave: each request sampled by one version
         assert resubmitted == 0 and all(len(set(s.versions)) == 1 for s in samples)
+
+
+def test_a_dead_wave_loop_fails_its_requests_instead_of_leaving_them_waiting(tiny_model):
+    cfg = load_config(ROOT / "configs/tiny.yaml", [])
+    how = Sampling(max_tokens=6, temperature=TEMPERATURE)
+
+    def broken():
+        raise RuntimeError("a bug in the wave loop")
+
+    async def scenario():
+        engine = start_hf_engine(cfg, str(tiny_model), seed=0)
+        engine._take = broken
+        try:
+            with pytest.raises(RuntimeError, match="a bug in the wave loop"):
+                await asyncio.wait_for(engine.sample(PROMPTS[0], how), 30)
+            with pytest.raises(RuntimeError, match="wave loop is not running"):
+                await engine.sample(PROMPTS[0], how)
+        finally:
+            engine.shutdown()
+
+    asyncio.run(scenario())
