@@ -16,6 +16,10 @@ AsyncLLM, whose engine core and worker are the same):
 
   hf                transformers generate, batched, sampling, torch threads = cores
   hf-1thread        the same on one thread (what one pinned core can do)
+  engine-hf         the project's transformers engine (generators.engine: hf,
+                    generators/hf_engine.py): every completion a request, one wave
+  engine-hf-cpu0    the same on one thread, the process on core 0 (the tiny default's
+                    generator placement)
   vllm-project-pin  as generators/engine.py on ``cpu:0``: VLLM_CPU_OMP_THREADS_BIND=0,
                     OMP_NUM_THREADS=1, enforce_eager, prefix caching, logprobs=0 with
                     processed_logprobs, max_num_seqs 96
@@ -46,7 +50,7 @@ class Setting:
     """One measured configuration: an engine, its environment and its engine arguments."""
 
     name: str
-    engine: str  # "hf" or "vllm"
+    engine: str  # "hf" (generate), "engine-hf" (generators/hf_engine.py) or "vllm"
     env: dict[str, str] = field(default_factory=dict)
     engine_args: dict = field(default_factory=dict)
     logprobs: bool = False  # request logprobs=0 per token, as the generator does
@@ -69,6 +73,19 @@ def settings(cores: int) -> list[Setting]:
     return [
         Setting("hf", "hf", {"OMP_NUM_THREADS": str(cores)}, note=f"{cores} torch threads"),
         Setting("hf-1thread", "hf", {"OMP_NUM_THREADS": "1"}, note="1 torch thread"),
+        Setting(
+            "engine-hf",
+            "engine-hf",
+            {"OMP_NUM_THREADS": str(cores)},
+            note=f"generators.engine hf, {cores} torch threads",
+        ),
+        Setting(
+            "engine-hf-cpu0",
+            "engine-hf",
+            {"OMP_NUM_THREADS": "1"},
+            affinity=[0],
+            note="generators.engine hf on cpu:0",
+        ),
         Setting(
             "vllm-project-pin",
             "vllm",
@@ -206,6 +223,48 @@ def run_hf(model: str, texts: list[str], samples: int, max_tokens: int) -> dict:
     return {"startup_s": startup, **timed(lambda: generate(texts))}
 
 
+def run_engine_hf(model: str, texts: list[str], samples: int, max_tokens: int) -> dict:
+    """The generator's transformers engine, driven as the generator drives it: one
+    ``sample`` request per completion, all at once (one wave), EOS ignored."""
+    import asyncio
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from generators.engine import Sampling
+    from generators.hf_engine import start_hf_engine
+    from verl_async.config import load_config
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    cfg = load_config(None, [f"model.path={model}"])
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    how = Sampling(max_tokens=max_tokens, temperature=1.0)
+
+    async def go() -> dict:
+        t0 = time.perf_counter()
+        engine = start_hf_engine(cfg, model, seed=0)
+        startup = time.perf_counter() - t0
+        engine.eos_ids = engine.eos_ids[:0]  # exactly max_tokens each, as ignore_eos
+        engine.max_batch = len(ids) * samples
+
+        async def generate(batch: list[list[int]]) -> int:
+            requests = (engine.sample(p, how) for p in batch for _ in range(samples))
+            return sum(len(s.token_ids) for s in await asyncio.gather(*requests))
+
+        try:
+            await generate(ids[:4])
+            c0, t1 = cpu_seconds(), time.perf_counter()
+            tokens = await generate(ids)
+            seconds = time.perf_counter() - t1
+        finally:
+            engine.shutdown()
+        cores = (cpu_seconds() - c0) / seconds
+        return {"startup_s": startup, "seconds": seconds, "tokens": tokens, "cores": cores}
+
+    return asyncio.run(go())
+
+
 def run_vllm(setting: Setting, model: str, texts: list[str], samples: int, max_tokens: int):
     from transformers import AutoConfig
     from vllm import LLM, SamplingParams
@@ -251,6 +310,8 @@ def child(args: argparse.Namespace) -> None:
     texts = prompts(args.model, args.prompts)
     if setting.engine == "hf":
         result = run_hf(args.model, texts, args.samples, args.max_tokens)
+    elif setting.engine == "engine-hf":
+        result = run_engine_hf(args.model, texts, args.samples, args.max_tokens)
     else:
         result = run_vllm(setting, args.model, texts, args.samples, args.max_tokens)
     print("RESULT " + json.dumps(result), flush=True)
@@ -306,13 +367,17 @@ def report(rows: list[tuple[Setting, dict]], out: Path | None) -> None:
             f"| {s.note} |"
         )
     done = [(s, r["tokens"] / r["seconds"]) for s, r in rows if "tokens" in r]
-    vllm = [(s, rate) for s, rate in done if s.name.startswith("vllm")]
-    if vllm:
-        best, rate = max(vllm, key=lambda x: x[1])
-        vs = f" = {rate / hf_rate:.2f}x transformers generate" if hf_rate else ""
-        print(f"summary: fastest vLLM setting {best.name}: {rate:.0f} tokens/s{vs}")
+    parts = []
+    for label, prefix in (("vLLM", "vllm"), ("transformers-engine", "engine-hf")):
+        mine = [(s, rate) for s, rate in done if s.name.startswith(prefix)]
+        if mine:
+            best, rate = max(mine, key=lambda x: x[1])
+            vs = f" = {rate / hf_rate:.2f}x transformers generate" if hf_rate else ""
+            parts.append(f"fastest {label} setting {best.name}: {rate:.0f} tokens/s{vs}")
+    if parts:
+        print("summary: " + "; ".join(parts))
     else:
-        print(f"summary: {len(done)} of {len(rows)} settings finished, no vLLM setting")
+        print(f"summary: {len(done)} of {len(rows)} settings finished, no engine setting")
 
 
 def main() -> None:

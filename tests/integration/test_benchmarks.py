@@ -169,10 +169,10 @@ def test_generation_cpu_on_the_tiny_model(tmp_path, tiny_model):
     out = _run(
         "generation_cpu.py",
         ["--model", str(tiny_model), "--prompts", "4", "--max-tokens", "4"]
-        + ["--only", "hf", "vllm-project-pin", "--out", str(tmp_path)],
+        + ["--only", "hf", "engine-hf-cpu0", "vllm-project-pin", "--out", str(tmp_path)],
     )
     table = json.loads((tmp_path / "generation_cpu.json").read_text())
-    assert [r["setting"] for r in table] == ["hf", "vllm-project-pin"]
+    assert [r["setting"] for r in table] == ["hf", "engine-hf-cpu0", "vllm-project-pin"]
     assert all(r["tokens"] == 16 for r in table), table  # 4 prompts x 4 tokens, eos ignored
     assert "| vllm-project-pin |" in out
 
