@@ -85,8 +85,19 @@ def run_learner(ctx: RunContext) -> None:
     )  # fmt: skip
     try:
         learner.train()
+        if accelerator.num_processes > 1:
+            torch.distributed.barrier()  # no rank exits while another is still finishing
     finally:
         learner.close()
+        close_default_group()
+
+
+def close_default_group() -> None:
+    """Destroy the ranks' process group while the interpreter is fully alive. Left to
+    interpreter teardown, a gloo group's threads can abort the rank that exits first
+    ("terminate called without an active exception")."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def prepare(accelerator, model, make_optimizer, dtype: str):

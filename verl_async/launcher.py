@@ -309,7 +309,11 @@ def watch(
     roles: list[Role], cfg: RunConfig, run_dir: Path, console, t0: float | None = None
 ) -> None:
     """Show progress (and, at the first step, where start-up time went since ``t0``) until
-    the learner finishes; raise RoleFailed if any role dies first."""
+    the learner finishes; raise RoleFailed if any role dies first.
+
+    A generator exits with code 0 only when the buffer told it to stop, which it does
+    once the learner has sent Shutdown (its last act before exiting): a generator may
+    therefore be done a moment before the learner's processes are."""
     learner = next(r for r in roles if r.name == "learner")
     with ProgressReport(console, cfg.trainer.total_steps, cfg.trainer.log_every) as report:
         while True:
@@ -317,9 +321,8 @@ def watch(
                 code = role.proc.poll()
                 if code is not None and restarted(role, code, console):
                     continue
-                if code is not None and (
-                    code != 0 or role is not learner and learner.proc.poll() is None
-                ):
+                done = role is learner or role.name.startswith("generator")
+                if code is not None and (code != 0 or not done and learner.proc.poll() is None):
                     raise RoleFailed(
                         f"the {role.name} process exited with code {code} before the run finished; "
                         f"last lines of {role.log_path}:\n{_tail(role.log_path)}"

@@ -1,12 +1,12 @@
 """A live training run under fire: hostile input on the buffer's socket changes nothing.
 
-While ``verl-async train configs/tiny.yaml`` runs 80 steps, this test fires thousands of
+While ``verl-async train configs/tiny.yaml`` runs 300 steps, this test fires thousands of
 hypothesis-generated messages at its buffer from a DEALER socket of its own: random
 bytes, broken envelopes, replies sent as requests, requests with a field out of range,
 and rollouts for groups this socket was never issued (plausible ids: in flight to the
 real generator, already returned, consumed; duplicates; thousands of groups at once).
 Each must be answered with an ``Error``, and then the run must be exactly what it would
-have been: it exits 0, trains all 80 steps, every group 0..639 exactly once, nothing
+have been: it exits 0, trains all 300 steps, every group 0..2399 exactly once, nothing
 dropped, and the buffer's log names the rejections in a few lines, not thousands.
 """
 
@@ -33,9 +33,9 @@ from verl_async.transport import BufferClient, BufferUnavailable
 from ..unit.test_buffer_validation import _envelope, hostile_messages, make_group, received
 from .conftest import ROOT, processes_mentioning
 
-# 80 steps: on a quiet machine 30 took only 7 s of training, too short a window for
-# hundreds of messages and for rollouts to collide with groups in flight.
-STEPS, B, GROUP_SIZE = 80, 8, 8  # configs/tiny.yaml: 8 groups a step, 8 samples a group
+# 300 steps: the tiny default trains about 13 steps a second under this fire (80 took
+# 6 s), too short a window for thousands of messages unless the run is longer.
+STEPS, B, GROUP_SIZE = 300, 8, 8  # configs/tiny.yaml: 8 groups a step, 8 samples a group
 REPLY_TIMEOUT_S = 10.0
 BATCH = 50  # messages per hypothesis run; the run's progress is looked at in between
 MAX_MESSAGES = 25_000

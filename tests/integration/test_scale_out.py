@@ -1,4 +1,4 @@
-"""Two learner ranks (FSDP2 over gloo) and two vLLM generators as real processes.
+"""Two learner ranks (FSDP2 over gloo) and two generators as real processes.
 
 The crash-and-resume audit in this shape is in test_checkpoint_resume.py; the gradient
 equality of one and two ranks in test_data_parallel.py.

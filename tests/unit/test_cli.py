@@ -402,3 +402,29 @@ def test_a_role_is_restarted_on_a_nonzero_exit_up_to_its_limit_and_never_after_e
     assert not launcher.restarted(fixed, 1, console)
     out = console.file.getvalue()
     assert "the generator1 process exited with code -9; restarting it (2/2)" in out
+
+
+class _ExitsAfter:
+    """A role process that runs for ``polls`` polls, then has exited with ``code``."""
+
+    def __init__(self, polls: int, code: int) -> None:
+        self.polls, self.code = polls, code
+
+    def poll(self) -> int | None:
+        self.polls -= 1
+        return None if self.polls >= 0 else self.code
+
+
+def test_a_generator_told_to_stop_before_the_learner_exits_is_not_a_failure(tmp_path):
+    """Generators exit 0 once the learner's Shutdown reached the buffer, which can be a
+    moment before the learner's own processes have exited; any other role exiting before
+    the learner, even with 0, is a failure."""
+    console = Console(file=io.StringIO(), width=200)
+    cfg = load_config(None, [])
+    generator = Role("generator0", _Exited(0), tmp_path / "g.log")
+    launcher.watch([generator, Role("learner", _ExitsAfter(6, 0), tmp_path / "l.log")], cfg,
+                   tmp_path, console)  # fmt: skip
+    buffer = Role("buffer", _Exited(0), tmp_path / "b.log")
+    with pytest.raises(RoleFailed, match="the buffer process exited with code 0 before the run"):
+        launcher.watch([buffer, Role("learner", _ExitsAfter(6, 0), tmp_path / "l.log")], cfg,
+                       tmp_path, console)  # fmt: skip
