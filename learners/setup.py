@@ -10,7 +10,9 @@ reference is replicated on every rank."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sys
 
 import torch
 
@@ -86,18 +88,25 @@ def run_learner(ctx: RunContext) -> None:
     try:
         learner.train()
         if accelerator.num_processes > 1:
-            torch.distributed.barrier()  # no rank exits while another is still finishing
+            torch.distributed.barrier()  # no rank leaves while another is still finishing
     finally:
         learner.close()
-        close_default_group()
+    if accelerator.num_processes > 1:
+        leave_job()
 
 
-def close_default_group() -> None:
-    """Destroy the ranks' process group while the interpreter is fully alive. Left to
-    interpreter teardown, a gloo group's threads can abort the rank that exits first
-    ("terminate called without an active exception")."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+def leave_job() -> None:
+    """End a rank of a multi-rank job whose ranks have all finished: flush and exit now.
+
+    Tearing a gloo process group down, by ``destroy_process_group`` or at interpreter
+    exit, now and then aborts a rank after all its work is done ("terminate called
+    without an active exception", SIGABRT), which would turn a finished run into a
+    failed one. Everything this process wrote is closed by now (metrics, checkpoints,
+    the weight-sync group), so the teardown is skipped."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def prepare(accelerator, model, make_optimizer, dtype: str):

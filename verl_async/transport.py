@@ -147,7 +147,10 @@ class AsyncBufferClient:
         if self.raw.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             self._drain()
         try:
-            reply, frames_in = await asyncio.wait_for(fut, self.timeout_s + extra_wait_s)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancel
+            # that lands as the reply arrives, and a SIGTERMed generator then carries on.
+            async with asyncio.timeout(self.timeout_s + extra_wait_s):
+                reply, frames_in = await fut
         except TimeoutError:
             self.pending.pop(rid, None)
             raise BufferUnavailable(

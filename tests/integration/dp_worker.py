@@ -28,7 +28,7 @@ from buffer.ledger import StoredGroup, shard_samples
 from learners.batching import collate
 from learners.distributed import DataParallel
 from learners.plan import Minibatch, plan_update
-from learners.setup import fsdp2
+from learners.setup import fsdp2, leave_job
 from learners.update import logits_of, policy_update
 from verl_async import protocol as P
 from verl_async.algos import token_logprobs
@@ -199,7 +199,7 @@ def main() -> None:
         with open(sys.argv[1], "w") as f:
             json.dump(report, f, indent=1)
     dist.barrier()
-    dist.destroy_process_group()
+    leave_job()  # as a learner rank ends (gloo's teardown can abort a finished rank)
 
 
 if __name__ == "__main__":

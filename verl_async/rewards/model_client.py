@@ -81,7 +81,8 @@ class RewardModelClient:
             # arrived meanwhile; the waiting reader would miss it, so look now.
             if self.raw.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 self._drain()
-            return await asyncio.wait_for(fut, self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):  # not wait_for: see transport.py
+                return await fut
         except TimeoutError:
             raise RewardModelUnavailable(
                 f"no reply from the reward model at {self.endpoint} within {self.timeout_s:g}s; "

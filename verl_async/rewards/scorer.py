@@ -279,9 +279,8 @@ class Scorer:
         source = self.sources[s]
         convs = [conversation(group.prompt, text) for text in responses]
         try:
-            values = await asyncio.wait_for(
-                self.model_clients[source.name].score(convs), self.timeout_s
-            )
+            async with asyncio.timeout(self.timeout_s):  # not wait_for: see transport.py
+                values = await self.model_clients[source.name].score(convs)
             values = [float(v) for v in values]
             if len(values) != len(responses) or not all(math.isfinite(v) for v in values):
                 raise ValueError(f"{len(values)} scores (non-finite?) for {len(responses)}")
