@@ -1,7 +1,7 @@
 """Advantage estimators side by side: reward curves, step time and learner memory.
 
     python benchmarks/estimators.py [--config configs/tiny.yaml] [--steps 400]
-                                    [--cases grpo,gae,rloo,reinforce_plus_plus,grpo_kl]
+                                    [--cases grpo,gae,gae_centered,rloo,reinforce_plus_plus,grpo_kl]
                                     [--window 50] [--target 0.8] [--out runs/estimators]
                                     [key=value ...]
 
@@ -12,6 +12,8 @@ data, rewards and hyper-parameters except the estimator:
   gae                  PPO with a critic (fresh scalar head on the policy, critic.lr from
                        --critic-lr) and a KL loss to the reference (algo.kl.loss_coef
                        from --kl-coef), so the learner holds actor, critic and reference
+  gae_centered         gae with its advantages centred over the batch, not whitened
+                       (algo.normalize_adv_std=false)
   rloo, reinforce_plus_plus
   grpo_kl              grpo with the same KL loss (reference, no critic)
 
@@ -39,6 +41,12 @@ def case_overrides(args) -> dict[str, list[str]]:
     return {
         "grpo": [],
         "gae": ["algo.adv_estimator=gae", f"critic.lr={args.critic_lr}", *kl],
+        "gae_centered": [
+            "algo.adv_estimator=gae",
+            f"critic.lr={args.critic_lr}",
+            *kl,
+            "algo.normalize_adv_std=false",
+        ],
         "rloo": ["algo.adv_estimator=rloo"],
         "reinforce_plus_plus": ["algo.adv_estimator=reinforce_plus_plus"],
         "grpo_kl": kl,
@@ -90,7 +98,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=ROOT / "configs/tiny.yaml")
     parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--cases", default="grpo,gae,rloo,reinforce_plus_plus,grpo_kl")
+    parser.add_argument("--cases", default="grpo,gae,gae_centered,rloo,reinforce_plus_plus,grpo_kl")
     parser.add_argument("--critic-lr", type=float, default=1e-3)
     parser.add_argument("--kl-coef", type=float, default=0.001)
     parser.add_argument("--window", type=int, default=50)

@@ -87,9 +87,13 @@ def estimate(
     if kind == "gae":
         if values is None:
             raise ValueError("adv_estimator 'gae' needs the critic's values")
-        adv, returns = gae_advantages(tokens, values, mask, algo.gamma, algo.lam)
+        adv, returns = gae_advantages(
+            tokens, values, mask, algo.gamma, algo.lam, algo.normalize_adv_std
+        )
     elif kind == "reinforce_plus_plus":
-        adv, returns = reinforce_plus_plus_advantages(tokens, mask, algo.gamma)
+        adv, returns = reinforce_plus_plus_advantages(
+            tokens, mask, algo.gamma, algo.normalize_adv_std
+        )
     else:
         totals = (tokens * mask).sum(dim=1)  # the reward, less the sample's KL penalty
         if kind == "grpo":

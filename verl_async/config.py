@@ -192,7 +192,9 @@ class AlgoConfig(_Section):
     minibatches: PosInt = 2
     """Optimizer steps per batch (the batch is split into this many minibatches)."""
     normalize_adv_std: bool = True
-    """Divide group-relative advantages by the group std (GRPO); false gives Dr. GRPO."""
+    """Divide advantages by a std: grpo by its group's (false gives Dr. GRPO); gae and
+    reinforce_plus_plus by the batch's, i.e. whiten them (false: centre over the batch
+    only). rloo has no division."""
     adv_estimator: Literal["grpo", "gae", "rloo", "reinforce_plus_plus"] = "grpo"
     """Advantage estimator (docs/algorithms.md): grpo (group-relative), gae (PPO with the
     ``critic``), rloo (leave-one-out baseline), reinforce_plus_plus (discounted returns

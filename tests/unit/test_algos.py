@@ -29,6 +29,7 @@ from verl_async.algos import (
     kl_k3,
     kl_penalty,
     make_kl_controller,
+    masked_center,
     masked_mean,
     masked_sum,
     masked_var,
@@ -67,6 +68,12 @@ def test_masked_sum_and_mean_ignore_padding_even_inf():
     close(masked_mean(x, m), 6.0 / (3 + 1e-8))
     close(masked_mean(x, m, dim=-1), [3.0 / (2 + 1e-8), 3.0 / (1 + 1e-8)])
     close(masked_mean(x, torch.zeros_like(m)), 0.0)  # nothing kept: 0, not nan
+
+
+def test_masked_center_subtracts_the_kept_mean_and_zeroes_padding():
+    x, m = t([1.0, 2.0, 6.0, INF]), t([1, 1, 1, 0])
+    close(masked_center(x, m), [-2.0, -1.0, 3.0, 0.0], atol=1e-7)  # the mean's 1e-8 count
+    close(masked_center(t([5.0, -INF]), t([1, 0])), [0.0, 0.0], atol=1e-7)  # one kept: fine
 
 
 def test_masked_var_is_unbiased_and_refuses_fewer_than_two_entries():
@@ -178,6 +185,29 @@ def test_gae_hand_computed_no_bootstrap_past_the_last_token():
     close(adv, [[-k, k, 0.0]], rtol=1e-7)
 
 
+def test_gae_without_std_centres_the_raw_advantages_over_kept_tokens():
+    rewards = t([[0.0, 1.0, PAD], [2.0, INF, -INF]])
+    values = t([[0.5, 0.2, -PAD], [0.5, PAD, INF]])
+    mask = t([[1, 1, 0], [1, 0, 0]])
+    adv, ret = gae_advantages(rewards, values, mask, gamma=0.9, lam=0.8, norm_by_std=False)
+    # raw: .256 and .8 as above, 2 - .5 = 1.5 in the second row; mean 2.556 / 3
+    close(ret, [[0.756, 1.0, 0.0], [2.0, 0.0, 0.0]])
+    m = (0.256 + 0.8 + 1.5) / 3
+    close(adv, [[0.256 - m, 0.8 - m, 0.0], [1.5 - m, 0.0, 0.0]], rtol=1e-6)
+    # A critic that predicts every return leaves advantages of 0, where whitening would
+    # blow its last errors up to unit variance:
+    # (raw advantages 0 and -0.01 here: centred +-0.005, whitened +-0.707)
+    exact = t([[1.0, 1.0 + 1e-2, PAD]])
+    kept = t([[1, 1, 0]])
+    flat, _ = gae_advantages(t([[0.0, 1.0, 0.0]]), exact, kept, 1.0, 1.0, norm_by_std=False)
+    close(flat, [[0.005, -0.005, 0.0]], atol=1e-7)
+    whitened, _ = gae_advantages(t([[0.0, 1.0, 0.0]]), exact, kept, 1.0, 1.0)
+    close(whitened.abs()[0, :2], [1 / math.sqrt(2), 1 / math.sqrt(2)], rtol=1e-3)
+    # A single kept token has no unbiased variance to whiten with, but can be centred:
+    one, _ = gae_advantages(t([[1.0, PAD]]), t([[0.0, PAD]]), t([[1, 0]]), 1.0, 1.0, False)
+    close(one, [[0.0, 0.0]], atol=1e-7)
+
+
 def test_gae_skips_masked_positions_inside_a_response():
     rewards = t([[1.0, PAD, 2.0], [0.5, 0.0, -PAD]])
     values = t([[0.3, -PAD, 0.7], [0.1, 0.4, PAD]])
@@ -243,6 +273,14 @@ def test_reinforce_plus_plus_discounts_and_whitens_over_kept_tokens():
     # kept returns .25 .5 1 1 0: mean .55, deviations -.3 -.05 .45 .45 -.55, unbiased var .8/4
     s = math.sqrt(0.2 + 1e-8)
     close(adv, [[-0.3 / s, -0.05 / s, 0.45 / s, 0.0], [0.45 / s, -0.55 / s, 0.0, 0.0]], rtol=1e-7)
+
+
+def test_reinforce_plus_plus_without_std_only_centres():
+    rewards = t([[0.0, 0.0, 1.0, PAD], [1.0, 0.0, -PAD, INF]])
+    mask = t([[1, 1, 1, 0], [1, 1, 0, 0]])
+    adv, ret = reinforce_plus_plus_advantages(rewards, mask, gamma=0.5, norm_by_std=False)
+    close(ret, [[0.25, 0.5, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    close(adv, [[-0.3, -0.05, 0.45, 0.0], [0.45, -0.55, 0.0, 0.0]], rtol=1e-6)
 
 
 def test_reinforce_plus_plus_restarts_after_a_masked_gap():

@@ -61,6 +61,20 @@ def test_gae_needs_values_and_returns_reward_to_go():
     assert torch.all(out.advantages[MASK == 0] == 0)
 
 
+@pytest.mark.parametrize("estimator", ["gae", "reinforce_plus_plus"])
+def test_normalize_adv_std_false_centres_token_level_advantages(estimator):
+    values = torch.zeros_like(MASK)
+    kw = {"adv_estimator": estimator, "gamma": 1.0, "lam": 1.0}
+    whitened = estimate(algo(**kw), REWARDS, GROUPS, MASK, values).advantages
+    centred = estimate(algo(normalize_adv_std=False, **kw), REWARDS, GROUPS, MASK, values)
+    # Zero values and gamma = lambda = 1: each kept token's raw advantage is its reward;
+    # the 9 kept tokens hold 3 x 1, 2 x 0, 3 x .5 and 1 x .5, mean 5 / 9.
+    expected = (REWARDS[:, None] - 5 / 9) * MASK
+    torch.testing.assert_close(centred.advantages, expected)
+    std = float(expected[MASK > 0].std())
+    torch.testing.assert_close(whitened, expected / std, rtol=1e-5, atol=1e-6)
+
+
 def test_kl_in_reward_is_charged_per_token_and_moves_the_adaptive_coefficient():
     logp_old = torch.full_like(MASK, -1.0)
     logp_ref = torch.full_like(MASK, -1.5)  # k1 = logp_old - logp_ref = 0.5 per token

@@ -29,7 +29,13 @@ from verl_async.algos.losses import (
     policy_loss,
     value_loss,
 )
-from verl_async.algos.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from verl_async.algos.masked import (
+    masked_center,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+)
 from verl_async.algos.tokens import entropy_from_logits, token_entropy, token_logprobs
 
 __all__ = [
@@ -50,6 +56,7 @@ __all__ = [
     "kl_k3",
     "kl_penalty",
     "make_kl_controller",
+    "masked_center",
     "masked_mean",
     "masked_sum",
     "masked_var",

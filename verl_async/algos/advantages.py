@@ -23,10 +23,12 @@ Token-level estimators (rewards per token):
                            A_t = delta_t + gamma * lam * A_next, where "next" is the next
                            kept position of the same row (V_next = A_next = 0 after the last:
                            no bootstrap past the end of the response). returns = A + V;
-                           advantages = A whitened over the kept tokens of the batch.
+                           advantages = A whitened over the kept tokens of the batch (or
+                           only centred there, with norm_by_std False).
   reinforce_plus_plus_advantages
                            G_t = r_t + gamma * G_{t+1}, restarted at 0 after every masked
-                           position; advantages = G whitened over the kept tokens.
+                           position; advantages = G whitened over the kept tokens (or
+                           only centred, with norm_by_std False).
   remax_advantages         G_t = sum of kept rewards from t on; A_t = G_t - b_i.
 
 Whitening is ``masked_whiten`` (mean-shifted, unbiased variance): it raises ValueError when
@@ -39,7 +41,7 @@ from collections.abc import Sequence
 
 import torch
 
-from verl_async.algos.masked import masked_whiten
+from verl_async.algos.masked import masked_center, masked_whiten
 
 GroupIndex = torch.Tensor | Sequence
 
@@ -127,14 +129,22 @@ def rloo_advantages(scores: torch.Tensor, index: GroupIndex) -> torch.Tensor:
 
 
 def gae_advantages(
-    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+    norm_by_std: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """verl's GAE: rewards, values, mask [N, T] -> (advantages [N, T], returns [N, T]).
 
     The recursion runs backwards over kept positions only: a masked position passes the
     next kept value and advantage through unchanged, so after the last kept token nothing
     is bootstrapped. returns = raw advantages + values; advantages are whitened over the
-    kept tokens of the whole batch. Both are 0 at masked positions.
+    kept tokens of the whole batch (verl), or with ``norm_by_std`` False only centred
+    there: once the critic predicts the returns well, the raw advantages are small, and
+    whitening scales what is left of them (mostly the critic's error) back up to unit
+    variance. Both are 0 at masked positions.
     """
     keep = mask.bool()
     with torch.no_grad():
@@ -148,18 +158,19 @@ def gae_advantages(
             last_gae = torch.where(keep[:, t], gae, last_gae)
             raw[:, t] = last_gae
         returns = torch.where(keep, raw + values, torch.zeros_like(raw))
-        return masked_whiten(raw, mask), returns
+        normalize = masked_whiten if norm_by_std else masked_center
+        return normalize(raw, mask), returns
 
 
 def reinforce_plus_plus_advantages(
-    token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float
+    token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float, norm_by_std: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """verl's REINFORCE++: token_rewards, mask [N, T] -> (advantages, returns), each [N, T].
 
     Going backwards, G_t = r_t + gamma * G_{t+1}; after a masked position the running sum
     restarts at 0 (so padding, and anything past a masked gap, never reaches an earlier
-    token). advantages = G whitened over the kept tokens of the batch. Both are 0 at masked
-    positions.
+    token). advantages = G whitened over the kept tokens of the batch (centred only, with
+    ``norm_by_std`` False). Both are 0 at masked positions.
     """
     keep = mask.bool()
     with torch.no_grad():
@@ -170,7 +181,8 @@ def reinforce_plus_plus_advantages(
             returns[:, t] = running
             running = torch.where(keep[:, t], running, torch.zeros_like(running))
         returns = torch.where(keep, returns, torch.zeros_like(returns))
-        return masked_whiten(returns, mask), returns
+        normalize = masked_whiten if norm_by_std else masked_center
+        return normalize(returns, mask), returns
 
 
 def reinforce_plus_plus_baseline_advantages(

@@ -11,6 +11,8 @@ arithmetic, so ``0 * inf = nan`` cannot happen.
                        kept entries raise ValueError
   masked_whiten(x, m)  (x - mu) / sqrt(var + 1e-8) with mu, var as above (mu is added back
                        when shift_mean is False); masked entries come out as 0 (mu)
+  masked_center(x, m)  x - mu on kept entries, 0 on masked ones (whitening without the
+                       division)
 
 The 1e-8 terms are the ones verl uses, so statistics agree with verl's to the last bit of
 float32 on the same inputs.
@@ -67,3 +69,9 @@ def masked_whiten(
     safe = torch.where(mask.bool(), values, mean.expand_as(values))
     whitened = (safe - mean) * torch.rsqrt(var + WHITEN_EPS)
     return whitened if shift_mean else whitened + mean
+
+
+def masked_center(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``values - mean`` of the kept entries; masked entries come out as 0."""
+    mean = masked_mean(values, mask)
+    return torch.where(mask.bool(), values - mean, torch.zeros_like(values))
