@@ -38,15 +38,11 @@ from common import ROOT, machine, mean, rolling, run_train  # noqa: E402
 
 def case_overrides(args) -> dict[str, list[str]]:
     kl = [f"algo.kl.loss_coef={args.kl_coef}"]
+    gae = ["algo.adv_estimator=gae", f"critic.lr={args.critic_lr}", *kl]
     return {
         "grpo": [],
-        "gae": ["algo.adv_estimator=gae", f"critic.lr={args.critic_lr}", *kl],
-        "gae_centered": [
-            "algo.adv_estimator=gae",
-            f"critic.lr={args.critic_lr}",
-            *kl,
-            "algo.normalize_adv_std=false",
-        ],
+        "gae": gae,
+        "gae_centered": [*gae, "algo.normalize_adv_std=false"],
         "rloo": ["algo.adv_estimator=rloo"],
         "reinforce_plus_plus": ["algo.adv_estimator=reinforce_plus_plus"],
         "grpo_kl": kl,
