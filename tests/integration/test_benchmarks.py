@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from .conftest import ROOT
 
@@ -154,15 +155,25 @@ def test_rewards(tmp_path):
 
 
 def test_estimators(tmp_path):
+    val = ROOT / "configs/data/max_digit_val.jsonl"
     out = _run(
         "estimators.py",
-        ["--cases", "gae", "--steps", "3", "--window", "2", "--out", str(tmp_path)],
+        ["--cases", "gae", "--steps", "3", "--window", "2", "--seeds", "3", "--val", str(val)]
+        + ["--set", "gae:learner.lr=0.002", "--out", str(tmp_path)],
     )
-    (res,) = json.loads((tmp_path / "estimators.json").read_text())["runs"]
-    assert res["case"] == "gae" and res["steps"] == 3
+    result = json.loads((tmp_path / "estimators.json").read_text())
+    (res,) = result["runs"]
+    assert res["case"] == "gae" and res["seed"] == 3 and res["steps"] == 3
     assert res["step_s_median"] > 0 and res["peak_rss_mib"] > 0 and len(res["curve"]) == 3
+    # The held-out prompts were scored before the first step and after the last.
+    assert 0 <= res["eval_first"] <= 1 and 0 <= res["eval_final"] <= 1
+    (case,) = result["cases"]
+    assert case["seeds"] == [3] and case["eval_final"] == [res["eval_final"]]
+    # --set reached this case's run, and the seed went in as learner.seed.
+    run_config = yaml.safe_load((tmp_path / "gae/seed3/config.yaml").read_text())
+    assert run_config["learner"]["lr"] == 0.002 and run_config["learner"]["seed"] == 3
     assert (tmp_path / "estimators.png").is_file()
-    assert "gae: step time 1.00x gae" in out
+    assert "gae: step time 1.00x gae" in out and "held-out" in out
 
 
 def test_generation_cpu_on_the_tiny_model(tmp_path, tiny_model):

@@ -192,3 +192,21 @@ def test_gsm8k_rows_are_in_verl_layout_and_load(tmp_path):
     assert rec.ground_truth == "1234" and rec.data_source == "openai/gsm8k"
     assert rec.prompt[0]["role"] == "user" and "####" in rec.prompt[0]["content"]
     assert rec.extra_info["solution"].endswith("#### 1,234")
+
+
+def test_max_digit_files_are_what_the_generator_writes(tmp_path):
+    """The shipped train and held-out files regenerate byte for byte, and no held-out
+    prompt is a training prompt."""
+    from pathlib import Path
+
+    from verl_async.tasks.max_digit import write_dataset
+
+    root = Path(__file__).resolve().parents[2] / "configs/data"
+    write_dataset(tmp_path / "train.jsonl", 2048)
+    assert (tmp_path / "train.jsonl").read_bytes() == (root / "max_digit.jsonl").read_bytes()
+    seen = {json.loads(line)["prompt"] for line in (root / "max_digit.jsonl").open()}
+    write_dataset(tmp_path / "val.jsonl", 512, seed=4321, exclude=seen)
+    assert (tmp_path / "val.jsonl").read_bytes() == (root / "max_digit_val.jsonl").read_bytes()
+    val = [json.loads(line) for line in (root / "max_digit_val.jsonl").open()]
+    assert len(val) == 512 and not {r["prompt"] for r in val} & seen
+    assert all(r["answer"] == max(r["prompt"].split()[1:-1]) for r in val)
