@@ -48,6 +48,13 @@ def interrupt(proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
         proc.wait()
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSON-lines file ([] when it does not exist)."""
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def rolling(values: list[float], window: int) -> list[float]:
     """Trailing mean over up to ``window`` values."""
     out, total = [], 0.0

@@ -40,7 +40,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, machine, mean, rolling, run_train  # noqa: E402
+from common import ROOT, machine, mean, read_jsonl, rolling, run_train  # noqa: E402
 
 
 def case_overrides(args) -> dict[str, list[str]]:
@@ -69,10 +69,7 @@ def case_settings(args, cases: list[str]) -> dict[str, list[str]]:
 
 def eval_scores(run_dir: Path) -> tuple[float | None, float | None]:
     """Held-out reward of the first and the last evaluation round (None without --val)."""
-    path = run_dir / "eval.jsonl"
-    if not path.is_file():
-        return None, None
-    rows = [json.loads(x) for x in path.read_text().splitlines() if x]
+    rows = read_jsonl(run_dir / "eval.jsonl")
     if not rows:
         return None, None
     return rows[0]["eval/reward_mean"], rows[-1]["eval/reward_mean"]

@@ -11,18 +11,11 @@ were started at. Needs matplotlib (the ``plot`` extra).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import rolling  # noqa: E402
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+from common import read_jsonl, rolling  # noqa: E402
 
 
 def source_names(rows: list[dict], prefix: str) -> list[str]:

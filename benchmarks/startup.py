@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, machine, mean  # noqa: E402
+from common import ROOT, machine, mean, read_jsonl  # noqa: E402
 
 
 def timed_run(config: Path, run_dir: Path, overrides: list[str], code: Path | None) -> dict:
@@ -61,7 +61,7 @@ def milestones(run_dir: Path) -> str:
     path = run_dir / "startup.jsonl"
     if not path.is_file():
         return "(no startup.jsonl: this code marks no milestones)"
-    marks = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    marks = read_jsonl(path)
     t0 = min(m["t"] for m in marks if m["role"] == "launcher") if marks else 0.0
     return ", ".join(f"{m['role']} {m['event']} +{m['t'] - t0:.1f} s" for m in marks)
 
