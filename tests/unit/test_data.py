@@ -199,14 +199,12 @@ def test_max_digit_files_are_what_the_generator_writes(tmp_path):
     prompt is a training prompt."""
     from pathlib import Path
 
-    from verl_async.tasks.max_digit import write_dataset
+    from verl_async.tasks.max_digit import write_files
 
     root = Path(__file__).resolve().parents[2] / "configs/data"
-    write_dataset(tmp_path / "train.jsonl", 2048)
-    assert (tmp_path / "train.jsonl").read_bytes() == (root / "max_digit.jsonl").read_bytes()
+    for made in write_files(tmp_path):
+        assert made.read_bytes() == (root / made.name).read_bytes(), made.name
     seen = {json.loads(line)["prompt"] for line in (root / "max_digit.jsonl").open()}
-    write_dataset(tmp_path / "val.jsonl", 512, seed=4321, exclude=seen)
-    assert (tmp_path / "val.jsonl").read_bytes() == (root / "max_digit_val.jsonl").read_bytes()
     val = [json.loads(line) for line in (root / "max_digit_val.jsonl").open()]
     assert len(val) == 512 and not {r["prompt"] for r in val} & seen
     assert all(r["answer"] == max(r["prompt"].split()[1:-1]) for r in val)

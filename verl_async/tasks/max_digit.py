@@ -3,14 +3,15 @@
 Prompt ``max 3 7 1 4 =``, correct response ``7`` (reward 1 when the first word of the
 response is the answer, else 0: an ``exact`` reward source with ``extract: first_word``).
 A random tiny model is right about 1/16 of the time; always answering ``9`` scores ~0.4;
-reading the digits scores 1.0. So the reward curve
-shows both the easy gain (output bias) and the real one (attention over the prompt).
+reading the digits scores 1.0. So the reward curve shows both the easy gain (output bias)
+and the real one (attention over the prompt).
 """
 
 from __future__ import annotations
 
 import json
 import random
+from collections.abc import Set
 from pathlib import Path
 
 VOCAB = ["<pad>", "<bos>", "<eos>", "max", "=", *[str(d) for d in range(10)]]
@@ -21,7 +22,7 @@ def make_record(rng: random.Random) -> dict[str, str]:
     return {"prompt": "max " + " ".join(map(str, digits)) + " =", "answer": str(max(digits))}
 
 
-def write_dataset(path: Path, n: int, seed: int = 1234, exclude: set[str] = frozenset()) -> None:
+def write_dataset(path: Path, n: int, seed: int = 1234, exclude: Set[str] = frozenset()) -> None:
     """``n`` records drawn with ``seed``, none of whose prompts is in ``exclude``."""
     rng = random.Random(seed)
     written = 0
@@ -33,9 +34,15 @@ def write_dataset(path: Path, n: int, seed: int = 1234, exclude: set[str] = froz
                 written += 1
 
 
-if __name__ == "__main__":
-    train = Path("configs/data/max_digit.jsonl")
+def write_files(data_dir: Path) -> tuple[Path, Path]:
+    """The shipped files in ``data_dir``: 2,048 training prompts and 512 held out for
+    evaluation (``data.val_path``), drawn with another seed and none a training prompt."""
+    train, val = data_dir / "max_digit.jsonl", data_dir / "max_digit_val.jsonl"
     write_dataset(train, 2048)
-    # Held out for evaluation (data.val_path): another seed, no training prompt.
     seen = {json.loads(line)["prompt"] for line in train.open()}
-    write_dataset(Path("configs/data/max_digit_val.jsonl"), 512, seed=4321, exclude=seen)
+    write_dataset(val, 512, seed=4321, exclude=seen)
+    return train, val
+
+
+if __name__ == "__main__":
+    write_files(Path("configs/data"))
