@@ -19,7 +19,15 @@ def run_train(
 ) -> tuple[list[dict], float]:
     """``verl-async train CONFIG --run-dir RUN_DIR overrides...`` (with ``env`` added to the
     environment); returns (metrics rows, seconds)."""
-    cmd = [sys.executable, "-m", "verl_async.cli", "train", str(config), "--run-dir", str(run_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "verl_async.launch.cli",
+        "train",
+        str(config),
+        "--run-dir",
+        str(run_dir),
+    ]
     t0 = time.monotonic()
     res = subprocess.run(
         [*cmd, *overrides],

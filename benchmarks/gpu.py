@@ -145,8 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     from learners.publish import gathered_buckets
     from learners.update import policy_update
     from verl_async.algos import grpo_advantages
-    from verl_async.config import AlgoConfig
     from verl_async.runtime import free_port
+    from verl_async.schema import AlgoConfig
     from verl_async.weight_sync import (
         broadcast_bucket,
         join_group,

@@ -48,13 +48,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, machine, mean, rolling, run_train  # noqa: E402
 
-from verl_async.config import RunConfig, load_config  # noqa: E402
+from verl_async.config import load_config  # noqa: E402
 from verl_async.data import DEFAULT_SOURCE, PromptRecord, as_messages  # noqa: E402
 from verl_async.protocol import ScoreItem  # noqa: E402
 from verl_async.reward_config import ModelReward, RewardsConfig  # noqa: E402
 from verl_async.rewards.rules import RuleScorerState  # noqa: E402
 from verl_async.rewards.scorer import routed  # noqa: E402
 from verl_async.rewards.worker import math_timeout_s, score_items  # noqa: E402
+from verl_async.schema import RunConfig
 
 
 @dataclass(frozen=True)
@@ -375,7 +376,7 @@ def plot(results: list[dict], path: Path, title: str, window: int, target: float
 def verl_rows(run_dir: Path, rows: list[dict], t0: float, wall_s: float) -> list[dict]:
     """Step rows with seconds since the command started: the learner marks its first step
     in startup.jsonl (wall clock); later steps follow by the learner's own ``wall_s``."""
-    from verl_async.startup import read_marks
+    from verl_async.launch.startup import read_marks
 
     marks = [
         m["t"] for m in read_marks(run_dir) if (m["role"], m["event"]) == ("learner", "first step")
@@ -454,7 +455,7 @@ def model_dir(cfg: RunConfig, work: Path) -> Path:
     from ~/.cache/verl-async/tiny) the way the launcher builds it into a run directory."""
     if cfg.model.path:
         return (ROOT / cfg.model.path).resolve()
-    from verl_async.tiny_model import build_tiny_model
+    from verl_async.launch.tiny_model import build_tiny_model
 
     return build_tiny_model(work / "model", cfg.model.tiny)
 

@@ -44,7 +44,7 @@ def build_reward_model(args) -> Path:
 
     policy = load_config(args.config, args.override).model.path
     if not policy:
-        from verl_async.tiny_reward_model import build_tiny_reward_model
+        from benchmarks.tiny_reward_model import build_tiny_reward_model
 
         return build_tiny_reward_model(out)
     if not (out / "config.json").is_file():
@@ -83,7 +83,7 @@ def sources_with_model(args, rm: Path, share_prefix: bool = True) -> str:
 def fill_only(run_dir: Path, overrides: list[str], args) -> list[dict]:
     """The run stopped (SIGINT, as Ctrl-C) once its first step is logged: that row holds
     ``prefill_s``, and the learner's P - 1 further steps would only cost time."""
-    cmd = [sys.executable, "-m", "verl_async.cli", "train", str(args.config)]
+    cmd = [sys.executable, "-m", "verl_async.launch.cli", "train", str(args.config)]
     proc = subprocess.Popen(
         [*cmd, "--run-dir", str(run_dir), *overrides],
         cwd=ROOT,

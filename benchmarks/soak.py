@@ -121,7 +121,7 @@ def main() -> None:
     parser.add_argument("override", nargs="*")
     args = parser.parse_args()
     run_dir = args.out.resolve()
-    cmd = [sys.executable, "-m", "verl_async.cli", "train", str(args.config), "--run-dir",
+    cmd = [sys.executable, "-m", "verl_async.launch.cli", "train", str(args.config), "--run-dir",
            str(run_dir), "trainer.total_steps=1000000", "trainer.log_every=1000", *args.override]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     t0, rows = time.monotonic(), []

@@ -39,7 +39,7 @@ def timed_run(config: Path, run_dir: Path, overrides: list[str], code: Path | No
     metrics = run_dir / "metrics.jsonl"
     t0 = time.monotonic()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "verl_async.cli", "train", str(config), "--run-dir", str(run_dir),
+        [sys.executable, "-m", "verl_async.launch.cli", "train", str(config), "--run-dir", str(run_dir),
          *overrides],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip

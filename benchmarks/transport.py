@@ -93,7 +93,9 @@ def through_buffer(size: int, count: int, args) -> tuple[float, int]:
     """Seconds and bytes for ``count`` rollouts of ``size`` bytes through the real buffer."""
     from verl_async import protocol as P
     from verl_async.config import load_config
-    from verl_async.launcher import prepare, spawn, stop_roles
+    from verl_async.launch.local import spawn
+    from verl_async.launch.plan import stop_roles
+    from verl_async.launch.prepare import prepare
     from verl_async.transport import BufferClient
 
     steps = count // GROUPS_PER_STEP

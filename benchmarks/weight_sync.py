@@ -148,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoModelForCausalLM
 
-    from verl_async.config import TinyModelConfig
-    from verl_async.tiny_model import build_tiny_model
+    from verl_async.launch.tiny_model import build_tiny_model
+    from verl_async.schema import TinyModelConfig
     from verl_async.weight_sync import param_specs
 
     heads = args.hidden // 64

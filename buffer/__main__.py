@@ -14,11 +14,11 @@ from buffer.rollouts import RolloutLimits
 from buffer.server import BufferServer
 from verl_async import protocol as P
 from verl_async.auth import server_keys
-from verl_async.config import ConfigError, RunConfig
+from verl_async.config import ConfigError
 from verl_async.data import PromptRecord, load_prompts, max_prompt_tokens, render_prompts
-from verl_async.runtime import load_context, start_role
+from verl_async.runtime import load_context, mark, start_role
+from verl_async.schema import RunConfig
 from verl_async.staleness import Admission
-from verl_async.startup import mark
 
 log = logging.getLogger("verl_async.buffer")
 

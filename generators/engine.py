@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from verl_async.config import RunConfig
 from verl_async.protocol import WeightUpdate
+from verl_async.schema import RunConfig
 
 EXTENSION = "generators.vllm_extension.WeightSyncExtension"
 

@@ -33,8 +33,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from generators.engine import Sample, Sampling
-from verl_async.config import RunConfig
 from verl_async.protocol import ParamSpec, WeightUpdate
+from verl_async.schema import RunConfig
 from verl_async.weight_sync import SyncGroup, join_group, receive_weights
 
 log = logging.getLogger("verl_async.generator")

@@ -30,8 +30,7 @@ from verl_async import placement
 from verl_async import protocol as P
 from verl_async.auth import client_keys
 from verl_async.rewards.scorer import GroupScores, Scorer
-from verl_async.runtime import RunContext
-from verl_async.startup import mark
+from verl_async.runtime import RunContext, mark
 from verl_async.transport import AsyncBufferClient
 from verl_async.weight_sync import failure_line, resolve_backend
 

@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from verl_async import protocol as P
-from verl_async.config import RunConfig
 from verl_async.rewards.aggregate import summarize
+from verl_async.schema import RunConfig
 from verl_async.transport import BufferClient
 
 log = logging.getLogger("verl_async.learner")

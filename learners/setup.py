@@ -19,8 +19,7 @@ import torch
 from learners.critic import load_critic, load_reference
 from learners.trainer import Learner
 from verl_async.placement import sync_world_size
-from verl_async.runtime import RunContext
-from verl_async.startup import mark
+from verl_async.runtime import RunContext, mark
 from verl_async.weight_sync import join_group, resolve_backend
 
 log = logging.getLogger("verl_async.learner")

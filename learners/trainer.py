@@ -44,8 +44,7 @@ from verl_async.algos.masked import masked_mean
 from verl_async.auth import CurveKeys, client_keys
 from verl_async.metrics import MetricsWriter
 from verl_async.rewards.aggregate import RunningStats, combine, summarize
-from verl_async.runtime import RunContext
-from verl_async.startup import mark
+from verl_async.runtime import RunContext, mark
 from verl_async.transport import BufferClient
 from verl_async.weight_sync import SyncGroup, param_specs, plan_buckets
 

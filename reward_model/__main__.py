@@ -6,9 +6,10 @@ import logging
 import signal
 
 from verl_async.auth import server_keys
-from verl_async.config import ConfigError, RunConfig
+from verl_async.config import ConfigError
 from verl_async.reward_config import ModelReward
 from verl_async.runtime import RunContext, load_context, start_role
+from verl_async.schema import RunConfig
 
 log = logging.getLogger("verl_async.reward_model")
 

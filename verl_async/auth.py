@@ -51,7 +51,7 @@ from zmq.utils.monitor import parse_monitor_message
 from verl_async.config_base import ConfigError
 
 if TYPE_CHECKING:
-    from verl_async.config import BufferConfig, RunConfig
+    from verl_async.schema import BufferConfig, RunConfig
 
 SERVER_DIR = "server"
 AUTHORIZED_DIR = "authorized_clients"

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Protocol
 from verl_async.config_base import ConfigError
 
 if TYPE_CHECKING:
-    from verl_async.config import RunConfig
+    from verl_async.schema import RunConfig
 
 WANDB_RUN_ID = "wandb_run_id"  # file in the run directory
 # The distribution that provides each logger, and how to install it.

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from verl_async.loggers import numeric, open_loggers
 
 if TYPE_CHECKING:
-    from verl_async.config import RunConfig
+    from verl_async.schema import RunConfig
 
 # The run-directory contract (README.md, "Run directory"): every line carries at least these keys.
 REQUIRED_FIELDS = (

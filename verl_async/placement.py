@@ -29,7 +29,8 @@ from collections.abc import Iterator
 
 import msgspec
 
-from verl_async.config import ConfigError, RunConfig
+from verl_async.config_base import ConfigError
+from verl_async.schema import RunConfig
 
 DEVICE_RE = re.compile(r"cpu(:\d+)?|cuda:\d+")
 

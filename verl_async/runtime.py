@@ -10,17 +10,20 @@ from __future__ import annotations
 import argparse
 import ctypes
 import faulthandler
+import json
 import logging
 import os
 import signal
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
 
-from verl_async.config import RunConfig, load_config
+from verl_async.config import load_config
 from verl_async.placement import device_index, is_cuda
+from verl_async.schema import RunConfig
 
 
 class Endpoints(msgspec.Struct, frozen=True, kw_only=True):
@@ -203,3 +206,21 @@ def start_role(
     setup_logging(name + suffix)
     apply_cpu_pinning()
     return args
+
+
+STARTUP_FILE = "startup.jsonl"
+
+
+def mark(run_dir: str | Path, role: str, event: str) -> None:
+    """Record that ``role`` reached ``event`` now in ``<run_dir>/startup.jsonl`` (one short
+    ``O_APPEND`` write, so processes never interleave within a line; best effort: never fails
+    the role). The launcher turns the lines into its start-up breakdown."""
+    line = json.dumps({"role": role, "event": event, "t": time.time()}) + "\n"
+    try:
+        fd = os.open(Path(run_dir) / STARTUP_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+    except OSError:
+        pass

@@ -7,8 +7,8 @@ import torch
 from learners.batching import collate
 from verl_async import protocol as P
 from verl_async.algos import policy_loss, token_logprobs
-from verl_async.config import TinyModelConfig
-from verl_async.tiny_model import build_tiny_model
+from verl_async.launch.tiny_model import build_tiny_model
+from verl_async.schema import TinyModelConfig
 
 pytestmark = [
     pytest.mark.gpu,
@@ -86,7 +86,7 @@ def test_fsdp2_learner_step_in_bf16_keeps_fp32_parameters(tmp_path, process_grou
     from learners.plan import plan_update
     from learners.setup import fsdp2
     from learners.update import policy_update
-    from verl_async.config import AlgoConfig
+    from verl_async.schema import AlgoConfig
 
     model = fsdp2(_tiny(tmp_path).cuda(), torch.bfloat16)
     assert all(

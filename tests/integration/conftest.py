@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from verl_async.config import TinyModelConfig
-from verl_async.tiny_model import build_tiny_model
+from verl_async.launch.tiny_model import build_tiny_model
+from verl_async.schema import TinyModelConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,7 +38,7 @@ def tiny_model(tmp_path_factory) -> Path:
 def run_cli(args: list[str], timeout: float, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "verl_async.cli", *args],
+        [sys.executable, "-m", "verl_async.launch.cli", *args],
         cwd=cwd,
         env=env,
         capture_output=True,

@@ -32,7 +32,7 @@ from learners.setup import fsdp2, leave_job
 from learners.update import logits_of, policy_update
 from verl_async import protocol as P
 from verl_async.algos import token_logprobs
-from verl_async.config import AlgoConfig
+from verl_async.schema import AlgoConfig
 
 CASES = {
     "token-mean": {},

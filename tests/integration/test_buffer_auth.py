@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import zmq
 
+from benchmarks.tiny_reward_model import build_tiny_reward_model
 from verl_async import protocol as P
 from verl_async.auth import CurveKeys, load_client_keys, make_keys
 from verl_async.config import load_config, to_yaml
 from verl_async.rewards.model_client import RewardModelClient, RewardModelUnavailable
 from verl_async.runtime import Endpoints, write_endpoints
-from verl_async.tiny_reward_model import build_tiny_reward_model
 from verl_async.transport import BufferClient, BufferUnavailable
 
 from .conftest import ROOT

@@ -46,7 +46,7 @@ def _launch(run_dir: Path, out: Path) -> subprocess.Popen:
     overrides = [f"trainer.total_steps={STEPS}", "checkpoint.every_steps=0"]
     with open(out, "w") as f:  # the child keeps its own copy of the descriptor
         return subprocess.Popen(
-            [sys.executable, "-m", "verl_async.cli", *args, *overrides],
+            [sys.executable, "-m", "verl_async.launch.cli", *args, *overrides],
             cwd=ROOT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
             stdout=f,

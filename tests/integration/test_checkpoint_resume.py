@@ -54,7 +54,7 @@ def _overrides(data: Path) -> list[str]:
 def _launch(args: list[str], env_extra: dict | None = None) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     return subprocess.Popen(
-        [sys.executable, "-m", "verl_async.cli", *args],
+        [sys.executable, "-m", "verl_async.launch.cli", *args],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,

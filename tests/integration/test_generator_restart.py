@@ -65,7 +65,7 @@ def test_a_killed_generator_is_restarted_and_the_run_trains_every_group_once(tmp
     ]
     with open(out, "w") as f:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "verl_async.cli", "train", "configs/tiny.yaml",
+            [sys.executable, "-m", "verl_async.launch.cli", "train", "configs/tiny.yaml",
              "--run-dir", str(run_dir), *overrides],
             cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
             stdout=f, stderr=subprocess.STDOUT,

@@ -49,7 +49,7 @@ def _launch(run_dir: Path, out: Path) -> subprocess.Popen:
     ]
     with open(out, "w") as f:  # the child keeps its own copy of the descriptor
         return subprocess.Popen(
-            [sys.executable, "-m", "verl_async.cli", *args, *overrides],
+            [sys.executable, "-m", "verl_async.launch.cli", *args, *overrides],
             cwd=ROOT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
             stdout=f,

@@ -17,9 +17,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-from verl_async import ray_launcher
 from verl_async.config import load_config
-from verl_async.launcher import RolePlan
+from verl_async.launch import ray_roles
+from verl_async.launch.plan import RolePlan
 
 from .conftest import processes_mentioning, run_cli
 
@@ -79,10 +79,10 @@ def test_a_role_over_two_gpus_sees_both_of_its_bundles_gpus(tmp_path, monkeypatc
         RolePlan("pair", "x", {}, devices=["cuda:0", "cuda:1"], argv=show),
         RolePlan("single", "x", {}, devices=["cuda:2"], argv=show),
     ]
-    monkeypatch.setattr(ray_launcher, "plan_roles", lambda cfg, run_dir: plans)
+    monkeypatch.setattr(ray_roles, "plan_roles", lambda cfg, run_dir: plans)
     (tmp_path / "logs").mkdir()
     console = Console(file=io.StringIO(), width=200)
-    with ray_launcher.ray_roles(load_config(None, ["launcher=ray"]), tmp_path, console) as roles:
+    with ray_roles.ray_roles(load_config(None, ["launcher=ray"]), tmp_path, console) as roles:
         assert [role.proc.wait(timeout=60) for role in roles] == [0, 0]
     out = console.file.getvalue()
     assert "local instance (3 CPU, 3 GPU;" in out  # a CPU per bundle

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import zmq
 
+from benchmarks.tiny_reward_model import build_tiny_reward_model
 from reward_model.scoring import load_reward_model, score_conversations
 from verl_async import protocol as P
 from verl_async.config import load_config, to_yaml
@@ -20,7 +21,6 @@ from verl_async.rewards.model_client import (
     RewardModelUnavailable,
 )
 from verl_async.runtime import Endpoints, write_endpoints
-from verl_async.tiny_reward_model import build_tiny_reward_model
 
 from .conftest import ROOT
 

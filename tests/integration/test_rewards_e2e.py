@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from verl_async.tiny_reward_model import build_tiny_reward_model
+from benchmarks.tiny_reward_model import build_tiny_reward_model
 
 from .conftest import ROOT, cmdline, processes_mentioning, run_cli
 
@@ -110,7 +110,7 @@ def test_a_dead_reward_model_is_restarted_and_the_run_goes_on(tmp_path, reward_m
         [
             sys.executable,
             "-m",
-            "verl_async.cli",
+            "verl_async.launch.cli",
             "train",
             "configs/tiny.yaml",
             "--run-dir",

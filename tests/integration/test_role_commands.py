@@ -16,7 +16,7 @@ STEPS = 12
 def start(args: list[str], log: Path) -> subprocess.Popen:
     with open(log, "wb") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "verl_async.cli", *args],
+            [sys.executable, "-m", "verl_async.launch.cli", *args],
             cwd=ROOT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
             stdout=out,

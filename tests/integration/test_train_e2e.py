@@ -99,7 +99,7 @@ def test_a_generator_dying_past_its_restarts_stops_the_run_with_its_name(tmp_pat
         [
             sys.executable,
             "-m",
-            "verl_async.cli",
+            "verl_async.launch.cli",
             "train",
             "configs/tiny.yaml",
             "--run-dir",
@@ -149,7 +149,7 @@ def test_a_killed_launcher_leaves_no_engine_process_behind(tmp_path):
     generator shuts its vLLM engine down, whose engine-core and worker processes (named
     ``VLLM::...``, so nothing else finds them) would otherwise live on under init."""
     run_dir = tmp_path / "killed"
-    argv = [sys.executable, "-m", "verl_async.cli", "train", "configs/tiny.yaml",
+    argv = [sys.executable, "-m", "verl_async.launch.cli", "train", "configs/tiny.yaml",
             "--run-dir", str(run_dir), "trainer.total_steps=100000",
             "generators.engine=vllm"]  # fmt: skip
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -17,8 +17,8 @@ from verl_async.checkpoint import (
     take_spare,
     verify,
 )
+from verl_async.launch.run_dir import truncate_steps
 from verl_async.metrics import read_metrics
-from verl_async.run_dir import truncate_steps
 
 
 def _write(run_dir, step, payload=b"weights"):

@@ -15,11 +15,14 @@ import pytest
 from rich.console import Console
 
 from buffer.ledger import TokenRate
-from verl_async import cli, launcher
+from verl_async import placement
 from verl_async.checkpoint import commit, step_dir
 from verl_async.config import load_config, to_yaml
-from verl_async.launcher import Role, RoleFailed, watch
-from verl_async.progress import ProgressReport, snapshot
+from verl_async.launch import cli, local, train
+from verl_async.launch.plan import Role
+from verl_async.launch.progress import ProgressReport, snapshot
+from verl_async.launch.run_dir import RoleFailed
+from verl_async.launch.train import watch
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
@@ -127,7 +130,7 @@ def test_a_role_failure_prints_verbatim_with_brackets_and_long_paths(
     def fail(*args, **kwargs):
         raise RoleFailed(message)
 
-    monkeypatch.setattr(launcher, "train", fail)
+    monkeypatch.setattr(train, "train", fail)
     assert cli._train(load_config(None), None, resume=False) == 1
     assert capsys.readouterr().err == f"verl-async: {message}\n"
 
@@ -179,7 +182,7 @@ def _stopped_run(run_dir: Path, cfg) -> None:
 
 
 def test_checkpoint_resume_starts_over_a_run_stopped_before_its_first_checkpoint(tmp_path):
-    from verl_async.run_dir import open_run_dir
+    from verl_async.launch.run_dir import open_run_dir
 
     cfg = load_config(None, ["checkpoint.resume=true"])
     run_dir = tmp_path / "run"
@@ -194,7 +197,7 @@ def test_checkpoint_resume_starts_over_a_run_stopped_before_its_first_checkpoint
 
 
 def test_checkpoint_resume_resumes_when_a_checkpoint_exists(tmp_path):
-    from verl_async.run_dir import open_run_dir
+    from verl_async.launch.run_dir import open_run_dir
 
     cfg = load_config(None, ["checkpoint.resume=true"])
     run_dir = tmp_path / "run"
@@ -226,9 +229,7 @@ def captured_train(monkeypatch):
 def test_resume_reads_the_run_dirs_config_and_applies_overrides(
     tmp_path, repo_root, captured_train
 ):
-    cfg = launcher.placement.resolve_count(
-        load_config(repo_root / "configs/tiny.yaml", ["learner.lr=1e-4"])
-    )
+    cfg = placement.resolve_count(load_config(repo_root / "configs/tiny.yaml", ["learner.lr=1e-4"]))
     (tmp_path / "config.yaml").write_text(to_yaml(cfg))
     assert cli.main(["train", "--resume", str(tmp_path)]) == 0
     assert captured_train[-1] == (cfg, str(tmp_path), True)
@@ -259,12 +260,12 @@ def test_the_resume_hint_names_no_placeholder(tmp_path, repo_root, monkeypatch):
     def interrupted(*args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(launcher, "prepare", lambda *args, **kwargs: None)
-    monkeypatch.setattr(launcher, "start_roles", lambda cfg, run_dir: [])
-    monkeypatch.setattr(launcher, "watch", interrupted)
+    monkeypatch.setattr(train, "prepare", lambda *args, **kwargs: None)
+    monkeypatch.setattr(local, "start_roles", lambda cfg, run_dir: [])
+    monkeypatch.setattr(train, "watch", interrupted)
     console = _plain_console()
     with pytest.raises(KeyboardInterrupt):
-        launcher.train(cfg, str(run_dir), console, resume=True)
+        train.train(cfg, str(run_dir), console, resume=True)
     assert f"resume with: verl-async train --resume {run_dir}\n" in console.file.getvalue()
 
 
@@ -317,8 +318,8 @@ def run_with_checkpoint(tmp_path_factory) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from verl_async.config import TinyModelConfig
-    from verl_async.tiny_model import build_tiny_model
+    from verl_async.launch.tiny_model import build_tiny_model
+    from verl_async.schema import TinyModelConfig
 
     run_dir = tmp_path_factory.mktemp("run")
     model = build_tiny_model(run_dir / "model", TinyModelConfig())
@@ -358,7 +359,7 @@ def test_plain_progress_prints_every_due_step_even_when_several_land_between_pol
 
     from rich.console import Console
 
-    from verl_async.progress import ProgressReport
+    from verl_async.launch.progress import ProgressReport
 
     out = io.StringIO()
     report = ProgressReport(Console(file=out, force_terminal=False, width=200), 4, log_every=2)
@@ -392,14 +393,14 @@ def test_a_role_is_restarted_on_a_nonzero_exit_up_to_its_limit_and_never_after_e
         "generator1", _Exited(-9), tmp_path / "g.log", lambda: starts.append(1) or _Exited(-9), 0, 2
     )
     first = role.proc
-    assert launcher.restarted(role, -9, console) and launcher.restarted(role, -9, console)
+    assert train.restarted(role, -9, console) and train.restarted(role, -9, console)
     assert first.signals == [9]  # what the dead one left behind is killed
-    assert not launcher.restarted(role, -9, console)  # past generators.max_restarts
+    assert not train.restarted(role, -9, console)  # past generators.max_restarts
     assert (len(starts), role.restarts) == (2, 2)
     done = Role("generator0", _Exited(0), tmp_path / "g0.log", lambda: _Exited(0), 0, 3)
-    assert not launcher.restarted(done, 0, console)  # told to stop: not a death
+    assert not train.restarted(done, 0, console)  # told to stop: not a death
     fixed = Role("learner", _Exited(1), tmp_path / "l.log", None, 0, 0)
-    assert not launcher.restarted(fixed, 1, console)
+    assert not train.restarted(fixed, 1, console)
     out = console.file.getvalue()
     assert "the generator1 process exited with code -9; restarting it (2/2)" in out
 
@@ -422,9 +423,9 @@ def test_a_generator_told_to_stop_before_the_learner_exits_is_not_a_failure(tmp_
     console = Console(file=io.StringIO(), width=200)
     cfg = load_config(None, [])
     generator = Role("generator0", _Exited(0), tmp_path / "g.log")
-    launcher.watch([generator, Role("learner", _ExitsAfter(6, 0), tmp_path / "l.log")], cfg,
+    train.watch([generator, Role("learner", _ExitsAfter(6, 0), tmp_path / "l.log")], cfg,
                    tmp_path, console)  # fmt: skip
     buffer = Role("buffer", _Exited(0), tmp_path / "b.log")
     with pytest.raises(RoleFailed, match="the buffer process exited with code 0 before the run"):
-        launcher.watch([buffer, Role("learner", _ExitsAfter(6, 0), tmp_path / "l.log")], cfg,
+        train.watch([buffer, Role("learner", _ExitsAfter(6, 0), tmp_path / "l.log")], cfg,
                        tmp_path, console)  # fmt: skip

@@ -145,7 +145,7 @@ def test_reward_sources_are_a_tagged_union(tmp_path):
     ],
 )
 def test_learner_model_directories_are_checked_before_the_run(overrides, key):
-    from verl_async.launcher import resolve_learner_models
+    from verl_async.launch.prepare import resolve_learner_models
 
     with pytest.raises(ConfigError, match=key):
         resolve_learner_models(load_config(None, overrides))

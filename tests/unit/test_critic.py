@@ -11,8 +11,8 @@ from learners.critic import (
     reference_logprobs,
 )
 from learners.update import policy_update, prox_pass
-from verl_async.config import AlgoConfig, KLConfig, RunConfig, TinyModelConfig
-from verl_async.tiny_model import build_tiny_model
+from verl_async.launch.tiny_model import build_tiny_model
+from verl_async.schema import AlgoConfig, KLConfig, RunConfig, TinyModelConfig
 
 from .test_policy_update import _batch
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from learners.advantages import estimate, kl_controller, token_level_scores
-from verl_async.config import AlgoConfig, KLConfig
+from verl_async.schema import AlgoConfig, KLConfig
 
 # Two groups of two samples in the targets' layout: a prompt (mask 0), a response (mask 1)
 # of 3 or 2 tokens, then padding (mask 0).

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from verl_async import launcher, placement, runtime
+from verl_async import placement, runtime
 from verl_async.config import ConfigError, load_config, to_yaml
+from verl_async.launch import local, plan
 
 SHARED = "(a pinned core or a GPU serves one process; only 'cpu' may be shared)"
 
@@ -324,7 +325,7 @@ def test_a_rank_really_pins_itself_to_its_core():
 
 def test_learner_command_for_two_ranks(monkeypatch, tmp_path):
     cfg = load_config(None, ["placement.generators=[cpu]", "placement.learners=[cpu:0, cpu:1]"])
-    argv, env = launcher.learner_launch(cfg, tmp_path)
+    argv, env = plan.learner_launch(cfg, tmp_path)
     assert argv == [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
         "--nproc-per-node", "2", "-m", "learners", "--run-dir", str(tmp_path),
@@ -344,10 +345,10 @@ def test_learner_command_for_two_ranks(monkeypatch, tmp_path):
 
 
 def test_learner_command_for_cuda_ranks_and_for_one_rank(tmp_path):
-    argv, env = launcher.learner_launch(load_config(None, GPU_NODE), tmp_path)
+    argv, env = plan.learner_launch(load_config(None, GPU_NODE), tmp_path)
     assert argv[argv.index("--nproc-per-node") + 1] == "4"
     assert env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
-    argv, env = launcher.learner_launch(load_config(None, []), tmp_path)  # learners: [cpu:1]
+    argv, env = plan.learner_launch(load_config(None, []), tmp_path)  # learners: [cpu:1]
     assert argv == [sys.executable, "-m", "learners", "--run-dir", str(tmp_path)]
     assert env == runtime.device_env("cpu:1")
 
@@ -359,7 +360,7 @@ def test_start_roles_starts_one_generator_per_group(monkeypatch, tmp_path):
         started.append((name, module, env, list(extra), argv))
         return name
 
-    monkeypatch.setattr(launcher, "spawn", fake_spawn)
+    monkeypatch.setattr(local, "spawn", fake_spawn)
     cfg = load_config(
         None,
         [
@@ -369,7 +370,7 @@ def test_start_roles_starts_one_generator_per_group(monkeypatch, tmp_path):
             "rewards.sources=[{name: rm, kind: model, path: /m}]",
         ],
     )
-    assert launcher.start_roles(cfg, Path(tmp_path)) == [
+    assert local.start_roles(cfg, Path(tmp_path)) == [
         "buffer", "reward_model_rm", "learner", "generator0", "generator1",
     ]  # fmt: skip
     by_name = {name: (module, env, extra, argv) for name, module, env, extra, argv in started}

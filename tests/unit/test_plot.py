@@ -10,7 +10,7 @@ import pytest
 from matplotlib.image import imread
 
 from verl_async import cli
-from verl_async.plot import (
+from verl_async.launch.plot import (
     PlotError,
     load_runs,
     output_dir,

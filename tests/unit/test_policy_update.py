@@ -11,8 +11,8 @@ from learners.batching import collate
 from learners.update import logits_of, policy_update, prox_pass
 from verl_async import protocol as P
 from verl_async.algos import policy_loss, token_logprobs
-from verl_async.config import AlgoConfig, KLConfig, TinyModelConfig
-from verl_async.tiny_model import build_tiny_model
+from verl_async.launch.tiny_model import build_tiny_model
+from verl_async.schema import AlgoConfig, KLConfig, TinyModelConfig
 
 
 def _batch():

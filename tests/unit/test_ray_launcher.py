@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from verl_async import cli, ray_launcher
 from verl_async.config import ConfigError, load_config
-from verl_async.launcher import plan_roles
-from verl_async.ray_launcher import bundles, local_resources, node_pins, pinned
+from verl_async.launch import cli, ray_roles
+from verl_async.launch.plan import plan_roles
+from verl_async.launch.ray_roles import bundles, local_resources, node_pins, pinned
 
 CPU, GPU = {"CPU": 1.0}, {"GPU": 1.0, "CPU": 1.0}
 GPU_NODE = [
@@ -119,4 +119,4 @@ def test_without_ray_train_stops_before_anything_starts(monkeypatch, tmp_path, c
 def test_an_old_ray_is_refused(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "2.8.1")
     with pytest.raises(ConfigError, match=r"needs Ray >= 2\.9, which is 2\.8\.1"):
-        ray_launcher.check_installed()
+        ray_roles.check_installed()

@@ -4,6 +4,7 @@ import time
 
 import pytest
 
+from benchmarks.tiny_reward_model import build_tiny_reward_model
 from reward_model.scoring import (
     encode,
     forward,
@@ -11,7 +12,6 @@ from reward_model.scoring import (
     render,
     score_conversations,
 )
-from verl_async.tiny_reward_model import build_tiny_reward_model
 
 
 @pytest.fixture(scope="module")

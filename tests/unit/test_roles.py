@@ -4,10 +4,11 @@ import msgspec
 import pytest
 
 from verl_async import protocol as P
-from verl_async.config import RunConfig, TinyModelConfig, to_yaml
-from verl_async.roles import JoinFailed, join_run
+from verl_async.config import to_yaml
+from verl_async.launch.role_commands import JoinFailed, join_run
+from verl_async.launch.tiny_model import build_tiny_model
 from verl_async.runtime import Endpoints
-from verl_async.tiny_model import build_tiny_model
+from verl_async.schema import RunConfig, TinyModelConfig
 
 
 def info(tmp_path, cfg: RunConfig, model_path: str, resume_from: str = "") -> P.RunInfo:
@@ -70,7 +71,7 @@ def test_joining_twice_rewrites_nothing(tmp_path):
 
 
 def test_a_cached_tiny_model_is_the_same_bytes_as_a_fresh_build(tmp_path, monkeypatch):
-    from verl_async.tiny_model import cache_dir
+    from verl_async.launch.tiny_model import cache_dir
 
     monkeypatch.setenv("VERL_ASYNC_CACHE", str(tmp_path / "cache"))
     first = build_tiny_model(tmp_path / "a", TinyModelConfig())  # built, then stored

@@ -2,7 +2,8 @@
 
 import json
 
-from verl_async.startup import FILE, breakdown, format_breakdown, mark, read_marks
+from verl_async.launch.startup import FILE, breakdown, format_breakdown, read_marks
+from verl_async.runtime import mark
 
 
 def test_marks_append_and_the_breakdown_orders_them(tmp_path):

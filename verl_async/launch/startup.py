@@ -1,21 +1,20 @@
-"""Where start-up time goes: each role marks its milestones, the launcher prints them.
+"""Where start-up time goes: each role marks its milestones (``runtime.mark``), the
+launcher prints them.
 
 A user times the whole command, and before the first step every role imports its
-libraries, loads a model, and waits for the others. ``mark(run_dir, role, event)``
-appends ``{"role", "event", "t"}`` (wall-clock seconds) to ``<run_dir>/startup.jsonl``.
-One short ``O_APPEND`` write per line, so processes never interleave within a line. When
-the first step is logged, ``breakdown`` turns the lines into one table. Every time in it
+libraries, loads a model, and waits for the others. Each role's ``mark(run_dir, role,
+event)`` appends ``{"role", "event", "t"}`` (wall-clock seconds) to
+``<run_dir>/startup.jsonl``. When the first step is logged, ``breakdown`` turns the lines
+into one table. Every time in it
 counts from the command's start.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import time
 from pathlib import Path
 
-FILE = "startup.jsonl"
+from verl_async.runtime import STARTUP_FILE as FILE
 
 # The order the milestones are shown in (roles may mark others; they follow these).
 ORDER = (
@@ -30,19 +29,6 @@ ORDER = (
     ("learner", "first batch"),
     ("learner", "first step"),
 )
-
-
-def mark(run_dir: str | Path, role: str, event: str) -> None:
-    """Record that ``role`` reached ``event`` now (best effort: never fails the role)."""
-    line = json.dumps({"role": role, "event": event, "t": time.time()}) + "\n"
-    try:
-        fd = os.open(Path(run_dir) / FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, line.encode())
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
 
 
 def read_marks(run_dir: str | Path) -> list[dict]:

@@ -24,7 +24,7 @@ import argparse
 import signal
 import sys
 
-# Models ``verl-async model`` can build (see verl_async/models.py).
+# Models ``verl-async model`` can build (see verl_async/launch/models.py).
 MODELS = ("smollm2-135m",)
 
 
@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument(
         "--window", type=int, default=10, help="trailing-mean window in steps (1: none)"
     )
-    from verl_async.roles import add_parsers
+    from verl_async.launch.role_commands import add_parsers
 
     add_parsers(sub)  # buffer, generator, learner: one role per command
     return parser
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _join(args) -> int:
-    from verl_async.roles import run_join
+    from verl_async.launch.role_commands import run_join
 
     return run_join(args)
 
@@ -216,12 +216,13 @@ def print_error(console, message: str, style: str | None = None) -> None:
 
 def _train(cfg, run_dir: str | None, resume: bool, command: str = "train") -> int:
     """``train`` (every role, watched until the run ends) or ``buffer`` (this process
-    becomes the buffer; see verl_async/roles.py)."""
+    becomes the buffer; see verl_async/launch/role_commands.py)."""
     from rich.console import Console
 
     from verl_async.config import ConfigError
-    from verl_async.launcher import RoleFailed, train
-    from verl_async.roles import buffer_command
+    from verl_async.launch.role_commands import buffer_command
+    from verl_async.launch.run_dir import RoleFailed
+    from verl_async.launch.train import train
 
     console = Console(stderr=True)
     _interrupt_on_signals()
@@ -277,7 +278,7 @@ def _ckpt(args) -> int:
 
 def _export(args) -> int:
     from verl_async.checkpoint import CheckpointError
-    from verl_async.export import export
+    from verl_async.launch.export import export
 
     try:
         ckpt, out = export(args.run_dir, args.out_dir, args.step, force=args.force)
@@ -289,7 +290,7 @@ def _export(args) -> int:
 
 
 def _model(args) -> int:
-    from verl_async.models import MissingExtraError, build_smollm2
+    from verl_async.launch.models import MissingExtraError, build_smollm2
 
     try:
         out = build_smollm2(args.out_dir)
@@ -321,7 +322,7 @@ def _keys(args) -> int:
 def _plot(args) -> int:
     from pathlib import Path
 
-    from verl_async.plot import PlotError, plot_runs
+    from verl_async.launch.plot import PlotError, plot_runs
 
     if args.window < 1:
         print("verl-async: --window must be at least 1", file=sys.stderr)

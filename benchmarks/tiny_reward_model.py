@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from verl_async.launch.tiny_model import build_tokenizer
 from verl_async.tasks.max_digit import VOCAB
-from verl_async.tiny_model import build_tokenizer
 
 _MARKER = "verl_async_tiny_rm.json"
 # Message contents joined by spaces after <bos>: every word of it is in VOCAB.

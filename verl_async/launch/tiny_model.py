@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from verl_async.config import TinyModelConfig
+from verl_async.schema import TinyModelConfig
 from verl_async.tasks.max_digit import VOCAB
 
 _MARKER = "verl_async_tiny.json"

@@ -19,8 +19,9 @@ import msgspec
 from rich.markup import escape
 
 from verl_async.checkpoint import MANIFEST, list_checkpoints, newest_valid, spare_dir
-from verl_async.config import ConfigError, DataConfig, RunConfig, load_config
+from verl_async.config import ConfigError, load_config
 from verl_async.metrics import complete_lines
+from verl_async.schema import DataConfig, RunConfig
 
 
 class RoleFailed(RuntimeError):

@@ -77,9 +77,10 @@ def buffer_command(cfg, run_dir_arg: str | None, resume: bool, console) -> None:
     from rich.markup import escape
 
     from verl_async import placement
-    from verl_async.launcher import check_data, prepare, role_argv
+    from verl_async.launch.plan import role_argv
+    from verl_async.launch.prepare import check_data, prepare
+    from verl_async.launch.run_dir import RoleFailed, open_run_dir
     from verl_async.reward_config import ModelReward
-    from verl_async.run_dir import RoleFailed, open_run_dir
 
     if any(isinstance(s, ModelReward) for s in cfg.rewards.sources):
         raise RoleFailed(
@@ -160,7 +161,7 @@ def join_run(
                 f"model.path '{model}' is not a model directory on this machine; every "
                 "machine needs the model at the same path (a shared filesystem, or a copy)"
             )
-        from verl_async.tiny_model import build_tiny_model
+        from verl_async.launch.tiny_model import build_tiny_model
 
         model = build_tiny_model(run_dir / "model", cfg.model.tiny)
     if endpoints.resume_from and not Path(endpoints.resume_from).is_dir():
@@ -186,7 +187,7 @@ def _write_if_changed(path: Path, text: str) -> None:
 def generator_command(args) -> None:
     """Join as generator group ``args.index``, placed on its devices; become its process."""
     from verl_async import placement
-    from verl_async.launcher import role_argv
+    from verl_async.launch.plan import role_argv
     from verl_async.runtime import device_env
 
     run_dir, cfg = join_run(fetch_run(args), args.run_dir, args.keys_dir, args.client_key)
@@ -205,7 +206,7 @@ def learner_command(args) -> None:
     ``placement.learners`` lists several devices. Started by torchrun (WORLD_SIZE set):
     this rank of that job, which must have one rank per ``placement.learners`` entry."""
     from verl_async import placement
-    from verl_async.launcher import learner_launch, role_argv
+    from verl_async.launch.plan import learner_launch, role_argv
     from verl_async.runtime import device_env, ranks_env
 
     run_dir, cfg = join_run(fetch_run(args), args.run_dir, args.keys_dir, args.client_key)

@@ -5,7 +5,7 @@ Placement follows verl's: every role gets a placement group with one bundle per 
 owns no device, one CPU), packed on one node (STRICT_PACK): a generator's tensor-parallel
 group and the learner's ranks each run on a single node. One actor per role, in the
 group's first bundle (an actor fits in one bundle), starts the role's usual command line
-(``launcher.plan_roles``) as a subprocess in a session of its own, with its output in
+(``plan.plan_roles``) as a subprocess in a session of its own, with its output in
 ``<run_dir>/logs/<role>.log``; on a GPU node the role sees the GPUs Ray reserved for all
 of its group's bundles. The launcher watches and stops the roles through ``RayProcess``,
 the same way it handles local processes.
@@ -42,8 +42,10 @@ from typing import Any
 from rich.markup import escape
 
 from verl_async import placement
-from verl_async.config import ConfigError, RunConfig
-from verl_async.launcher import Role, RoleFailed, RolePlan, plan_roles, stop_roles
+from verl_async.config import ConfigError
+from verl_async.launch.plan import Role, RolePlan, plan_roles, stop_roles
+from verl_async.launch.run_dir import RoleFailed
+from verl_async.schema import RunConfig
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 RAY_MIN = (2, 9)
@@ -172,7 +174,7 @@ class RoleActor:
 
 
 class RayProcess:
-    """A role's process inside its actor, seen as ``launcher.RoleProcess``. Every call is
+    """A role's process inside its actor, seen as ``plan.RoleProcess``. Every call is
     bounded by ``timeout_s``; an actor that is gone or does not answer reads as the role
     having exited with code ``LOST`` (and a line in the role's log says why)."""
 

@@ -1,0 +1,109 @@
+"""What a run needs on disk before its roles start: paths made absolute and checked, the
+prompt files read once, the tiny model built when no ``model.path`` is given, and the
+resolved ``config.yaml`` and ``endpoints.json`` written into the run directory (every role
+reads both, so no config field is filled in after validation).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+
+from verl_async import placement
+from verl_async.config import ConfigError, to_yaml
+from verl_async.launch.run_dir import RoleFailed, resolve_data_paths
+from verl_async.reward_config import ModelReward
+from verl_async.runtime import Endpoints, free_port, write_endpoints
+from verl_async.schema import RunConfig
+
+
+def model_dir(key: str, value: str) -> str:
+    """``value`` (the config key ``key``) as an absolute path to a Hugging Face model
+    directory; a ``ConfigError`` naming the key if it holds no config.json."""
+    path = Path(value).resolve()
+    if not (path / "config.json").is_file():
+        raise ConfigError(
+            f"bad value for '{key}': '{path}' is not a Hugging Face model directory "
+            "(no config.json)"
+        )
+    return str(path)
+
+
+def resolve_reward_models(cfg: RunConfig) -> RunConfig:
+    """Reward-model directories made absolute, each checked to be a model directory."""
+    sources = []
+    for i, src in enumerate(cfg.rewards.sources):
+        if isinstance(src, ModelReward):
+            src = msgspec.structs.replace(
+                src, path=model_dir(f"rewards.sources.{i}.path", src.path)
+            )
+        sources.append(src)
+    return msgspec.structs.replace(
+        cfg, rewards=msgspec.structs.replace(cfg.rewards, sources=sources)
+    )
+
+
+def resolve_learner_models(cfg: RunConfig) -> RunConfig:
+    """``critic.path`` and ``algo.kl.ref_path`` made absolute, each checked (when set and
+    used) to be a model directory."""
+    resolve = lambda key, value: model_dir(key, value) if value else value  # noqa: E731
+    algo, critic = cfg.algo, cfg.critic
+    if algo.adv_estimator == "gae":
+        critic = msgspec.structs.replace(critic, path=resolve("critic.path", critic.path))
+    if algo.uses_reference:
+        kl = msgspec.structs.replace(
+            algo.kl, ref_path=resolve("algo.kl.ref_path", algo.kl.ref_path)
+        )
+        algo = msgspec.structs.replace(algo, kl=kl)
+    return msgspec.structs.replace(cfg, algo=algo, critic=critic)
+
+
+def check_data(cfg: RunConfig) -> None:
+    """Read the prompt files: a missing, empty or malformed file (or a missing column) is a
+    ``ConfigError`` naming the key, the file and the line."""
+    from verl_async.data import load_prompts
+
+    data = resolve_data_paths(cfg.data)
+    load_prompts(data.path)
+    if data.val_path:
+        load_prompts(data.val_path, "data.val_path")
+
+
+def prepare(
+    cfg: RunConfig, run_dir: Path, resume_from: Path | None = None, data_checked: bool = False
+) -> Endpoints:
+    """Resolve paths, check the data (unless ``data_checked``), build the tiny model if
+    asked, write config.yaml and endpoints.json."""
+    cfg = msgspec.structs.replace(cfg, data=resolve_data_paths(cfg.data))
+    cfg = resolve_reward_models(cfg)
+    cfg = resolve_learner_models(cfg)
+    cfg = placement.resolve_count(cfg)
+    if not data_checked:
+        check_data(cfg)
+    if cfg.model.path:
+        model_path = Path(cfg.model.path).resolve()
+        if not (model_path / "config.json").is_file():
+            raise RoleFailed(
+                f"model.path '{model_path}' is not a Hugging Face model directory (no config.json)"
+            )
+    else:
+        from verl_async.launch.tiny_model import build_tiny_model
+
+        model_path = build_tiny_model(run_dir / "model", cfg.model.tiny)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    host = cfg.buffer.host
+    endpoints = Endpoints(
+        buffer=f"tcp://{host}:{cfg.buffer.port or free_port(host)}",
+        weights_host=cfg.weights.host or host,
+        weights_port=cfg.weights.port or free_port(cfg.weights.host or host),
+        model_path=str(model_path),
+        resume_from=str(resume_from or ""),
+        reward_models={
+            src.name: f"tcp://{host}:{free_port(host)}"
+            for src in cfg.rewards.sources
+            if isinstance(src, ModelReward)
+        },
+    )
+    write_endpoints(run_dir, endpoints)
+    return endpoints

@@ -1,0 +1,146 @@
+"""``verl-async train``: prepare the run directory, start the roles, watch them, stop them.
+
+The roles are started by ``launcher: local`` (``local.py``) or ``launcher: ray``
+(``ray_roles.py``) from the same plan (``plan.py``); a role that exits non-zero stops the
+run with a message naming it, and nothing is left running. On the way out the learner is
+stopped first, so that a checkpoint write in progress is finished.
+
+Resume (``--resume RUN_DIR`` or ``checkpoint.resume=true``): the newest checkpoint that
+verifies is chosen (each one skipped is reported with why); newer checkpoint directories
+are set aside (uncommitted ones deleted, damaged ones renamed ``damaged_step_*``);
+``metrics.jsonl`` and ``trained.jsonl`` lose the lines of steps after the checkpoint,
+which will be trained again; and buffer and learner restore from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from rich.markup import escape
+
+from verl_async import placement
+from verl_async.checkpoint import MANIFEST, list_checkpoints
+from verl_async.launch.local import local_roles
+from verl_async.launch.plan import Role, stop_roles
+from verl_async.launch.prepare import check_data, prepare
+from verl_async.launch.progress import ProgressReport, summarize
+from verl_async.launch.run_dir import RoleFailed, open_run_dir
+from verl_async.launch.startup import report_start_up
+from verl_async.metrics import read_metrics
+from verl_async.runtime import mark
+from verl_async.schema import RunConfig
+
+
+def launch(cfg: RunConfig, run_dir: Path, console) -> contextlib.AbstractContextManager:
+    """The started roles of ``cfg.launcher`` (a context that stops them when left)."""
+    if cfg.launcher == "ray":
+        from verl_async.launch.ray_roles import ray_roles
+
+        return ray_roles(cfg, run_dir, console)
+    return local_roles(cfg, run_dir)
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def watch(
+    roles: list[Role], cfg: RunConfig, run_dir: Path, console, t0: float | None = None
+) -> None:
+    """Show progress (and, at the first step, where start-up time went since ``t0``) until
+    the learner finishes; raise RoleFailed if any role dies first.
+
+    A generator exits with code 0 only when the buffer told it to stop, which it does
+    once the learner has sent Shutdown (its last act before exiting): a generator may
+    therefore be done a moment before the learner's processes are."""
+    learner = next(r for r in roles if r.name == "learner")
+    with ProgressReport(console, cfg.trainer.total_steps, cfg.trainer.log_every) as report:
+        while True:
+            for role in roles:
+                code = role.proc.poll()
+                if code is not None and restarted(role, code, console):
+                    continue
+                done = role is learner or role.name.startswith("generator")
+                if code is not None and (code != 0 or not done and learner.proc.poll() is None):
+                    raise RoleFailed(
+                        f"the {role.name} process exited with code {code} before the run finished; "
+                        f"last lines of {role.log_path}:\n{_tail(role.log_path)}"
+                    )
+            finished = learner.proc.poll() == 0  # before reading: its last row is then in
+            rows = read_metrics(run_dir / "metrics.jsonl")
+            if rows and t0 is not None:
+                t0 = report_start_up(run_dir, console, t0)  # once
+            report.update(rows)
+            if finished:
+                return
+            time.sleep(0.5)
+
+
+def restarted(role: Role, code: int, console) -> bool:
+    """Start a role again after it died, up to its ``max_restarts``: a reward model (its
+    clients' requests meanwhile time out and score the source's default) or a generator
+    (the buffer issues its groups again and the learner rebuilds the weight-sync group
+    with it). False for every other role, for an exit with code 0, or past the limit."""
+    if role.restart is None or code == 0 or role.restarts >= role.max_restarts:
+        return False
+    role.restarts += 1
+    console.print(
+        f"the {role.name} process exited with code {code}; restarting it "
+        f"({role.restarts}/{role.max_restarts}); see {role.log_path}",
+        style="yellow",
+        markup=False,
+        soft_wrap=True,
+    )
+    role.proc.signal_group(signal.SIGKILL)  # anything it left behind
+    role.proc = role.restart()
+    return True
+
+
+def wait_for_exit(roles: list[Role], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for role in roles:
+        if role.name == "buffer":
+            continue
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            role.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+
+
+def train(cfg: RunConfig, run_dir_arg: str | None, console, resume: bool = False) -> Path:
+    """Start (or with ``resume``, continue) the run in ``run_dir_arg``; return its directory."""
+    t0 = time.time()  # the start-up breakdown counts from here
+    if cfg.launcher == "ray":
+        from verl_async.launch.ray_roles import check_installed
+
+        check_installed()
+    if cfg.launcher == "local" or not cfg.ray.address:  # a cluster's devices: Ray places them
+        placement.check_devices_exist(cfg)  # before anything is written or started
+    check_data(cfg)
+    run_dir, ckpt = open_run_dir(cfg, run_dir_arg, console, resume)
+    console.print(f"run directory: [bold]{escape(str(run_dir))}[/]", soft_wrap=True)
+    prepare(cfg, run_dir, ckpt, data_checked=True)
+    with launch(cfg, run_dir, console) as roles:
+        mark(run_dir, "launcher", "roles started")
+        try:
+            watch(roles, cfg, run_dir, console, t0)
+            wait_for_exit(roles, timeout_s=30)  # generators see `stop` within a poll and exit
+        except KeyboardInterrupt:
+            console.print("[yellow]interrupted: finishing a checkpoint write in progress...[/]")
+            learner = [r for r in roles if r.name == "learner"]
+            stop_roles(learner, grace_s=cfg.checkpoint.write_timeout_s)
+            console.print("[yellow]stopping every process...[/]")
+            if any((d / MANIFEST).is_file() for d in list_checkpoints(run_dir)):
+                console.print(
+                    f"resume with: verl-async train --resume {run_dir}",
+                    markup=False,
+                    soft_wrap=True,
+                )
+            raise
+    summarize(run_dir, console)
+    return run_dir

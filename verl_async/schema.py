@@ -1,0 +1,358 @@
+"""The run configuration's schema: one typed section per part of the system, and
+``RunConfig`` holding them all.
+
+Every field has a type, bounds where they matter, and a docstring right under it (the
+config reference, docs/config.md, is generated from them). Loading a YAML file, applying
+``dotted.key=value`` overrides and the rules that span several sections live in
+``config.py``. No torch, no vLLM: ``verl-async --help`` stays instant.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from verl_async.config_base import (
+    Fraction,
+    NonNegInt,
+    Port,
+    PosFloat,
+    PosInt,
+    _Section,
+)
+from verl_async.reward_config import RewardsConfig
+
+
+class TinyModelConfig(_Section):
+    hidden_size: PosInt = 128
+    """Width of the tiny model built when ``model.path`` is empty."""
+    num_layers: PosInt = 2
+    """Decoder layers of the tiny model."""
+    num_heads: PosInt = 4
+    """Attention heads; hidden_size / num_heads must be >= 32 (vLLM CPU kernels)."""
+    num_kv_heads: PosInt = 2
+    """Key/value heads (grouped-query attention)."""
+    intermediate_size: PosInt = 256
+    """MLP width of the tiny model."""
+    seed: int = 0
+    """Seed of the random initialisation (same seed -> same weights)."""
+
+
+class ModelConfig(_Section):
+    path: str = ""
+    """Hugging Face model directory. Empty: build the tiny model into ``<run_dir>/model``."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights dtype in generators and learner (float32 on CPUs without AVX-512)."""
+    tiny: TinyModelConfig = msgspec.field(default_factory=TinyModelConfig)
+    """Shape of the locally built tiny model."""
+
+
+class DataConfig(_Section):
+    path: str = "configs/data/max_digit.jsonl"
+    """Training prompts, JSONL or Parquet, relative to the working directory. Either verl's
+    layout (``prompt``: list of chat messages, ``data_source``, ``reward_model.ground_truth``,
+    ``extra_info``) or the plain one (``prompt``: string, ``answer``). See docs/data.md."""
+    val_path: str = ""
+    """Validation prompts in the same layouts, scored by ``eval`` (empty: no evaluation)."""
+    shuffle_seed: int = 0
+    """Seed of the per-epoch prompt order (every epoch is a new permutation)."""
+    chat_template: bool = True
+    """Render prompts with the tokenizer's chat template (a plain string prompt becomes one
+    user message). False, or a tokenizer without a template: string prompts go in as they are."""
+    max_prompt_length: NonNegInt = 0
+    """Prompts longer than this many tokens (after the template) are skipped and counted in
+    the buffer's log and ``prompts_skipped``; 0 means generators.max_model_len - max_new_tokens."""
+
+
+class BufferConfig(_Section):
+    host: str = "127.0.0.1"
+    """Address the buffer, the reward models and (unless ``weights.host`` is set) the
+    weight-sync store bind: loopback by default; anything else requires ``keys_dir``."""
+    port: Port = 0
+    """Buffer port; 0 picks a free one."""
+    request_timeout_s: PosFloat = 60.0
+    """A client gives up on the buffer (and says so) after this long without a reply."""
+    lease_timeout_s: PosFloat = 300.0
+    """A prompt group not returned this long after it was issued goes to the next generator
+    that asks, and its holder's late rollout is dropped (work lost, logged): longer
+    than the slowest group takes to sample and score (raise it for long reasoning
+    responses), well below ``weights.join_timeout_s``, the learner's wait for one step."""
+    keys_dir: str = ""
+    """CurveZMQ key set made by ``verl-async keys DIR`` (relative to the working directory):
+    the buffer and reward models admit only its clients. Empty: no authentication."""
+    client_key: str = ""
+    """Which client of ``keys_dir`` (``clients/NAME``) this machine's processes are; empty:
+    the only one there."""
+
+
+class GeneratorConfig(_Section):
+    engine: Literal["vllm", "hf"] = "vllm"
+    """What samples: ``vllm`` (an AsyncLLM engine, continuous batching) or ``hf`` (the
+    model in the generator's own process, sampled with transformers in waves: no engine
+    processes to start, for models too small for vLLM's fixed costs; docs/engines.md)."""
+    count: PosInt | None = None
+    """Number of generator processes (one vLLM engine each). Empty: one per group of
+    ``placement.generators``; a number that disagrees with those groups is an error."""
+    group_size: PosInt = 8
+    """Samples per prompt (the GRPO / RLOO group; 1 suits gae and reinforce_plus_plus,
+    whose baselines are not per prompt)."""
+    max_new_tokens: PosInt = 6
+    """Generation length cap."""
+    temperature: PosFloat = 1.0
+    """Sampling temperature; the learner computes its log-probs at the same temperature."""
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    """Nucleus sampling (1.0: off). pi_behav is then the truncated distribution; the
+    off-policy correction absorbs the difference from the learner's."""
+    top_k: NonNegInt = 0
+    """Sample from the k most likely tokens (0: off)."""
+    stop: list[str] = []
+    """Stop strings (not included in the response); the tokenizer's EOS always stops."""
+    max_inflight_groups: PosInt = 8
+    """Prompt groups a generator keeps in its engine at once (continuous batching depth);
+    as many more, already sampled, may be waiting for their scores."""
+    kv_cache_mb: PosInt = 64
+    """KV-cache size per engine, MiB."""
+    max_model_len: PosInt = 64
+    """Longest prompt + response the engine accepts."""
+    gpu_memory_utilization: Fraction = 0.5
+    """Fraction of GPU memory vLLM may take (GPU only)."""
+    max_restarts: NonNegInt = 3
+    """Times the launcher starts a generator process again after it died (``launcher:
+    local``); the run stops at the next death. Its groups are issued again and the
+    weight-sync group is rebuilt with it (docs/faults.md)."""
+
+
+class LearnerConfig(_Section):
+    lr: PosFloat = 5e-4
+    """AdamW learning rate."""
+    weight_decay: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """AdamW weight decay."""
+    grad_clip: PosFloat = 1.0
+    """Max gradient norm."""
+    groups_per_step: PosInt = 8
+    """Prompt groups per learner step (B in the admission rule of verl_async/staleness.py)."""
+    prefetch: bool = True
+    """Fetch the next batch in a background thread while the current step trains (pinned
+    host memory on CUDA); false: fetch each batch when the step needs it."""
+    max_tokens_per_microbatch: NonNegInt = 0
+    """Gradient accumulation by token budget: each minibatch runs in micro-batches of at
+    most this many padded tokens (rows x width), one optimizer step per minibatch; 0: one
+    pass per minibatch."""
+    seed: int = 0
+    """Torch seed of the learner."""
+    warmup_steps: NonNegInt = 0
+    """Linear learning-rate warm-up over this many steps, then constant (0: constant from the start)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (less memory, ~30 % more compute)."""
+
+
+KLPenalty = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
+LossAggMode = Literal[
+    "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+]
+
+
+class KLConfig(_Section):
+    """KL between the policy and a frozen reference (docs/algorithms.md)."""
+
+    ref_path: str = ""
+    """Reference weights; empty: the initial policy (``model.path`` or the built tiny model)."""
+    in_reward: bool = False
+    """Subtract coef * KL from each response token's reward (verl's use_kl_in_reward)."""
+    penalty: KLPenalty = "kl"
+    """Estimator of the in-reward KL: kl/k1, abs, mse/k2, low_var_kl/k3."""
+    coef: Annotated[float, msgspec.Meta(ge=0)] = 0.001
+    """Initial in-reward KL coefficient."""
+    controller: Literal["fixed", "adaptive"] = "fixed"
+    """fixed: coef stays; adaptive: coef moves so the measured KL tracks ``target_kl``."""
+    target_kl: PosFloat = 0.1
+    """Adaptive controller's target KL per sequence."""
+    horizon: PosInt = 10000
+    """Adaptive controller's horizon in samples."""
+    loss_coef: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """Weight of a KL loss term in the actor loss (0: off; verl's kl_loss_coef)."""
+    loss_type: KLPenalty = "low_var_kl"
+    """Estimator of the KL loss term."""
+
+
+class AlgoConfig(_Section):
+    correction: Literal["none", "tis", "decoupled"] = "decoupled"
+    """Off-policy correction: none (pi/pi_behav), tis (truncated pi_prox/pi_behav), decoupled (AReaL)."""
+    clip_eps: Annotated[float, msgspec.Meta(gt=0, lt=1)] = 0.2
+    """PPO ratio clip epsilon: the ratio is clipped to [1 - clip_eps, 1 + clip_eps_high]."""
+    clip_eps_high: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    """Upper clip epsilon (DAPO's clip-higher); empty means equal to clip_eps."""
+    is_cap: Annotated[float, msgspec.Meta(ge=1)] = 2.0
+    """Cap of the behaviour importance weight pi_prox/pi_behav (tis: truncated; decoupled: masked above)."""
+    minibatches: PosInt = 2
+    """Optimizer steps per batch (the batch is split into this many minibatches)."""
+    normalize_adv_std: bool = True
+    """Divide advantages by a std: grpo by its group's (false gives Dr. GRPO); gae and
+    reinforce_plus_plus by the batch's, i.e. whiten them (false: centre over the batch
+    only). rloo has no division."""
+    adv_estimator: Literal["grpo", "gae", "rloo", "reinforce_plus_plus"] = "grpo"
+    """Advantage estimator (docs/algorithms.md): grpo (group-relative), gae (PPO with the
+    ``critic``), rloo (leave-one-out baseline), reinforce_plus_plus (discounted returns
+    whitened over the batch)."""
+    gamma: Fraction = 1.0
+    """Discount of gae and reinforce_plus_plus."""
+    lam: Fraction = 1.0
+    """GAE lambda."""
+    clip_ratio_c: Annotated[float, msgspec.Meta(gt=1)] | None = 3.0
+    """Dual-clip constant: for negative advantages the per-token loss is at most
+    -A * clip_ratio_c (as verl; empty turns dual-clip off)."""
+    loss_agg_mode: LossAggMode = "token-mean"
+    """How per-token losses become one number: token-mean, seq-mean-token-sum,
+    seq-mean-token-mean or seq-mean-token-sum-norm (docs/algorithms.md)."""
+    loss_scale_factor: PosFloat | None = None
+    """seq-mean-token-sum-norm's constant divisor; empty: generators.max_new_tokens (the
+    response horizon, as verl divides by its padded response length)."""
+    entropy_coeff: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """Entropy bonus: the actor loss subtracts entropy_coeff times the aggregated entropy."""
+    kl: KLConfig = msgspec.field(default_factory=KLConfig)
+    """KL to a frozen reference policy, in the reward and/or as a loss term."""
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.kl.in_reward or self.kl.loss_coef > 0
+
+
+class CriticConfig(_Section):
+    """The value model of ``algo.adv_estimator: gae``, trained in the learner process."""
+
+    path: str = ""
+    """Critic weights (a token-classification or causal-LM directory); empty: the
+    policy's initial weights with a fresh scalar head."""
+    lr: PosFloat = 1e-5
+    """Critic learning rate (AdamW)."""
+    weight_decay: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """Critic AdamW weight decay."""
+    grad_clip: PosFloat = 1.0
+    """Critic gradient-norm clip."""
+    cliprange_value: PosFloat = 0.5
+    """New values are clipped to old value +- this in the value loss (as verl)."""
+    warmup_steps: NonNegInt = 0
+    """The first N steps train only the critic; the actor's weights stay as they are."""
+
+
+class EvalConfig(_Section):
+    every_steps: NonNegInt = 0
+    """Score ``data.val_path`` with the current weights every N steps, before the first step
+    and after the last (0: never). Generators sample the eval prompts beside training work."""
+    samples: PosInt = 1
+    """Samples per eval prompt."""
+    temperature: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """Eval sampling temperature (0: greedy)."""
+    max_prompts: NonNegInt = 0
+    """Evaluate at most this many validation prompts, the first ones (0: all)."""
+    timeout_s: PosFloat = 600.0
+    """The learner waits at most this long for the final evaluation before it stops."""
+
+
+class StalenessConfig(_Section):
+    max: NonNegInt = 2
+    """eta: no sample older than this many versions ever enters a gradient step; 0 = synchronous."""
+
+
+class WeightsConfig(_Section):
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Weight-sync backend: auto = nccl with CUDA, gloo otherwise."""
+    mode: Literal["keep", "abort"] = "keep"
+    """In-flight requests at a swap. keep: pause with requests and their KV cache kept, swap,
+    resume (a prefix computed by the old weights is attended to by the new ones). abort: abort
+    them and resubmit prompt + tokens so far, so the new weights re-read the prefix (costs a
+    re-prefill). Either way every token carries the version that sampled it."""
+    bucket_mb: PosInt = 64
+    """Weights are broadcast in packed buckets of this size."""
+    overlap: bool = True
+    """Broadcast in a background thread while the next step trains (holds one packed copy
+    of the weights); false broadcasts bucket by bucket inside the step (one bucket)."""
+    timeout_s: PosFloat = 120.0
+    """No side waits longer than this for one weight update."""
+    join_timeout_s: PosFloat = 600.0
+    """How long the learner waits for every generator's engine to start and join the group."""
+    port: Port = 0
+    """TCPStore port of the weight-sync group; 0 picks a free one."""
+    host: str = ""
+    """Address learner rank 0 serves the weight-sync rendezvous on; every generator must
+    reach it (default: buffer.host). Set it, with ``port``, when the learner runs on another
+    machine than the buffer (``verl-async learner``)."""
+
+
+class PlacementConfig(_Section):
+    """Which devices each process gets (interpreted in verl_async/placement.py). A device is
+    'cpu' (unpinned, may be shared), 'cpu:N' (pinned to core N) or 'cuda:N'; a pinned core
+    or a GPU may serve one generator or learner process only."""
+
+    generators: list[str | list[str]] = msgspec.field(default_factory=lambda: ["cpu:0"])
+    """One entry per generator engine: a device, or a list of devices that one engine
+    spans (CUDA: tensor parallelism over them; CPU cores: one engine bound to them)."""
+    learners: list[str] = msgspec.field(default_factory=lambda: ["cpu:1"])
+    """One learner rank per device; several ranks must be all CPU or all CUDA."""
+    reward_models: list[str] = msgspec.field(default_factory=lambda: ["cpu"])
+    """Device of each ``model`` reward source's process, reused round-robin."""
+
+
+class TrainerConfig(_Section):
+    total_steps: PosInt = 400
+    """Learner steps (= weight publications) in the run."""
+    log_every: PosInt = 1
+    """Progress line every N steps (metrics.jsonl gets every step)."""
+    prefill_steps: NonNegInt = 0
+    """Benchmarks: the learner waits until this many steps of groups are in the buffer before
+    its first step, so generation and training are each timed alone. Needs
+    staleness.max >= prefill_steps - 1 (the groups are all generated by version 0)."""
+    loggers: list[Literal["tensorboard", "wandb"]] = msgspec.field(
+        default_factory=lambda: ["tensorboard"]
+    )
+    """Where each step's numbers go besides metrics.jsonl (always written): tensorboard
+    (``<run_dir>/tensorboard``) and/or wandb (Weights & Biases; ``pip install
+    'verl-async[wandb]'``; ``WANDB_MODE=offline`` without network). See docs/watching.md."""
+    project: str = "verl-async"
+    """W&B project of the run (with wandb in ``loggers``); the W&B run is named ``name``."""
+
+
+class CheckpointConfig(_Section):
+    every_steps: NonNegInt = 0
+    """Snapshot learner and buffer after every N-th step (0: never). The snapshot goes to host
+    memory at the step barrier and a background writer persists it while training goes on."""
+    keep_last: PosInt = 2
+    """Committed checkpoints kept in ``<run_dir>/checkpoints``; older ones are deleted."""
+    resume: bool = False
+    """With ``--run-dir``: resume that run from its newest valid checkpoint if it has one,
+    start it if the directory holds no run yet (the same command restarts a preempted job)."""
+    write_timeout_s: PosFloat = 300.0
+    """Longest wait for the previous checkpoint write before the next snapshot, or at exit."""
+
+
+class RayConfig(_Section):
+    """``launcher: ray``: the Ray cluster the roles run in as actors (docs/ray.md)."""
+
+    address: str = ""
+    """Cluster to join: "auto" or the head's HOST:PORT, from a node of it. Empty: start a
+    Ray instance on this machine for the run and shut it down at the end."""
+    timeout_s: PosFloat = 120.0
+    """Longest wait for Ray to place each role (its placement group and actor) or answer."""
+
+
+class RunConfig(_Section):
+    name: str = "run"
+    """Run name; the default run directory is runs/<name>-<timestamp>."""
+    launcher: Literal["local", "ray"] = "local"
+    """How ``train`` starts the roles: local processes, or Ray actors (``ray``, docs/ray.md)."""
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    data: DataConfig = msgspec.field(default_factory=DataConfig)
+    buffer: BufferConfig = msgspec.field(default_factory=BufferConfig)
+    generators: GeneratorConfig = msgspec.field(default_factory=GeneratorConfig)
+    learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
+    algo: AlgoConfig = msgspec.field(default_factory=AlgoConfig)
+    critic: CriticConfig = msgspec.field(default_factory=CriticConfig)
+    rewards: RewardsConfig = msgspec.field(default_factory=RewardsConfig)
+    eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
+    staleness: StalenessConfig = msgspec.field(default_factory=StalenessConfig)
+    weights: WeightsConfig = msgspec.field(default_factory=WeightsConfig)
+    placement: PlacementConfig = msgspec.field(default_factory=PlacementConfig)
+    trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
+    ray: RayConfig = msgspec.field(default_factory=RayConfig)
