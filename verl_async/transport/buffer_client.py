@@ -12,14 +12,16 @@ first request fails with ``BufferUnavailable`` like a buffer that is down.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
+from typing import TYPE_CHECKING
 
 import zmq
-import zmq.asyncio
 
 from verl_async import protocol as P
-from verl_async.auth import CurveKeys
+from verl_async.transport.client import AsyncDealer, dealer_socket
+
+if TYPE_CHECKING:
+    from verl_async.auth import CurveKeys
 
 
 class BufferUnavailable(RuntimeError):
@@ -28,14 +30,6 @@ class BufferUnavailable(RuntimeError):
 
 class BufferRejected(RuntimeError):
     """The buffer answered with an ``Error`` reply."""
-
-
-def _configure(sock: zmq.Socket, curve: CurveKeys | None) -> None:
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
-    if curve is not None:
-        curve.apply(sock)
 
 
 def _check(body: P.Body, endpoint: str) -> P.Body:
@@ -47,15 +41,18 @@ def _check(body: P.Body, endpoint: str) -> P.Body:
 
 
 class BufferClient:
-    """Blocking client; one per thread (ZMQ sockets are not thread-safe)."""
+    """Blocking client (learner); one per thread (ZMQ sockets are not thread-safe).
+
+    Pattern: DEALER connected to the buffer's ROUTER (``dealer_socket``: HWM 0, CurveZMQ
+    client with ``curve`` keys); one outstanding request at a time, its reply matched by
+    request id. Handshake: none (ZMQ connects by itself). Shutdown: ``close``, linger 0.
+    """
 
     def __init__(self, endpoint: str, timeout_s: float, curve: CurveKeys | None = None) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.ctx = zmq.Context.instance()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        _configure(self.sock, curve)
-        self.sock.connect(endpoint)
+        self.sock = dealer_socket(self.ctx, endpoint, curve)
         self.ids = itertools.count(1)
 
     def request(self, body: P.Body, frames: P.Frames | None = None, extra_wait_s: float = 0.0):
@@ -86,79 +83,18 @@ class BufferClient:
         self.sock.close(linger=0)
 
 
-class AsyncBufferClient:
-    """asyncio client: one socket, one reader task, one future per request.
+class AsyncBufferClient(AsyncDealer):
+    """asyncio client (generators): ``AsyncDealer`` (its docstring: socket pattern, HWM,
+    handshake, shutdown) raising ``BufferUnavailable`` / ``BufferRejected``."""
 
-    asyncio is used only to sleep until a reply is readable; sends (HWM 0: they never
-    block) and the draining of every ready reply go through a plain shadow of the socket,
-    which saves an event-loop round trip per message. The reader also wakes every second,
-    so even a missed wake-up costs latency, never a hang.
-    """
-
-    def __init__(self, endpoint: str, timeout_s: float, curve: CurveKeys | None = None) -> None:
-        self.endpoint = endpoint
-        self.timeout_s = timeout_s
-        self.ctx = zmq.asyncio.Context.instance()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        _configure(self.sock, curve)
-        self.sock.connect(endpoint)
-        self.raw = zmq.Socket.shadow(self.sock.underlying)
-        self.ids = itertools.count(1)
-        self.pending: dict[int, asyncio.Future] = {}
-        self.reader: asyncio.Task | None = None
-
-    async def _read(self) -> None:
-        while True:
-            await self.sock.poll(1000)
-            self._drain()
-
-    def _drain(self) -> None:
-        while True:
-            try:
-                parts = self.raw.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            self._deliver(parts)
-
-    def _deliver(self, parts: list) -> None:
-        try:
-            env, frames = P.decode(parts)
-        except P.ProtocolError as exc:  # the buffer never sends these; fail every waiter
-            for fut in self.pending.values():
-                if not fut.done():
-                    fut.set_exception(exc)
-            self.pending.clear()
-            return
-        fut = self.pending.pop(env.request_id, None)
-        if fut is not None and not fut.done():
-            fut.set_result((env.body, frames))
+    def unavailable(self, waited_s: float) -> BufferUnavailable:
+        return BufferUnavailable(
+            f"no reply from the buffer at {self.endpoint} within {waited_s:.0f}s"
+        )
 
     async def request(
         self, body: P.Body, frames: P.Frames | None = None, extra_wait_s: float = 0.0
-    ):
-        if self.reader is None:
-            self.reader = asyncio.create_task(self._read())
-        rid = next(self.ids)
-        fut = asyncio.get_running_loop().create_future()
-        self.pending[rid] = fut
-        self.raw.send_multipart(P.encode(body, rid, frames), copy=False)
-        # ZMQ's file descriptor is edge-triggered and a send can consume the edge of a reply
-        # that arrived meanwhile; the waiting reader would miss it, so look now.
-        if self.raw.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            self._drain()
-        try:
-            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancel
-            # that lands as the reply arrives, and a SIGTERMed generator then carries on.
-            async with asyncio.timeout(self.timeout_s + extra_wait_s):
-                reply, frames_in = await fut
-        except TimeoutError:
-            self.pending.pop(rid, None)
-            raise BufferUnavailable(
-                f"no reply from the buffer at {self.endpoint} within {self.timeout_s + extra_wait_s:.0f}s"
-            ) from None
+    ) -> tuple[P.Body, list]:
+        """Send ``body``; return (reply body, reply frames)."""
+        reply, frames_in = await super().request(body, frames, extra_wait_s)
         return _check(reply, self.endpoint), frames_in
-
-    def close(self) -> None:
-        if self.reader is not None:
-            self.reader.cancel()
-        self.sock.close(linger=0)
