@@ -1,81 +1,18 @@
-"""Checks of what a buffer client asks for, before any state changes, and the log that
-keeps a flood of rejections to a few lines. Pure functions: every rejection raises
-``ProtocolError`` with a message naming what was wrong (the server answers it as an
-``Error``); rollouts themselves are checked in buffer/rollouts.py."""
+"""Checks of what a buffer client asks for, before any state changes. Pure functions:
+every rejection raises ``ProtocolError`` with a message naming what was wrong (the server
+answers it as an ``Error`` and logs it through ``verl_async.ratelimit.RateLimitedLog``, so
+a flood of rejections costs a few lines); rollouts themselves are checked in
+buffer/rollouts.py."""
 
 from __future__ import annotations
 
-import logging
 import math
-import time
-from collections import Counter
 
 from verl_async import protocol as P
 
 MAX_WAIT_S = 300.0  # the longest long poll (clients poll for 1-30 s; see learners/batching.py)
 MAX_WORLD_SIZE = 4096  # learner ranks a GetBatch may name (shards are allocated per rank)
 MAX_PARKED_PER_CLIENT = 16  # long polls one connection may have waiting (real ones: 1-2)
-MAX_TEXT = 400  # characters of a peer-provoked error message kept in a reply or a log line
-
-
-class RejectionLog:
-    """Log lines for rejected messages that a flood cannot turn into a full disk.
-
-    The first ``burst`` lines of every ``window_s`` seconds are written in full (a real
-    client's mistake is rare, and its first lines say what went wrong); past that they are
-    only counted by kind, and one summary line per window says how many were left out.
-    So the log grows by at most ``burst + 1`` lines a window whatever arrives. ``flush``
-    (called by the server's ticker too) ends a window whose time is up. ``what`` names the
-    events in the summary line (the buffer logs expired leases the same way).
-    """
-
-    def __init__(
-        self,
-        logger: logging.Logger,
-        burst: int = 20,
-        window_s: float = 10.0,
-        clock=time.monotonic,
-        what: str = "rejected messages",
-    ) -> None:
-        self.logger = logger
-        self.what = what
-        self.burst = burst
-        self.window_s = window_s
-        self.clock = clock
-        self.window_start = clock()
-        self.logged = 0
-        self.suppressed: Counter[str] = Counter()
-
-    def log(self, kind: str, msg: str, *args, level: int = logging.WARNING, **kw) -> None:
-        """``logger.log(level, msg, *args)`` unless this window's burst is spent."""
-        self.flush()
-        if self.logged < self.burst:
-            self.logged += 1
-            self.logger.log(level, msg, *(short(a) for a in args), **kw)
-        else:
-            self.suppressed[kind] += 1
-
-    def flush(self) -> None:
-        now = self.clock()
-        if now - self.window_start < self.window_s:
-            return
-        if self.suppressed:
-            kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.suppressed.items()))
-            self.logger.warning(
-                "%d more %s in the last %.0fs were not logged (%s)",
-                self.suppressed.total(),
-                self.what,
-                now - self.window_start,
-                kinds,
-            )
-        self.window_start, self.logged, self.suppressed = now, 0, Counter()
-
-
-def short(value):
-    """A peer-provoked text cut to MAX_TEXT characters (other values as they are)."""
-    if isinstance(value, str) and len(value) > MAX_TEXT:
-        return value[:MAX_TEXT] + f"... ({len(value) - MAX_TEXT} more characters)"
-    return value
 
 
 # ----------------------------------------------------------------------------- validation

@@ -9,7 +9,9 @@ Nothing is dropped: ROUTER_MANDATORY makes a send to a vanished peer raise (logg
 instead of silently discarding; HWMs are 0 (unbounded) because every request is answered
 once and clients keep at most a handful outstanding. A message that does not decode gets
 an ``Error`` reply and a log line; the loop goes on. With ``curve`` keys the ROUTER is a
-CurveZMQ server that admits only authorised clients (verl_async/auth.py).
+CurveZMQ server that admits only authorised clients (verl_async/auth.py). The socket
+chores (set-up, decode-or-``Error``, replies to vanished peers, close) are
+``verl_async.transport.server.RouterSocket``'s; the loop and the handlers are here.
 
 Hostile input. Every field a peer sends is checked before any state changes (pure
 functions in buffer/requests.py, buffer/ledger.py and buffer/rollouts.py): a wrong
@@ -19,7 +21,7 @@ lease lasts (buffer/leases.py: a group not returned in ``buffer.lease_timeout_s`
 issued again, and one connection holds a bounded number). No message can raise out of
 the loop (an unexpected exception is a bug: it is logged with its traceback and answered
 ``Error("internal")``), and rejections and expired leases are logged through
-``RejectionLog``, so a flood costs a few lines.
+``RateLimitedLog`` (verl_async/ratelimit.py), so a flood costs a few lines.
 
 Shutdown: ``Shutdown`` from the learner answers every poll with ``stop`` from then on
 (generators exit on it); SIGTERM from the launcher ends the loop (or, started by
@@ -54,7 +56,6 @@ from buffer.ledger import (
     check_issued,
 )
 from buffer.requests import (
-    RejectionLog,
     check_announce,
     check_eval_results,
     check_get_batch,
@@ -62,13 +63,14 @@ from buffer.requests import (
     check_non_negative,
     check_parked,
     check_wait,
-    short,
 )
 from buffer.rollouts import RolloutLimits, unpack_rollout
 from buffer.snapshot import Cuts, restore_ledger
 from buffer.sync_epochs import SyncEpochs
 from verl_async import protocol as P
-from verl_async.auth import ServerKeys, serve_curve
+from verl_async.auth import ServerKeys
+from verl_async.ratelimit import RateLimitedLog, short
+from verl_async.transport.server import RouterSocket
 
 log = logging.getLogger("verl_async.buffer")
 
@@ -105,8 +107,8 @@ class BufferServer:
         self.num_sources = num_sources  # reward sources: the width of every group's scores
         # What a returned group must look like; fields left None are not checked.
         self.limits = dataclasses.replace(limits or RolloutLimits(), num_sources=num_sources)
-        self.rejections = RejectionLog(log)
-        self.lease_log = RejectionLog(log, what="expired leases")  # a line per holder, bounded
+        self.rejections = RateLimitedLog(log)
+        self.lease_log = RateLimitedLog(log, what="expired leases")  # a line per holder, bounded
         self.evals = evals or EvalRounds([])
         self.prompts_skipped = prompts_skipped
         self.max_staleness = max_staleness
@@ -122,15 +124,8 @@ class BufferServer:
         self.cuts = Cuts(ledger)  # checkpoint cuts waiting for their files to be fetched
         self.stopping = False  # Shutdown received: answer everyone with stop
         self.terminated = False  # SIGTERM: leave the loop
-        self.ctx = zmq.asyncio.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.guard = serve_curve(self.sock, curve, log)  # None: no keys, no authentication
-        self.sock.bind(endpoint)
-        self.raw = zmq.Socket.shadow(self.sock.underlying)  # blocking-free sends and drains
+        # One log window for the socket's lines (undecodable, lost) and the handlers'.
+        self.router = RouterSocket(zmq.asyncio.Context(), endpoint, curve, log, self.rejections)
 
     # ------------------------------------------------------------------ main loop
 
@@ -139,22 +134,20 @@ class BufferServer:
 
         The asyncio socket is only used to sleep until the socket is readable. Receives
         (non-blocking) and sends (HWM 0: they never block) go through a plain shadow of
-        the same socket, so a burst of small messages costs no event-loop round trip each.
+        the same socket (``RouterSocket.raw``), so a burst of small messages costs no
+        event-loop round trip each.
         """
         ticker = asyncio.create_task(self._tick())
         try:
             while not self.terminated:
-                if await self.sock.poll(100):
+                if await self.router.sock.poll(100):
                     self._drain()
                 if self._linger_over():
                     log.info("run finished: the buffer exits")
                     break
         finally:
             ticker.cancel()
-            if self.guard is not None:
-                self.guard.close()
-            self.sock.close(linger=0)
-            self.ctx.term()
+            self.router.close()
 
     def _linger_over(self) -> bool:
         return (
@@ -163,31 +156,20 @@ class BufferServer:
             and time.monotonic() - self.stopped_at >= self.exit_after_stop_s
         )
 
-    def _drain(self, max_messages: int = 1024) -> None:
-        for _ in range(max_messages):
-            try:
-                parts = self.raw.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                break
-            self._dispatch(parts)
+    def _drain(self) -> None:
+        for identity, env, frames in self.router.drain():  # undecodable ones answered there
+            self._dispatch(identity, env, frames)
         self._serve_parked()
 
-    def _dispatch(self, parts: list) -> None:
-        """One received message: decode, handle, reply. Never raises: whatever a peer
-        sends gets it an ``Error`` reply and costs the log at most one (rate-limited) line."""
-        identity = parts[0].bytes
-        try:
-            env, frames = P.decode(parts[1:])
-        except P.ProtocolError as exc:
-            self.rejections.log("undecodable", "bad message from %s: %s", identity.hex(), str(exc))
-            self._send(identity, 0, P.Error(code="protocol", message=short(str(exc))))
-            return
+    def _dispatch(self, identity: bytes, env: P.Envelope, frames: list) -> None:
+        """One decoded message: handle, reply. Never raises: whatever a peer sends gets it
+        an ``Error`` reply and costs the log at most one (rate-limited) line."""
         try:
             reply, frames_out = self.handle(identity, env.request_id, env.body, frames)
         except Exception as exc:  # noqa: BLE001 (the loop outlives any one message)
             reply, frames_out = self._error_reply(identity, env.body, exc), None
         if reply is not None:
-            self._send(identity, env.request_id, reply, frames_out)
+            self.router.reply(identity, env.request_id, reply, frames_out)
 
     def _error_reply(self, identity: bytes, body: P.Body, exc: Exception) -> P.Error:
         """The ``Error`` for a request that raised, logged (rate-limited). A rejection is
@@ -205,14 +187,6 @@ class BufferServer:
             exc_info=exc,
         )
         return P.Error(code="internal", message=short(f"{type(exc).__name__}: {exc}"))
-
-    def _send(
-        self, identity: bytes, request_id: int, body: P.Body, frames: P.Frames | None = None
-    ) -> None:
-        try:
-            self.raw.send_multipart([identity, *P.encode(body, request_id, frames)], copy=False)
-        except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY): nothing to deliver to
-            self.rejections.log("lost", "reply to %s lost: %s", identity.hex(), str(exc))
 
     # ------------------------------------------------------------------ handlers
 
@@ -434,7 +408,7 @@ class BufferServer:
             reply, frames = ready
             if isinstance(reply, P.Batch):
                 reply = msgspec.structs.replace(reply, wait_s=time.monotonic() - p.since)
-            self._send(p.identity, p.request_id, reply, frames)
+            self.router.reply(p.identity, p.request_id, reply, frames)
         self.parked = still
 
     async def _tick(self) -> None:
@@ -451,9 +425,9 @@ class BufferServer:
                 continue
             self.parked = [p for p in self.parked if p not in expired]
             for p in expired:
-                self._send(p.identity, p.request_id, self._timeout_reply(p.body))
+                self.router.reply(p.identity, p.request_id, self._timeout_reply(p.body))
             # Sends can consume the edge of ZMQ's edge-triggered fd: serve what arrived.
-            if self.raw.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if self.router.readable():
                 self._drain()
 
     def _timeout_reply(self, body: P.PollVersion | P.GetBatch) -> P.Body:

@@ -18,7 +18,9 @@ scoring raises gets an ``Error`` reply of its own; the loop goes on. Shutdown: S
 ``terminated`` (checked at least every ``POLL_MS``); the socket closes with linger=0.
 
 With ``curve`` keys the ROUTER is a CurveZMQ server that admits only authorised clients
-(verl_async/auth.py); each refused one is a line in this process's log.
+(verl_async/auth.py); each refused one is a line in this process's log. The socket chores
+(set-up, decode-or-``Error``, replies to vanished clients, close) are
+``verl_async.transport.server.RouterSocket``'s; lines a client provokes are rate-limited.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ import zmq
 
 from reward_model.scoring import score_requests
 from verl_async import protocol as P
-from verl_async.auth import ServerKeys, serve_curve
+from verl_async.auth import ServerKeys
+from verl_async.transport.server import RouterSocket
 
 log = logging.getLogger("verl_async.reward_model")
 POLL_MS = 200  # longest sleep before the loop looks at ``terminated`` again
@@ -70,14 +73,7 @@ class RewardModelServer:
         self.share_prefix = share_prefix
         self.endpoint = endpoint
         self.terminated = False  # set by the SIGTERM handler
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.guard = serve_curve(self.sock, curve, log)  # None: no keys, no authentication
-        self.sock.bind(endpoint)
+        self.router = RouterSocket(zmq.Context(), endpoint, curve, log)
 
     def serve(self) -> None:
         """Sleep until readable, drain what is queued, score it together, reply; repeat."""
@@ -85,7 +81,8 @@ class RewardModelServer:
         since, busy, scored = time.monotonic(), 0.0, 0
         try:
             while not self.terminated:
-                if self.sock.poll(POLL_MS):
+                self.router.rejections.flush()  # the summary of a flood, when its window ends
+                if self.router.sock.poll(POLL_MS):
                     t0 = time.monotonic()
                     requests = self.drain()
                     self.score_and_reply(requests)
@@ -99,37 +96,27 @@ class RewardModelServer:
                         )  # fmt: skip
                     since, busy, scored = time.monotonic(), 0.0, 0
         finally:
-            if self.guard is not None:
-                self.guard.close()
-            self.sock.close(linger=0)
-            self.ctx.term()
+            self.router.close()
 
     def drain(self) -> list[Request]:
-        """Every ready message, decoded; bad ones are answered with ``Error`` here."""
+        """Every ready request; bad messages are answered with ``Error`` here (those that
+        do not decode by the router)."""
         requests: list[Request] = []
-        for _ in range(MAX_DRAIN):
-            try:
-                identity, *parts = self.sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            request = self.parse(identity, parts)
+        for identity, env, _ in self.router.drain(MAX_DRAIN):
+            request = self.parse(identity, env)
             if request is not None:
                 requests.append(request)
         return requests
 
-    def parse(self, identity: bytes, parts: list) -> Request | None:
-        try:
-            env, _ = P.decode(parts)
-        except P.ProtocolError as exc:
-            log.warning("bad message from %s: %s", identity.hex(), exc)
-            self.send(identity, 0, P.Error(code="protocol", message=str(exc)))
-            return None
+    def parse(self, identity: bytes, env: P.Envelope) -> Request | None:
         if not isinstance(env.body, P.ScoreConversations):
             message = (
                 f"a reward-model process serves ScoreConversations, not {type(env.body).__name__}"
             )
-            log.warning("unexpected message from %s: %s", identity.hex(), message)
-            self.send(identity, env.request_id, P.Error(code="unexpected", message=message))
+            self.router.rejections.log(
+                "unexpected", "unexpected message from %s: %s", identity.hex(), message
+            )
+            self.router.reply(identity, env.request_id, P.Error(code="unexpected", message=message))
             return None
         return Request(identity, env.request_id, env.body.conversations)
 
@@ -147,7 +134,8 @@ class RewardModelServer:
                 self.score_and_reply([request])
             return
         for r, part in zip(requests, scores, strict=True):
-            self.send(r.identity, r.request_id, P.Scores(scores=part, errors=[""] * len(part)))
+            scored = P.Scores(scores=part, errors=[""] * len(part))
+            self.router.reply(r.identity, r.request_id, scored)
 
     def score(self, requests: list[list[list[dict[str, str]]]]) -> list[list[float]]:
         """Scores of each request's conversations (``scoring.score_requests``)."""
@@ -163,10 +151,4 @@ class RewardModelServer:
     def fail(self, request: Request, exc: Exception) -> None:
         log.warning("scoring request %d failed: %r", request.request_id, exc)
         error = P.Error(code="scoring_failed", message=repr(exc)[:2000])
-        self.send(request.identity, request.request_id, error)
-
-    def send(self, identity: bytes, request_id: int, body: P.Body) -> None:
-        try:
-            self.sock.send_multipart([identity, *P.encode(body, request_id)])
-        except zmq.ZMQError as exc:  # client gone (ROUTER_MANDATORY): nothing to deliver to
-            log.warning("reply to %s lost: %s", identity.hex(), exc)
+        self.router.reply(request.identity, request.request_id, error)

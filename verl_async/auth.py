@@ -20,7 +20,8 @@ handler running, nobody is. The handler is pyzmq's ``ThreadAuthenticator`` (its 
 thread, so a handshake never waits on the server's own loop), asked about each CURVE
 client's public key. A socket monitor, read by a second thread, sees the handshakes that
 fail before ZAP is asked: a client without CURVE, or one holding another key set's server
-key. Each refusal is one warning in the role's log (``RefusalLog``); the socket goes on
+key. Each refusal is one warning in the role's log, rate-limited (``RateLimitedLog``: a
+peer retrying is named once, for good); the socket goes on
 serving the clients it admitted. ``CurveGuard.close`` stops both threads; it must run
 before the socket's context is terminated (the threads hold sockets of that context).
 
@@ -37,8 +38,6 @@ import re
 import shutil
 import stat
 import threading
-import time
-from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -49,6 +48,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import parse_monitor_message
 
 from verl_async.config_base import ConfigError
+from verl_async.ratelimit import RateLimitedLog
 
 if TYPE_CHECKING:
     from verl_async.schema import BufferConfig, RunConfig
@@ -61,6 +61,7 @@ SERVER_PUBLIC = "server.key"
 ZAP_DOMAIN = b"verl_async"
 CLIENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 JOIN_S = 5.0  # longest wait for a guard thread to stop
+REFUSALS_WINDOW_S = 60.0  # a handshake retried forever costs a line a minute at most
 
 
 # ----------------------------------------------------------------------------- key set
@@ -232,73 +233,10 @@ def server_keys(cfg: RunConfig) -> ServerKeys | None:
 # ----------------------------------------------------------------------------- server side
 
 
-class RefusalLog:
-    """One warning per refused peer, and a flood that cannot fill the disk.
-
-    A peer the ZAP handler names (address and public key) is logged once, however often
-    it retries. libzmq does not name the peer of a handshake that fails before ZAP, so
-    those are logged once per kind of failure a window. At most ``burst`` lines a window;
-    what is left out is counted and summed up in one line when the window ends (``tick``).
-    Called from the ZAP and the monitor threads, hence the lock.
-    """
-
-    MAX_PEERS = 4096  # peers remembered; beyond that, new ones are counted, not named
-
-    def __init__(
-        self, logger: logging.Logger, burst: int = 20, window_s: float = 60.0, clock=time.monotonic
-    ) -> None:
-        self.logger = logger
-        self.burst = burst
-        self.window_s = window_s
-        self.clock = clock
-        self.lock = threading.Lock()
-        self.peers: set[Hashable] = set()  # named peers already logged (for good)
-        self.kinds: set[str] = set()  # unnamed failures logged in this window
-        self.window_start = clock()
-        self.logged = 0
-        self.suppressed = 0
-
-    def refuse(self, message: str, peer: Hashable | None = None, kind: str = "") -> None:
-        """Log ``message`` unless its peer (or, unnamed, its kind) was logged already."""
-        with self.lock:
-            self._roll()
-            seen = self.kinds if peer is None else self.peers
-            key = kind if peer is None else peer
-            full = self.logged >= self.burst or (
-                peer is not None and len(self.peers) >= self.MAX_PEERS
-            )
-            if key in seen or full:
-                self.suppressed += 1
-                return
-            seen.add(key)
-            self.logged += 1
-            self.logger.warning("%s", message)
-
-    def tick(self) -> None:
-        """End the window if its time is up (called by the monitor thread's wake-ups)."""
-        with self.lock:
-            self._roll()
-
-    def _roll(self) -> None:
-        now = self.clock()
-        if now - self.window_start < self.window_s:
-            return
-        if self.suppressed:
-            self.logger.warning(
-                "%d more refused handshakes in the last %.0fs were not logged (repeats of "
-                "peers already named, or past %d lines)",
-                self.suppressed,
-                now - self.window_start,
-                self.burst,
-            )
-        self.window_start, self.logged, self.suppressed = now, 0, 0
-        self.kinds.clear()
-
-
 class _KeyCheck(ThreadAuthenticator):
     """ZAP handler: admits a CURVE client whose public key is authorised."""
 
-    def __init__(self, context: zmq.Context, keys: ServerKeys, refusals: RefusalLog) -> None:
+    def __init__(self, context: zmq.Context, keys: ServerKeys, refusals: RateLimitedLog) -> None:
         super().__init__(context)
         self.keys = keys
         self.refusals = refusals
@@ -323,10 +261,13 @@ class _KeyCheck(ThreadAuthenticator):
         """pyzmq's credentials-provider hook: ``key`` is the client's Z85 public key."""
         if key in self.keys.authorized:
             return True
-        self.refusals.refuse(
-            f"refused a client at {self.address}: its CURVE public key "
-            f"{key.decode(errors='replace')} is not in {self.keys.authorized_dir}",
-            peer=(self.address, key),
+        self.refusals.log(
+            "unauthorised-key",
+            "refused a client at %s: its CURVE public key %s is not in %s",
+            self.address,
+            key.decode(errors="replace"),
+            str(self.keys.authorized_dir),
+            once=(self.address, key),  # libzmq names this peer: once, however often it retries
         )
         return False
 
@@ -353,7 +294,7 @@ class _HandshakeWatch(threading.Thread):
 
     EVENTS = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 
-    def __init__(self, sock: zmq.Socket, refusals: RefusalLog) -> None:
+    def __init__(self, sock: zmq.Socket, refusals: RateLimitedLog) -> None:
         super().__init__(name="handshake-monitor", daemon=True)
         self.refusals = refusals
         self.address = f"inproc://verl_async.monitor.{id(self)}"
@@ -372,8 +313,12 @@ class _HandshakeWatch(threading.Thread):
                     event = parse_monitor_message(self.pipe.recv_multipart())
                     kind, why = _why(event["event"], event["value"])
                     endpoint = event["endpoint"].decode(errors="replace")
-                    self.refusals.refuse(f"refused a client on {endpoint}: {why}", kind=kind)
-                self.refusals.tick()
+                    # libzmq does not name the peer of a handshake failing before ZAP:
+                    # one line per kind of failure a window.
+                    self.refusals.log(
+                        kind, "refused a client on %s: %s", endpoint, why, once_a_window=True
+                    )
+                self.refusals.flush()
         finally:
             self.pipe.close(linger=0)
 
@@ -383,7 +328,7 @@ class CurveGuard:
 
     def __init__(self, sock: zmq.Socket, keys: ServerKeys, logger: logging.Logger) -> None:
         self.sock = sock
-        refusals = RefusalLog(logger)
+        refusals = RateLimitedLog(logger, window_s=REFUSALS_WINDOW_S, what="refused handshakes")
         self.auth = _KeyCheck(sock.context, keys, refusals)
         self.auth.start()
         self.auth.configure_curve_callback(ZAP_DOMAIN.decode(), credentials_provider=self.auth)

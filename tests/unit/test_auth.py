@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 from verl_async.auth import (
-    RefusalLog,
+    REFUSALS_WINDOW_S,
     client_keys,
     load_client_keys,
     load_server_keys,
@@ -19,6 +19,7 @@ from verl_async.auth import (
 )
 from verl_async.config import ConfigError, load_config
 from verl_async.launch import cli
+from verl_async.ratelimit import RateLimitedLog
 
 
 def mode(path) -> int:
@@ -168,19 +169,26 @@ class Clock:
 
 def test_refusal_log_names_each_peer_once_and_counts_the_rest(caplog):
     clock = Clock()
-    refusals = RefusalLog(logging.getLogger("test.auth"), burst=3, window_s=60, clock=clock)
+    refusals = RateLimitedLog(
+        logging.getLogger("test.auth"), burst=3, window_s=60, clock=clock, what="refused handshakes"
+    )
+    assert REFUSALS_WINDOW_S == 60  # what the CurveZMQ guard uses
+
+    def refuse(message, peer=None, kind="peer"):  # as auth.py logs a refusal: named or not
+        refusals.log(kind, message, once=peer, once_a_window=peer is None)
+
     with caplog.at_level(logging.WARNING, "test.auth"):
         for _ in range(5):  # one peer retrying: one line, ever
-            refusals.refuse("peer 1", peer=("10.0.0.1", b"k1"))
+            refuse("peer 1", peer=("10.0.0.1", b"k1"))
         for _ in range(5):  # unnamed failures of one kind: one line per window
-            refusals.refuse("no curve", kind="no-curve")
-        refusals.refuse("peer 2", peer=("10.0.0.2", b"k2"))
-        refusals.refuse("peer 3", peer=("10.0.0.3", b"k3"))  # past the burst: counted
+            refuse("no curve", kind="no-curve")
+        refuse("peer 2", peer=("10.0.0.2", b"k2"))
+        refuse("peer 3", peer=("10.0.0.3", b"k3"))  # past the burst: counted
         assert [r.message for r in caplog.records] == ["peer 1", "no curve", "peer 2"]
         clock.now = 61
-        refusals.tick()
+        refusals.flush()
         assert caplog.records[-1].message.startswith("9 more refused handshakes in the last 61s")
-        refusals.refuse("peer 1", peer=("10.0.0.1", b"k1"))  # still known
-        refusals.refuse("no curve", kind="no-curve")  # a new window: named again
+        refuse("peer 1", peer=("10.0.0.1", b"k1"))  # still known
+        refuse("no curve", kind="no-curve")  # a new window: named again
         assert [r.message for r in caplog.records][-1] == "no curve"
         assert len(caplog.records) == 5

@@ -2,7 +2,8 @@
 
 Three layers, all without a network: the pure validators (protocol.tensor / vector,
 ledger.check_issued, rollouts.unpack_rollout, the server's request checks), the rate-limited
-rejection log, and ``BufferServer._dispatch`` driven in-process with the replies captured.
+rejection log, and ``BufferServer._dispatch`` (behind ``RouterSocket.decode``) driven
+in-process with the replies captured.
 Hypothesis throws random bytes and structurally wrong messages at each layer; the
 strategies here (``hostile_messages``) are also what tests/integration/test_buffer_fuzz.py
 fires at a live run.
@@ -26,7 +27,6 @@ from buffer.leases import Leases
 from buffer.ledger import Issued, LedgerError, PromptLedger, check_issued
 from buffer.requests import (
     MAX_PARKED_PER_CLIENT,
-    RejectionLog,
     check_announce,
     check_eval_results,
     check_get_batch,
@@ -38,6 +38,7 @@ from buffer.rollouts import RolloutLimits, unpack_rollout
 from buffer.server import BufferServer
 from verl_async import protocol as P
 from verl_async.data import PromptRecord
+from verl_async.ratelimit import RateLimitedLog
 from verl_async.staleness import Admission
 
 NAN = math.nan
@@ -495,7 +496,7 @@ class FakeClock:
 
 def test_rejection_log_writes_a_burst_then_one_summary_per_window(caplog):
     clock = FakeClock()
-    rejections = RejectionLog(
+    rejections = RateLimitedLog(
         logging.getLogger("test.rejections"), burst=3, window_s=10.0, clock=clock
     )
     with caplog.at_level(logging.WARNING, logger="test.rejections"):
@@ -524,8 +525,9 @@ def test_rejection_log_writes_a_burst_then_one_summary_per_window(caplog):
 
 
 class Harness:
-    """A BufferServer on an inproc endpoint, driven through ``_dispatch`` directly (no
-    event loop, no client sockets); replies are captured instead of sent."""
+    """A BufferServer on an inproc endpoint, driven through ``router.decode`` and
+    ``_dispatch`` directly (no event loop, no client sockets); replies are captured
+    instead of sent."""
 
     ids = itertools.count()
 
@@ -539,13 +541,15 @@ class Harness:
             limits=limits,
         )
         self.replies: list[tuple[bytes, int, P.Body]] = []
-        self.server._send = lambda identity, rid, body, frames=None: self.replies.append(
+        self.server.router.reply = lambda identity, rid, body, frames=None: self.replies.append(
             (identity, rid, body)
         )
 
     def send_raw(self, identity: bytes, parts: list[bytes]) -> list:
         start = len(self.replies)
-        self.server._dispatch([zmq.Frame(identity), *(zmq.Frame(p) for p in parts)])
+        decoded = self.server.router.decode([zmq.Frame(identity), *(zmq.Frame(p) for p in parts)])
+        if decoded is not None:  # undecodable: the router answered it
+            self.server._dispatch(*decoded)
         self.server._serve_parked()
         return self.replies[start:]
 
@@ -581,8 +585,7 @@ class Harness:
         )
 
     def close(self) -> None:
-        self.server.sock.close(linger=0)
-        self.server.ctx.term()
+        self.server.router.close()
 
 
 @pytest.fixture

@@ -112,7 +112,7 @@ def test_one_failing_request_gets_an_error_the_others_scores(rm, free_port):
         requests = []
         deadline = time.monotonic() + 10
         while len(requests) < 3 and time.monotonic() < deadline:
-            if server.sock.poll(100):
+            if server.router.sock.poll(100):
                 requests += server.drain()
         assert len(requests) == 3
         server.score_and_reply(requests)
@@ -123,8 +123,7 @@ def test_one_failing_request_gets_an_error_the_others_scores(rm, free_port):
     finally:
         for sock in clients:
             sock.close()
-        server.sock.close(linger=0)
-        server.ctx.term()
+        server.router.close()
     assert batches[0] == 5  # all three requests in one scoring call first
     assert [env.request_id for env in replies] == [1, 2, 3]
     assert isinstance(replies[1].body, P.Error) and "boom" in replies[1].body.message
