@@ -9,7 +9,6 @@ import stat
 import pytest
 import zmq
 
-from verl_async import cli
 from verl_async.auth import (
     RefusalLog,
     client_keys,
@@ -19,6 +18,7 @@ from verl_async.auth import (
     server_keys,
 )
 from verl_async.config import ConfigError, load_config
+from verl_async.launch import cli
 
 
 def mode(path) -> int:

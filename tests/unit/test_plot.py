@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from verl_async import cli
+from verl_async.launch import cli
 from verl_async.launch.plot import (
     PlotError,
     load_runs,
