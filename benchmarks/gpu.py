@@ -101,8 +101,6 @@ def batch_message(args, rank: int):
         token_versions=frames.add(np.zeros(n * half, np.int32)),
         dropped_stale=0,
         buffer_size=0,
-        gen_tokens_per_s=0.0,
-        wait_s=0.0,
     )
     return body, [bytes(b) for b in frames.buffers]
 

@@ -66,9 +66,9 @@ class StepBatches:
         return step
 
 
-def encode_step(step: StepBatch, num_sources: int, **meters: float) -> tuple[P.Batch, P.Frames]:
-    """The ``Batch`` of ``step`` and its frames; ``meters`` are the buffer's gauges it
-    carries (buffer_size, gen_tokens_per_s, gen_blocked_s, gen_idle_s, prompts_skipped)."""
+def encode_step(step: StepBatch, num_sources: int, **counts: int) -> tuple[P.Batch, P.Frames]:
+    """The ``Batch`` of ``step`` and its frames; ``counts`` are the buffer's data counts it
+    carries (buffer_size, prompts_skipped). No clocks: those are ``Stats``'."""
     groups = step.groups
     samples = [(groups[gi], i) for shard in step.shards for gi, i in shard]
     frames = P.Frames()
@@ -93,7 +93,6 @@ def encode_step(step: StepBatch, num_sources: int, **meters: float) -> tuple[P.B
         behav_logprobs=frames.add(cat([g.behav_logprobs[i] for g, i in samples], np.float32)),
         token_versions=frames.add(cat([g.token_versions[i] for g, i in samples], np.int32)),
         dropped_stale=step.dropped_stale,
-        wait_s=0.0,
-        **meters,
+        **counts,
     )
     return body, frames

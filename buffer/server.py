@@ -41,20 +41,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import msgspec
 import zmq
 import zmq.asyncio
 
 from buffer.batches import StepBatches, encode_step
 from buffer.evaluation import EvalRounds
-from buffer.ledger import (
-    AdmissionClock,
-    LedgerError,
-    PromptLedger,
-    StepBatch,
-    TokenRate,
-    check_issued,
-)
+from buffer.ledger import LedgerError, PromptLedger, StepBatch, check_issued
 from buffer.requests import (
     check_announce,
     check_eval_results,
@@ -67,6 +59,7 @@ from buffer.requests import (
 from buffer.rollouts import RolloutLimits, unpack_rollout
 from buffer.snapshot import Cuts, restore_ledger
 from buffer.sync_epochs import SyncEpochs
+from buffer.telemetry import AdmissionClock, TokenRate
 from verl_async import protocol as P
 from verl_async.auth import ServerKeys
 from verl_async.ratelimit import RateLimitedLog, short
@@ -81,7 +74,6 @@ class Parked:
     request_id: int
     body: P.PollVersion | P.GetBatch
     deadline: float
-    since: float
 
 
 class BufferServer:
@@ -210,7 +202,7 @@ class BufferServer:
                 if ready is not None:
                     return ready
                 now = time.monotonic()
-                self.parked.append(Parked(identity, request_id, body, now + body.wait_s, now))
+                self.parked.append(Parked(identity, request_id, body, now + body.wait_s))
                 return None, None
             case P.AnnounceWeights():
                 self.update = body.update
@@ -381,14 +373,10 @@ class BufferServer:
                 f"rank {rank} asked for step {step.step} cut for {len(step.shards)} ranks"
             )
         if step.encoded is None:
-            blocked_s, idle_s = self.clock.totals(time.monotonic())
             step.encoded = encode_step(
                 step,
                 self.num_sources,
                 buffer_size=len(self.ledger.returned),
-                gen_tokens_per_s=self.rate.rate(),
-                gen_blocked_s=blocked_s,
-                gen_idle_s=idle_s,
                 prompts_skipped=self.prompts_skipped,
             )
         return step.encoded
@@ -406,8 +394,6 @@ class BufferServer:
                 still.append(p)
                 continue
             reply, frames = ready
-            if isinstance(reply, P.Batch):
-                reply = msgspec.structs.replace(reply, wait_s=time.monotonic() - p.since)
             self.router.reply(p.identity, p.request_id, reply, frames)
         self.parked = still
 
@@ -442,8 +428,8 @@ class BufferServer:
     # ------------------------------------------------------------------ checkpoints
 
     def take_cut(self, step: int, version: int) -> None:
-        """The checkpoint barrier (buffer/snapshot.py): the state as of ``step``."""
-        blocked_s, idle_s = self.clock.totals(time.monotonic())
+        """The checkpoint barrier (buffer/snapshot.py): the state as of ``step`` (no clocks:
+        the generator timing starts again from zero in a resumed buffer)."""
         self.cuts.take(
             step,
             {t: batch.consumed for t, batch in self.batches.steps.items()},
@@ -451,8 +437,6 @@ class BufferServer:
             max_staleness=self.max_staleness,
             dropped_stale=self.batches.dropped_stale_total,
             admission_blocked=self.admission_blocked,
-            gen_blocked_s=blocked_s,
-            gen_idle_s=idle_s,
         )
 
     def restore(self, ckpt_dir: Path) -> None:
@@ -461,11 +445,10 @@ class BufferServer:
         self.target_version = state.version
         self.batches.dropped_stale_total = state.dropped_stale
         self.admission_blocked = state.admission_blocked
-        self.clock.blocked_total = state.gen_blocked_s
-        self.clock.idle_total = state.gen_idle_s
 
     def stats(self) -> P.Stats:
         lg = self.ledger
+        blocked_s, idle_s = self.clock.totals(time.monotonic())
         return P.Stats(
             issued=lg.next_group,
             returned=len(lg.returned),
@@ -476,4 +459,7 @@ class BufferServer:
             admission_blocked=self.admission_blocked,
             leases_expired=lg.leases.expired_total,
             generator_restarts=self.sync.restarts,
+            gen_tokens_per_s=self.rate.rate(),
+            gen_blocked_s=blocked_s,
+            gen_idle_s=idle_s,
         )

@@ -35,6 +35,10 @@ ROLLOUTS_FILE = "rollouts.arrow"
 
 
 class LedgerState(msgspec.Struct, kw_only=True):
+    """ledger.json. Counts only, no clocks (the generator timing of buffer/telemetry.py
+    starts from zero in a resumed buffer). Unknown keys are ignored, so a snapshot that
+    still holds the ``gen_blocked_s`` / ``gen_idle_s`` of earlier versions loads."""
+
     format: int = FORMAT
     step: int  # consumption resumes at this step
     version: int  # weights version published when the snapshot was taken
@@ -47,8 +51,6 @@ class LedgerState(msgspec.Struct, kw_only=True):
     max_staleness: int
     dropped_stale: int
     admission_blocked: int
-    gen_blocked_s: float
-    gen_idle_s: float
     leases_expired: int = 0  # groups whose lease ran out before the snapshot
 
 

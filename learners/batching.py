@@ -36,16 +36,16 @@ class TrainBatch:
     response_lengths: torch.Tensor  # [N] long
     dropped_stale: int
     buffer_size: int
-    gen_tokens_per_s: float
-    wait_s: float
-    gen_blocked_s: float  # cumulative over the run, all generators (AdmissionClock)
-    gen_idle_s: float
+    wait_s: float  # what the learner waited for this batch (measured by Prefetcher.get)
     group_ids: list[int]  # the step's groups (audit trail: trained.jsonl)
     group_prompts: list[int]  # prompt index of each group
     group_generators: list[int]  # the generator that sampled each group
     sample_digests: list[int]  # crc32 of each sample's (group, index), tokens, logprobs, versions
     prompts_skipped: int  # prompts the buffer left out as too long
     shard_sizes: list[int]  # [ranks] rows of each rank's shard, in order
+    # The buffer's Stats right after the batch came (generator rate and timing totals),
+    # asked by the prefetcher of the rank that writes metrics; None elsewhere.
+    buffer_stats: P.Stats | None = None
     # Set by the learner's compute_advantages:
     rewards: torch.Tensor | None = None  # [N] combined reward of each sample
     logp_prox: torch.Tensor | None = None  # [N, T-1] pi_prox, when needed before the update
@@ -109,10 +109,7 @@ def collate(msg: P.Batch, frames: list, pad_id: int, pin: bool = False) -> Train
         response_lengths=torch.tensor(msg.response_lengths, dtype=torch.long),
         dropped_stale=msg.dropped_stale,
         buffer_size=msg.buffer_size,
-        gen_tokens_per_s=msg.gen_tokens_per_s,
-        wait_s=msg.wait_s,
-        gen_blocked_s=msg.gen_blocked_s,
-        gen_idle_s=msg.gen_idle_s,
+        wait_s=0.0,  # the learner's own measure, set when the step takes the batch
         group_ids=list(msg.group_ids),
         group_prompts=list(msg.group_prompts),
         group_generators=list(msg.group_generators),
@@ -185,6 +182,9 @@ class Prefetcher:
     current step's compute too; ``get`` makes the compute stream wait for that copy only.
     Without ``background`` each batch is fetched and copied when the step asks for it.
     ``on_wait()`` runs on the calling thread about once a second while a batch is awaited.
+    With ``stats`` (the rank that writes metrics) the buffer's ``Stats`` are asked right
+    after each batch comes, on the same thread: the generator telemetry stays off the
+    batch and, with ``background``, off the training thread.
     """
 
     def __init__(
@@ -200,8 +200,10 @@ class Prefetcher:
         background: bool = True,
         curve: CurveKeys | None = None,
         on_wait=None,
+        stats: bool = False,
     ) -> None:
         self.on_wait = on_wait
+        self.stats = stats
         self.q: queue.Queue = queue.Queue(maxsize=1)
         self.deadline_s = deadline_s
         self.device = device
@@ -219,6 +221,8 @@ class Prefetcher:
     def _fetch(self, client: BufferClient, step: int, stream=None, on_wait=None):
         _, _, _, rank, world, pad_id = self.args
         batch = fetch_batch(client, step, rank, world, pad_id, self.cuda, self.deadline_s, on_wait)
+        if self.stats:
+            batch.buffer_stats = client.request(P.GetStats())[0]
         return copy_to_device(batch, self.device, stream)
 
     def _run(self) -> None:

@@ -8,6 +8,7 @@ import torch
 
 from learners.batching import TrainBatch
 from learners.update import StepStats
+from verl_async import protocol as P
 
 
 def step_row(
@@ -47,7 +48,6 @@ def step_row(
         "staleness_hist": hist.tolist(),
         "inflight_update_samples": int((newest > oldest).sum()),
         "dropped_stale": batch.dropped_stale,
-        "gen_tokens_per_s": round(batch.gen_tokens_per_s, 2),
         "buffer_size": batch.buffer_size,
         "learner_wait_s": round(batch.wait_s, 4),
         "weight_sync_s": round(sync_s, 4),
@@ -101,3 +101,34 @@ def algo_metrics(batch: TrainBatch, s: StepStats, critic, adv, kl_ctrl) -> dict:
             }
         )
     return row
+
+
+class GeneratorTiming:
+    """The generators' part of a metrics line, from the buffer's ``Stats`` taken when the
+    step's batch came: the generation rate (a gauge) and, per step, the seconds admission
+    held generators back since the previous batch (summed over generators; ``gen_idle_s``
+    is the part with nothing in flight).
+
+    The buffer's totals count from its process's start and no checkpoint carries them (nor
+    this object's last totals): after a resume both start from zero. A total smaller than
+    the last one seen means a new buffer process; the step then counts from its start, so
+    values never go negative nor jump.
+    """
+
+    SLACK_S = 1e-6  # a total this much smaller is rounding in the buffer's sums, not a restart
+
+    def __init__(self) -> None:
+        self.last = (0.0, 0.0)  # (blocked, idle) totals at the previous batch
+
+    def row(self, stats: P.Stats) -> dict:
+        """gen_tokens_per_s, gen_blocked_s and gen_idle_s of this step's metrics line."""
+        totals = (stats.gen_blocked_s, stats.gen_idle_s)
+        if any(t < last - self.SLACK_S for t, last in zip(totals, self.last, strict=True)):
+            self.last = (0.0, 0.0)  # the buffer started again
+        blocked, idle = (max(t - last, 0.0) for t, last in zip(totals, self.last, strict=True))
+        self.last = totals
+        return {
+            "gen_tokens_per_s": round(stats.gen_tokens_per_s, 2),
+            "gen_blocked_s": round(blocked, 4),
+            "gen_idle_s": round(idle, 4),
+        }

@@ -36,7 +36,7 @@ from learners.evaluation import EvalTracker
 from learners.plan import plan_update
 from learners.publish import WeightSync, gathered_buckets
 from learners.state_dicts import model_state, optimizer_state
-from learners.step_metrics import algo_metrics, step_row
+from learners.step_metrics import GeneratorTiming, algo_metrics, step_row
 from learners.update import StepStats, policy_update, prox_pass
 from verl_async import protocol as P
 from verl_async.algos.losses import explained_variance
@@ -98,7 +98,7 @@ class Learner:
         self.metrics = MetricsWriter(ctx.path, ctx.cfg) if main else None
         self.trail = open(ctx.path / "trained.jsonl", "a", buffering=1) if main else None  # noqa: SIM115 (closed in finish())
         self.t_start = time.monotonic()
-        self.gen_clock = (0.0, 0.0)  # (blocked, idle) generator seconds at the previous batch
+        self.gen_timing = GeneratorTiming()  # not checkpointed: the buffer's clocks restart too
         # Running statistics of each reward source (``normalize: running``); checkpointed.
         self.running = {src.name: RunningStats() for src in self.cfg.rewards.sources}
         self.evals = EvalTracker(self.cfg, self.client, ctx.path) if main else None
@@ -203,6 +203,7 @@ class Learner:
             background=cfg.learner.prefetch,
             curve=self.curve,
             on_wait=self.while_waiting,
+            stats=self.metrics is not None,  # for the generator telemetry of the metrics line
         )
 
     def collect(self, batches: Prefetcher) -> tuple[TrainBatch, TrainBatch]:
@@ -353,8 +354,6 @@ class Learner:
         cut = self.client.send(P.SnapshotBuffer(step=step, version=self.version))
         info = {
             "wall_s": time.monotonic() - self.t_start,
-            "gen_blocked_s": self.gen_clock[0],
-            "gen_idle_s": self.gen_clock[1],
             "reward_running": {k: v.state_dict() for k, v in self.running.items()},
             "kl_ctrl": self.kl_ctrl.state_dict(),
         }
@@ -388,7 +387,6 @@ class Learner:
         self.steps_done = info["step"]
         self.version = info["version"]
         self.t_start = time.monotonic() - info["wall_s"]
-        self.gen_clock = (info["gen_blocked_s"], info["gen_idle_s"])
         for name, state in info.get("reward_running", {}).items():
             if name in self.running:
                 self.running[name].load_state_dict(state)
@@ -424,10 +422,7 @@ class Learner:
             time.monotonic() - self.t_start,
         )
         row.update(algo_metrics(batch, stats, critic_stats, adv, self.kl_ctrl))
-        # Admission's hold on the generators since the previous batch (summed over generators).
-        row["gen_blocked_s"] = round(batch.gen_blocked_s - self.gen_clock[0], 4)
-        row["gen_idle_s"] = round(batch.gen_idle_s - self.gen_clock[1], 4)
-        self.gen_clock = (batch.gen_blocked_s, batch.gen_idle_s)
+        row.update(self.gen_timing.row(batch.buffer_stats))  # the generators since the last batch
         row["prompts_skipped"] = batch.prompts_skipped
         row.update(
             summarize(

@@ -20,7 +20,7 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: Batch carries no clocks; Stats carries the generator timing
 
 _DTYPES = {"float32", "float16", "int32", "int64", "uint8", "bool"}
 # dtype -> name and name -> itemsize, looked up per tensor (``ndarray.dtype.name`` is slow).
@@ -286,7 +286,9 @@ class Batch(_Msg):
     """A whole step for one learner rank: sample-major arrays, concatenated over tokens.
 
     Samples come rank by rank: the first ``shard_sizes[0]`` are rank 0's shard, and so on
-    (every rank receives the same message and trains on its own slice)."""
+    (every rank receives the same message and trains on its own slice). It carries data
+    and counts derived from it, no clocks: generator rates and admission time are in
+    ``Stats``, and the learner measures its own wait for a batch."""
 
     step: int
     group_ids: list[int]
@@ -302,10 +304,6 @@ class Batch(_Msg):
     data_sources: list[str]  # data_source of each of group_ids
     dropped_stale: int
     buffer_size: int
-    gen_tokens_per_s: float
-    wait_s: float
-    gen_blocked_s: float = 0.0  # generators' seconds refused by admission so far (all generators)
-    gen_idle_s: float = 0.0  # the part of it with nothing in flight (engine idle)
     group_prompts: list[int] = []  # prompt index of each of group_ids (the audit trail)
     group_generators: list[int] = []  # the generator that sampled each of group_ids
     prompts_skipped: int = 0  # prompts left out of the data set (longer than max_prompt_length)
@@ -342,6 +340,10 @@ class NotReady(_Msg):
 
 
 class Stats(_Msg):
+    """The buffer's counters (the reply to ``GetStats``), and what it measures about the
+    generators: totals count from the buffer process's start (checkpoints do not carry
+    them), so after a resume they start again from zero."""
+
     issued: int
     returned: int
     consumed: int
@@ -351,6 +353,9 @@ class Stats(_Msg):
     admission_blocked: int
     leases_expired: int = 0  # groups taken back from a holder that did not return them in time
     generator_restarts: int = 0  # generator processes that joined again under a known id
+    gen_tokens_per_s: float = 0.0  # generation rate over the last 20 s (buffer/telemetry.py)
+    gen_blocked_s: float = 0.0  # generators' seconds refused by admission so far (all generators)
+    gen_idle_s: float = 0.0  # the part of it with nothing in flight (engine idle)
 
 
 class Error(_Msg):

@@ -33,8 +33,6 @@ def _batch_message():
         token_versions=frames.add(np.zeros(3, np.int32)),
         dropped_stale=0,
         buffer_size=0,
-        gen_tokens_per_s=0.0,
-        wait_s=0.0,
     )
     return body, [bytes(b) for b in frames.buffers]
 

@@ -75,7 +75,7 @@ def step_batch(world: int):
         behav_logprobs=frames.add(cat([g.behav_logprobs[i] for g, i in samples], np.float32)),
         token_versions=frames.add(cat([g.token_versions[i] for g, i in samples], np.int32)),
         scores=[g.scores[i] for g, i in samples], failed=[0], data_sources=["default"] * 3,
-        dropped_stale=0, buffer_size=0, gen_tokens_per_s=0.0, wait_s=0.0,
+        dropped_stale=0, buffer_size=0,
     )  # fmt: skip
     return collate(body, [bytes(b) for b in frames.buffers], pad_id=0)
 

@@ -73,8 +73,6 @@ def test_ledger_state_round_trips_and_rejects_other_formats():
         max_staleness=2,
         dropped_stale=0,
         admission_blocked=7,
-        gen_blocked_s=1.5,
-        gen_idle_s=0.25,
     )
     assert decode_state(encode_state(state)) == state
     with pytest.raises(SnapshotError, match="format 99"):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from buffer.ledger import TokenRate
+from buffer.telemetry import TokenRate
 from verl_async import placement
 from verl_async.checkpoint import commit, step_dir
 from verl_async.config import load_config, to_yaml

@@ -39,7 +39,7 @@ def test_restore_continues_exactly_where_the_snapshot_was_taken(tmp_path):
         model=model.state_dict(),
         optimizer=opt.state_dict(),
         scheduler=sched.state_dict(),
-        info={"wall_s": 1.5, "gen_blocked_s": 0.0, "gen_idle_s": 0.0},
+        info={"wall_s": 1.5},
         buffer_files=lambda: {"ledger.json": b"{}", "rollouts.arrow": b"arrow"},
     )
     writer.save(snap)
@@ -190,7 +190,7 @@ def test_the_critic_and_its_optimizer_are_restored_with_the_actor(tmp_path):
     writer = checkpointing.Checkpointer(tmp_path, keep_last=2, timeout_s=30, meta={})
     snap = checkpointing.take_snapshot(
         writer.stager(), 2, 2, model.state_dict(), opt.state_dict(), sched.state_dict(),
-        {"wall_s": 0.0, "gen_blocked_s": 0.0, "gen_idle_s": 0.0, "kl_ctrl": {"value": 0.3}},
+        {"wall_s": 0.0, "kl_ctrl": {"value": 0.3}},
         lambda: {"ledger.json": b"{}"},
         critic=(critic.state_dict(), critic_opt.state_dict()),
     )  # fmt: skip

@@ -3,15 +3,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from buffer.ledger import (
-    AdmissionClock,
-    LedgerError,
-    PromptLedger,
-    StoredGroup,
-    TokenRate,
-    filter_stale,
-    shard_samples,
-)
+from buffer.ledger import LedgerError, PromptLedger, StoredGroup, filter_stale, shard_samples
+from buffer.telemetry import AdmissionClock, TokenRate
 from verl_async.data import PromptRecord
 from verl_async.staleness import Admission
 

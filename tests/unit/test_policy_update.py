@@ -34,8 +34,6 @@ def _batch():
         data_sources=["default"],
         dropped_stale=0,
         buffer_size=0,
-        gen_tokens_per_s=0.0,
-        wait_s=0.0,
     )
     return collate(body, [bytes(b) for b in frames.buffers], pad_id=0)
 
