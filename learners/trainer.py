@@ -131,9 +131,10 @@ class Learner:
                 self.maybe_evaluate()
                 ckpt_s = self.checkpoint()
                 step_s = time.monotonic() - t0
-                self.log_metrics(
-                    step, batch, (stats, critic_stats, advantages), sync_s, step_s, ckpt_s
-                )
+                if self.metrics is not None:  # rank 0
+                    update = (stats, critic_stats, advantages)
+                    row = self.metrics_row(step, batch, update, sync_s, step_s, ckpt_s)
+                    self.log_metrics(step, row)
                 self.mark_start_up(step == steps.start, "first step")
             batches.close()
         except KeyboardInterrupt:  # SIGTERM from the launcher (Ctrl-C) lands here too
@@ -365,18 +366,8 @@ class Learner:
             )
         return True
 
-    def log_metrics(
-        self,
-        step: int,
-        batch: TrainBatch,
-        update: tuple[StepStats, CriticStats | None, Advantages],
-        sync_s: float,
-        step_s: float,
-        checkpoint_s: float | None = None,
-    ) -> None:
-        if self.metrics is None:
-            return
-        row = self.metrics_row(step, batch, update, sync_s, step_s, checkpoint_s)
+    def log_metrics(self, step: int, row: dict) -> None:
+        """Write the step's row (``metrics_row``) and, every ``trainer.log_every``, a line."""
         self.metrics.write(row)
         if (step + 1) % self.cfg.trainer.log_every == 0:
             log.info(
