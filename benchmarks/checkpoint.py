@@ -19,21 +19,21 @@ left out; the medians are over the warm steps of all repeats. Each pair also giv
 ratio of its two run medians; the median of those is robust to drift between pairs.
 
 ``--learner-only`` fills the buffer with every step's rollouts before the learner starts
-(trainer.prefill_steps = steps, staleness.max = steps - 1), so the learner trains with
-the generator idle and the step times carry no generation noise. The buffer then holds
-the whole backlog (1,600 groups at the start of 200 steps), and every checkpoint encodes
-and writes all of it: a worst case for the buffer's part, far above the (η + 1) × B
-groups that admission allows in a normal run. Overrides (e.g. a larger
-``model.tiny.*``) apply to every run. Ends with one summary line: median step time with
-/ without.
+(benchmarks/bench_learner.py ``--prefill-steps`` = steps, staleness.max = steps - 1), so
+the learner trains with the generator idle and the step times carry no generation noise.
+The buffer then holds the whole backlog (1,600 groups at the start of 200 steps), and
+every checkpoint encodes and writes all of it: a worst case for the buffer's part, far
+above the (η + 1) × B groups that admission allows in a normal run. Overrides (e.g. a
+larger ``model.tiny.*``) apply to every run. Ends with one summary line: median step time
+with / without.
 
 ``--alternate B`` measures both settings inside each run instead: the learner checkpoints
 at every barrier of every other block of B steps and at none of the rest
-(``VERL_ASYNC_BENCH_CKPT_ALTERNATE``), so the steps with and without checkpoints share
-one process, one memory layout and one stretch of the machine's speed. A step counts as
-"every" when the barriers before and after it both checkpointed (a write running behind
-it, a snapshot at its end; so only with --every 1) and as "off" when neither did; the
-step where the setting changes is left out. Reported: the pooled ratio, each run's ratio
+(benchmarks/bench_learner.py ``--alternate B``), so the steps with and without
+checkpoints share one process, one memory layout and one stretch of the machine's speed.
+A step counts as "every" when the barriers before and after it both checkpointed (a write
+running behind it, a snapshot at its end; so only with --every 1) and as "off" when
+neither did; the step where the setting changes is left out. Reported: the pooled ratio, each run's ratio
 and the median ratio of adjacent blocks (off/every and every/off alike, so drift within
 a run cancels).
 """
@@ -50,8 +50,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, machine, run_train  # noqa: E402
 
-from learners.trainer import ALTERNATE_ENV  # noqa: E402
-
 WARM = 0.1
 
 
@@ -60,8 +58,11 @@ def warm(rows: list[dict]) -> list[dict]:
     return rows[int(len(rows) * WARM) :]
 
 
-def one_run(name: str, every: int, args, env: dict | None = None) -> tuple[list[dict], Path]:
+def one_run(name: str, every: int, args, alternate: int = 0) -> tuple[list[dict], Path]:
     run_dir = args.out / name
+    learner = [f"--alternate={alternate}"] if alternate else []
+    if args.learner_only:
+        learner.append(f"--prefill-steps={args.steps}")
     rows, _ = run_train(
         args.config,
         run_dir,
@@ -69,14 +70,10 @@ def one_run(name: str, every: int, args, env: dict | None = None) -> tuple[list[
             f"trainer.total_steps={args.steps}",
             f"checkpoint.every_steps={every}",
             "checkpoint.keep_last=2",
-            *(
-                [f"trainer.prefill_steps={args.steps}", f"staleness.max={args.steps - 1}"]
-                if args.learner_only
-                else []
-            ),
+            *([f"staleness.max={args.steps - 1}"] if args.learner_only else []),
             *args.override,
         ],
-        env,
+        learner or None,
     )
     return rows, run_dir
 
@@ -218,8 +215,7 @@ def report_alternating(res: dict) -> str:
 def main_alternating(args) -> int:
     if args.every != 1:
         raise SystemExit("--alternate needs --every 1")
-    env = {ALTERNATE_ENV: str(args.alternate)}
-    runs = [one_run(f"alt{i}", 1, args, env) for i in range(args.repeats)]
+    runs = [one_run(f"alt{i}", 1, args, args.alternate) for i in range(args.repeats)]
     res = summarize_alternating(runs, args.alternate)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "checkpoint.json").write_text(json.dumps({"alternate": res}, indent=1))

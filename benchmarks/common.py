@@ -11,30 +11,35 @@ import sys
 import time
 from pathlib import Path
 
+from custom_learner import command
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def train_command(
+    config: Path, run_dir: Path, overrides: list[str], learner: list[str] | None = None
+) -> list[str]:
+    """``verl-async train CONFIG --run-dir RUN_DIR overrides...``; with ``learner``, the
+    learner is benchmarks/bench_learner.py with those options (``--prefill-steps P``,
+    ``--alternate B``)."""
+    args = ["train", str(config), "--run-dir", str(run_dir), *overrides]
+    if learner is not None:
+        return command("benchmarks.bench_learner", learner, args)
+    return [sys.executable, "-m", "verl_async.launch.cli", *args]
+
+
 def run_train(
-    config: Path, run_dir: Path, overrides: list[str], env: dict[str, str] | None = None
+    config: Path, run_dir: Path, overrides: list[str], learner: list[str] | None = None
 ) -> tuple[list[dict], float]:
-    """``verl-async train CONFIG --run-dir RUN_DIR overrides...`` (with ``env`` added to the
-    environment); returns (metrics rows, seconds)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "verl_async.launch.cli",
-        "train",
-        str(config),
-        "--run-dir",
-        str(run_dir),
-    ]
+    """Run ``train_command(...)`` to the end (from the repository root); returns (metrics
+    rows, seconds)."""
     t0 = time.monotonic()
     res = subprocess.run(
-        [*cmd, *overrides],
+        train_command(config, run_dir, overrides, learner),
         cwd=ROOT,
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     seconds = time.monotonic() - t0
     if res.returncode != 0:

@@ -5,10 +5,11 @@
 
 Three real ``verl-async train configs/tiny.yaml`` runs, one after another:
 
-  stages  eta = S - 1, trainer.prefill_steps = S: the generator fills the buffer with S
-          steps of groups while the learner waits (generation alone), then the learner
-          trains on the full buffer while the generator has no prompts left (training
-          alone, weight pushes included). Gives the two stage rates in samples/s.
+  stages  eta = S - 1, --prefill-steps S (benchmarks/bench_learner.py): the generator
+          fills the buffer with S steps of groups while the learner waits (generation
+          alone), then the learner trains on the full buffer while the generator has no
+          prompts left (training alone, weight pushes included). Gives the two stage
+          rates in samples/s.
   sync    eta = 0, ``--steps`` steps.
   async   eta = 2, the same number of steps and samples.
 
@@ -39,9 +40,9 @@ def stage_rates(args) -> dict:
         [
             f"staleness.max={s - 1}",
             f"trainer.total_steps={s}",
-            f"trainer.prefill_steps={s}",
             *args.override,
         ],
+        [f"--prefill-steps={s}"],
     )
     samples = sum(r["samples"] for r in rows)
     train_s = sum(r["step_s"] for r in rows)

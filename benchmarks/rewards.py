@@ -4,15 +4,15 @@
                                  [--reward-model DIR] [--out runs/rewards] [--whole-rows]
                                  [--fill-only] [key=value ...]
 
-Each run is ``verl-async train CONFIG`` with ``trainer.prefill_steps = P`` and
-``trainer.total_steps = P`` (eta = P - 1): the learner waits until the generators have
-filled the buffer with P steps of scored groups, so ``prefill_s`` in metrics.jsonl is
-generation alone (sampling and scoring, nothing else). Both arms use the config's reward
-sources; the "with" arm adds a ``model`` source served by its own reward-model process
-(``placement.reward_models``); ``--whole-rows`` adds a third arm whose reward model
-forwards every conversation whole (``share_prefix: false``). Runs go in ABBA order (ABC
-CBA with three arms); the summary is the ratio of generated tokens per second, with /
-without (target >= 0.9).
+Each run is ``verl-async train CONFIG`` with ``trainer.total_steps = P`` (eta = P - 1)
+and the learner of benchmarks/bench_learner.py with ``--prefill-steps P``: it waits until
+the generators have filled the buffer with P steps of scored groups, so ``prefill_s`` in
+metrics.jsonl is generation alone (sampling and scoring, nothing else). Both arms use the
+config's reward sources; the "with" arm adds a ``model`` source served by its own
+reward-model process (``placement.reward_models``); ``--whole-rows`` adds a third arm whose
+reward model forwards every conversation whole (``share_prefix: false``). Runs go in ABBA
+order (ABC CBA with three arms); the summary is the ratio of generated tokens per second,
+with / without (target >= 0.9).
 
 The reward model: ``--reward-model DIR``, or else one built here. For the tiny default
 it is the tiny sequence classifier; for a real policy it is the policy's own backbone with
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, interrupt, machine, mean, run_train  # noqa: E402
+from common import ROOT, interrupt, machine, mean, run_train, train_command  # noqa: E402
 
 from verl_async.metrics import read_metrics  # noqa: E402
 
@@ -80,12 +80,11 @@ def sources_with_model(args, rm: Path, share_prefix: bool = True) -> str:
     return "rewards.sources=" + json.dumps(sources)
 
 
-def fill_only(run_dir: Path, overrides: list[str], args) -> list[dict]:
+def fill_only(run_dir: Path, overrides: list[str], learner: list[str], args) -> list[dict]:
     """The run stopped (SIGINT, as Ctrl-C) once its first step is logged: that row holds
     ``prefill_s``, and the learner's P - 1 further steps would only cost time."""
-    cmd = [sys.executable, "-m", "verl_async.launch.cli", "train", str(args.config)]
     proc = subprocess.Popen(
-        [*cmd, "--run-dir", str(run_dir), *overrides],
+        train_command(args.config, run_dir, overrides, learner),
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -107,18 +106,18 @@ def generation_run(name: str, extra: list[str], args) -> dict:
     overrides = [
         f"staleness.max={p - 1}",
         f"trainer.total_steps={p}",
-        f"trainer.prefill_steps={p}",
         "checkpoint.every_steps=0",
         "eval.every_steps=0",
         *args.override,
         *extra,
     ]
+    learner = [f"--prefill-steps={p}"]
     if args.fill_only:
-        rows = fill_only(args.out / name, overrides, args)
+        rows = fill_only(args.out / name, overrides, learner, args)
         samples = p * rows[0]["samples"]  # every step holds the same number of samples
         tokens = p * rows[0]["response_tokens"]  # an estimate: step 0's responses
     else:
-        rows, _ = run_train(args.config, args.out / name, overrides)
+        rows, _ = run_train(args.config, args.out / name, overrides, learner)
         samples = sum(r["samples"] for r in rows)
         tokens = sum(r["response_tokens"] for r in rows)
     seconds = rows[0]["prefill_s"]

@@ -38,6 +38,15 @@ from common import ROOT, machine  # noqa: E402
 PROBE = [1, 3, 5, 9, 7, 4, 13, 8, 2]
 
 
+def send_weights(group, tensors: dict, specs: list, bucket_bytes: int) -> None:
+    """The learner's side of both arms: ``tensors`` packed bucket by bucket in the plan of
+    ``specs`` and broadcast from rank 0 (memory: one bucket)."""
+    from verl_async.weight_sync import broadcast_bucket, pack_bucket, plan_buckets
+
+    for bucket in plan_buckets(specs, bucket_bytes):
+        broadcast_bucket(group, pack_bucket(bucket, tensors))
+
+
 def raw_receiver(port: int, specs: list, bucket_bytes: int, repeats: int, backend: str) -> None:
     from verl_async.protocol import ParamSpec
     from verl_async.weight_sync import join_group, receive_weights
@@ -51,7 +60,7 @@ def raw_receiver(port: int, specs: list, bucket_bytes: int, repeats: int, backen
 
 def raw_broadcast(tensors, specs, bucket_bytes: int, repeats: int, backend: str) -> list[float]:
     from verl_async.runtime import free_port
-    from verl_async.weight_sync import join_group, send_weights
+    from verl_async.weight_sync import join_group
 
     port = free_port("127.0.0.1")
     ctx = mp.get_context("spawn")
@@ -85,7 +94,7 @@ async def ours(model_path: Path, args, bucket_bytes: int) -> tuple[list[float], 
     from verl_async import protocol as P
     from verl_async.config import load_config
     from verl_async.runtime import free_port
-    from verl_async.weight_sync import join_group, param_specs, send_weights
+    from verl_async.weight_sync import join_group, param_specs
 
     cfg = load_config(
         ROOT / "configs/tiny.yaml",

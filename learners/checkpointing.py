@@ -36,10 +36,6 @@ nothing back; hashing and writing large buffers release the GIL. The writer runs
 normal priority on purpose: at nice 19 it was starved on a busy core while holding the
 GIL, which stalled the training thread (a 108 MiB checkpoint every 5 steps cost 13 % of
 step time that way; BENCHMARKS.md).
-
-``VERL_ASYNC_FAULT_CKPT_WRITE_DELAY_S`` (fault injection, used by the crash tests) makes
-the writer sleep that long after the learner files and before the buffer files and the
-manifest, so a kill can land in the middle of a write.
 """
 
 from __future__ import annotations
@@ -71,8 +67,6 @@ from verl_async.checkpoint import (
 )
 
 log = logging.getLogger("verl_async.learner")
-
-_FAULT_DELAY = "VERL_ASYNC_FAULT_CKPT_WRITE_DELAY_S"
 
 
 @dataclass
@@ -369,9 +363,6 @@ class Checkpointer:
         recycled = take_spare(self.run_dir, ckpt)  # a retired checkpoint's files, overwritten
         hashes: dict[str, FileEntry] = {}
         self._write_files(ckpt, snap.files, hashes)
-        delay = float(os.environ.get(_FAULT_DELAY, "0"))
-        if delay:
-            time.sleep(delay)  # fault injection: learner files written, the rest not
         if snap.deferred is not None:
             self._write_files(ckpt, snap.deferred(), hashes)
         if recycled:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -49,8 +48,6 @@ from verl_async.transport import BufferClient
 from verl_async.weight_sync import SyncGroup, param_specs, plan_buckets
 
 log = logging.getLogger("verl_async.learner")
-
-ALTERNATE_ENV = "VERL_ASYNC_BENCH_CKPT_ALTERNATE"
 
 
 class Learner:
@@ -111,16 +108,12 @@ class Learner:
             else None
         )
         self.checkpoint_wait_s = 0.0  # of the last checkpoint: waiting for a staging slot
-        # Benchmark only (benchmarks/checkpoint.py --alternate B): checkpoint only in every
-        # other block of B steps, so one run measures steps with and without checkpoints.
-        self.alternate_block = int(os.environ.get(ALTERNATE_ENV, "0"))
 
     def train(self) -> None:
         resumed = self.restore()
         if resumed:
             self.publish_weights(new_version=False)  # before anyone waits for a rollout
         steps = range(self.steps_done, self.cfg.trainer.total_steps)
-        prefill_s = None if resumed else self.wait_for_prefill()
         batches = self.open_prefetcher(steps)
         self.maybe_evaluate()  # the weights before any (further) training, all of it at
         if self.evals is not None:  # this version: the baseline every later round is read against
@@ -138,16 +131,10 @@ class Learner:
                 self.maybe_evaluate()
                 ckpt_s = self.checkpoint()
                 step_s = time.monotonic() - t0
-                self.log_metrics(
-                    step,
-                    batch,
-                    (stats, critic_stats, advantages),
-                    sync_s,
-                    step_s,
-                    prefill_s,
-                    ckpt_s,
-                )
-                prefill_s = None
+                if self.metrics is not None:  # rank 0
+                    update = (stats, critic_stats, advantages)
+                    row = self.metrics_row(step, batch, update, sync_s, step_s, ckpt_s)
+                    self.log_metrics(step, row)
                 self.mark_start_up(step == steps.start, "first step")
             batches.close()
         except KeyboardInterrupt:  # SIGTERM from the launcher (Ctrl-C) lands here too
@@ -163,25 +150,6 @@ class Learner:
             mark(self.ctx.path, "learner", event)
 
     # ------------------------------------------------------------------ steps
-
-    def wait_for_prefill(self) -> float | None:
-        """``trainer.prefill_steps`` > 0: wait until the buffer holds that many steps of groups.
-
-        Returns the seconds the fill took (generation alone, the learner idle), or None.
-        """
-        want = self.cfg.trainer.prefill_steps * self.cfg.learner.groups_per_step
-        if want == 0:
-            return None
-        t0 = time.monotonic()
-        deadline = t0 + self.cfg.weights.join_timeout_s
-        while (returned := self.client.request(P.GetStats())[0].returned) < want:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"buffer pre-fill stuck at {returned}/{want} groups")
-            time.sleep(0.02)
-        seconds = time.monotonic() - t0
-        log.info("buffer pre-filled with %d groups in %.2fs", want, seconds)
-        self.t_start = time.monotonic()
-        return seconds
 
     def maybe_evaluate(self) -> None:
         """Start an evaluation round when one is due; write the rounds that have finished."""
@@ -332,8 +300,6 @@ class Learner:
         every = self.cfg.checkpoint.every_steps
         if not every or self.steps_done % every:
             return None
-        if self.alternate_block and (self.steps_done // self.alternate_block) % 2 == 0:
-            return None  # an "off" block of the benchmark's alternation
         t0 = time.monotonic()
         world = self.dp.world
         model = model_state(self.raw_model, world)
@@ -398,18 +364,27 @@ class Learner:
             )
         return True
 
-    def log_metrics(
+    def log_metrics(self, step: int, row: dict) -> None:
+        """Write the step's row (``metrics_row``) and, every ``trainer.log_every``, a line."""
+        self.metrics.write(row)
+        if (step + 1) % self.cfg.trainer.log_every == 0:
+            log.info(
+                "step %d reward %.3f staleness max %d",
+                step,
+                row["reward_mean"],
+                row["staleness_max"],
+            )
+
+    def metrics_row(
         self,
         step: int,
         batch: TrainBatch,
         update: tuple[StepStats, CriticStats | None, Advantages],
         sync_s: float,
         step_s: float,
-        prefill_s: float | None = None,
-        checkpoint_s: float | None = None,
-    ) -> None:
-        if self.metrics is None:
-            return
+        checkpoint_s: float | None,
+    ) -> dict:
+        """The step's line of metrics.jsonl (rank 0)."""
         stats, critic_stats, adv = update
         row = step_row(
             step,
@@ -437,8 +412,6 @@ class Learner:
             if self.sync.broadcast is not None:  # the last finished one
                 row["weight_broadcast_s"] = round(self.sync.broadcast.seconds, 4)
             row["weight_sync_epoch"] = self.sync.epoch
-        if prefill_s is not None:
-            row["prefill_s"] = round(prefill_s, 4)
         if checkpoint_s is not None:
             row["checkpoint_s"] = round(checkpoint_s, 4)
             row["checkpoint_wait_s"] = round(self.checkpoint_wait_s, 4)
@@ -446,14 +419,7 @@ class Learner:
             row["checkpoint_write_cpu_s"] = round(self.checkpointer.last_write_cpu_s, 4)
         if self.scheduler is not None:
             row["lr"] = self.scheduler.get_last_lr()[0]
-        self.metrics.write(row)
-        if (step + 1) % self.cfg.trainer.log_every == 0:
-            log.info(
-                "step %d reward %.3f staleness max %d",
-                step,
-                row["reward_mean"],
-                row["staleness_max"],
-            )
+        return row
 
     def record_trail(self, step: int, batch: TrainBatch) -> None:
         """The audit trail: which groups (prompt index) and samples (digest) a step used.

@@ -129,11 +129,6 @@ def check_consistency(cfg: RunConfig) -> None:
     if tiny.num_heads % tiny.num_kv_heads:
         raise ConfigError("bad value for 'model.tiny.num_kv_heads': must divide num_heads")
     placement.validate(cfg)
-    if cfg.trainer.prefill_steps > min(cfg.staleness.max + 1, cfg.trainer.total_steps):
-        raise ConfigError(
-            "bad value for 'trainer.prefill_steps': at most staleness.max + 1 and "
-            "trainer.total_steps (admission would never let the buffer fill that far)"
-        )
     check_loggers(cfg.trainer.loggers)
     check_rewards(cfg.rewards)
     if cfg.weights.host not in ("", "127.0.0.1", "localhost", "::1") and not cfg.weights.port:

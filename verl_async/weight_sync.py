@@ -189,18 +189,6 @@ def pack_bucket(bucket: Bucket, tensors: dict[str, torch.Tensor]) -> torch.Tenso
     return buf
 
 
-def send_weights(
-    group: SyncGroup, tensors: dict[str, torch.Tensor], specs: list[ParamSpec], bucket_bytes: int
-) -> int:
-    """Rank 0: broadcast ``tensors`` (full, unsharded) in the packed order of ``specs``,
-    one bucket at a time (memory: one bucket)."""
-    sent = 0
-    for bucket in plan_buckets(specs, bucket_bytes):
-        broadcast_bucket(group, pack_bucket(bucket, tensors))
-        sent += bucket.nbytes
-    return sent
-
-
 def broadcast_packed(group: SyncGroup, buffers: list[torch.Tensor]) -> int:
     """Rank 0: broadcast buckets made by ``pack_bucket``, in plan order; returns bytes sent."""
     for buf in buffers:

@@ -4,7 +4,7 @@ One run of one epoch (96 prompts = 24 steps of 4 groups), checkpoint every 3 ste
 
 1. killed between checkpoints (step 6 committed, step 7 or 8 trained);
 2. resumed, and killed while the step-9 checkpoint is being written (the writer is slowed
-   down by the fault-injection variable, so the kill lands inside the write);
+   down by tests/slow_checkpoint.py, so the kill lands inside the write);
 3. resumed, and killed right after a generator loaded a version no checkpoint holds;
 4. the newest checkpoint is damaged on purpose: ``ckpt verify`` reports it and the last
    resume falls back to the one before, with a log line, and finishes the epoch.
@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.custom_learner import command
 from verl_async.checkpoint import MANIFEST, list_checkpoints
 
 from .conftest import ROOT, processes_mentioning, run_cli
@@ -51,10 +52,15 @@ def _overrides(data: Path) -> list[str]:
     ]
 
 
-def _launch(args: list[str], env_extra: dict | None = None) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
+def _launch(args: list[str], write_delay_s: float | None = None) -> subprocess.Popen:
+    """``verl-async ARGS``; with ``write_delay_s`` the learner's checkpoint writes are slowed
+    down by that much (tests/slow_checkpoint.py), so a kill can land inside one."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    slow = ["--write-delay-s", str(write_delay_s)]
     return subprocess.Popen(
-        [sys.executable, "-m", "verl_async.launch.cli", *args],
+        command("tests.slow_checkpoint", slow, args)
+        if write_delay_s is not None
+        else [sys.executable, "-m", "verl_async.launch.cli", *args],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -202,7 +208,7 @@ def _crash_and_resume(tmp: Path, extra: list[str], shapes: list[list[str]] | Non
     _settle(run_dir)
 
     # 2. During a checkpoint write: step_00000009 exists, its manifest does not.
-    proc = _launch(resume(), {"VERL_ASYNC_FAULT_CKPT_WRITE_DELAY_S": "4"})
+    proc = _launch(resume(), write_delay_s=4)
     ckpt9 = run_dir / "checkpoints" / "step_00000009"
     _kill_when(
         proc,
@@ -301,7 +307,7 @@ def test_ctrl_c_finishes_the_checkpoint_write_in_progress_then_exits(tmp_path, s
     run_dir = tmp_path / "run"
     proc = _launch(
         ["train", "configs/tiny.yaml", "--run-dir", str(run_dir), *_overrides(data)],
-        {"VERL_ASYNC_FAULT_CKPT_WRITE_DELAY_S": "3"},
+        write_delay_s=3,
     )
     ckpt3 = run_dir / "checkpoints" / "step_00000003"
     deadline = time.monotonic() + 300

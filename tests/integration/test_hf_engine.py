@@ -12,10 +12,11 @@ import torch
 from generators.engine import Sampling
 from generators.hf_engine import start_hf_engine
 from learners.update import logits_of
+from tests.weight_sync_helpers import send_weights
 from verl_async import protocol as P
 from verl_async.algos import token_logprobs
 from verl_async.config import load_config
-from verl_async.weight_sync import join_group, param_specs, send_weights
+from verl_async.weight_sync import join_group, param_specs
 
 from .conftest import ROOT
 

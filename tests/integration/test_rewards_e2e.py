@@ -11,9 +11,10 @@ import time
 import numpy as np
 import pytest
 
+from benchmarks.custom_learner import command
 from benchmarks.tiny_reward_model import build_tiny_reward_model
 
-from .conftest import ROOT, cmdline, processes_mentioning, run_cli
+from .conftest import ROOT, cmdline, processes_mentioning
 
 SOURCES = (
     "rewards.sources=["
@@ -52,22 +53,30 @@ def test_model_and_rule_rewards_score_real_rollouts(tmp_path, reward_model_dir):
         "".join((ROOT / "configs/data/max_digit.jsonl").read_text().splitlines(True)[:16])
     )
     run_dir = tmp_path / "run"
-    res = run_cli(
-        [
-            "train",
-            "configs/tiny.yaml",
-            "--run-dir",
-            str(run_dir),
-            "trainer.total_steps=6",
-            # Three steps of groups in the buffer before step 0: every checkpoint barrier
-            # then finds scored groups stored, which the test re-scores below.
-            "trainer.prefill_steps=3",
-            "checkpoint.every_steps=1",
-            "checkpoint.keep_last=10",
-            f"data.val_path={val}",
-            "eval.every_steps=3",
-            SOURCES % reward_model_dir,
-        ],
+    # Three steps of groups in the buffer before step 0 (benchmarks/bench_learner.py
+    # --prefill-steps): every checkpoint barrier then finds scored groups stored, which the
+    # test re-scores below.
+    res = subprocess.run(
+        command(
+            "benchmarks.bench_learner",
+            ["--prefill-steps=3"],
+            [
+                "train",
+                "configs/tiny.yaml",
+                "--run-dir",
+                str(run_dir),
+                "trainer.total_steps=6",
+                "checkpoint.every_steps=1",
+                "checkpoint.keep_last=10",
+                f"data.val_path={val}",
+                "eval.every_steps=3",
+                SOURCES % reward_model_dir,
+            ],
+        ),
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        capture_output=True,
+        text=True,
         timeout=400,
     )
     assert res.returncode == 0, res.stderr[-3000:]

@@ -7,9 +7,10 @@ import threading
 import pytest
 import torch
 
+from tests.weight_sync_helpers import send_weights
 from verl_async import protocol as P
 from verl_async.config import load_config
-from verl_async.weight_sync import join_group, param_specs, send_weights
+from verl_async.weight_sync import join_group, param_specs
 
 from .conftest import ENGINES, ROOT, start_test_engine
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from learners import checkpointing
+from tests.slow_checkpoint import SlowCheckpointer
 from verl_async.checkpoint import list_checkpoints, read_manifest, step_dir, verify
 
 
@@ -83,9 +84,8 @@ def test_a_writer_error_surfaces_in_the_training_thread(tmp_path):
         writer.wait()
 
 
-def test_writes_commit_in_order_and_slots_alternate(tmp_path, monkeypatch):
-    monkeypatch.setenv("VERL_ASYNC_FAULT_CKPT_WRITE_DELAY_S", "0.3")
-    writer = checkpointing.Checkpointer(tmp_path, keep_last=5, timeout_s=30, meta={})
+def test_writes_commit_in_order_and_slots_alternate(tmp_path):
+    writer = SlowCheckpointer(tmp_path, keep_last=5, timeout_s=30, meta={}, delay_s=0.3)
     slots = []
     for step in (1, 2, 3):
         stager = writer.stager()

@@ -4,13 +4,13 @@ import threading
 
 import torch
 
+from tests.weight_sync_helpers import send_weights
 from verl_async.protocol import ParamSpec
 from verl_async.weight_sync import (
     join_group,
     param_specs,
     plan_buckets,
     receive_weights,
-    send_weights,
 )
 
 
