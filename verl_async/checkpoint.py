@@ -1,6 +1,6 @@
 """Checkpoint directories and their manifests: the commit point of a checkpoint.
 
-Layout (part of the run directory, README.md)::
+Layout (part of the run directory, docs/run_dir.md)::
 
     <run_dir>/checkpoints/step_NNNNNNNN/
         ...                  files written by the learner and the buffer, in any order

@@ -12,7 +12,7 @@ from verl_async.loggers import numeric, open_loggers
 if TYPE_CHECKING:
     from verl_async.schema import RunConfig
 
-# The run-directory contract (README.md, "Run directory"): every line carries at least these keys.
+# The run-directory contract (docs/run_dir.md, docs/metrics.md): every line carries at least these keys.
 REQUIRED_FIELDS = (
     "step",
     "version",

@@ -1,6 +1,6 @@
 """The run directory: make it, resume it from a checkpoint, or start it over.
 
-A run lives in one directory (README.md, "Run directory"). ``open_run_dir`` decides what a
+A run lives in one directory (docs/run_dir.md). ``open_run_dir`` decides what a
 command does with the directory it is given: a new run makes it; ``--resume`` (or
 ``checkpoint.resume=true`` on a run that has a checkpoint) picks the newest checkpoint
 that verifies, sets newer ones aside and cuts the per-step files back to it; a run stopped
