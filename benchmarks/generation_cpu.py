@@ -20,7 +20,7 @@ AsyncLLM, whose engine core and worker are the same):
                     generators/hf_engine.py): every completion a request, one wave
   engine-hf-cpu0    the same on one thread, the process on core 0 (the tiny default's
                     generator placement)
-  vllm-project-pin  as generators/engine.py on ``cpu:0``: VLLM_CPU_OMP_THREADS_BIND=0,
+  vllm-project-pin  as generators/vllm_engine.py on ``cpu:0``: VLLM_CPU_OMP_THREADS_BIND=0,
                     OMP_NUM_THREADS=1, enforce_eager, prefix caching, logprobs=0 with
                     processed_logprobs, max_num_seqs 96
   vllm-project-cpu0 the same with the whole process tree on core 0, as the launcher's
@@ -92,7 +92,7 @@ def settings(cores: int) -> list[Setting]:
             {"VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": "1"},
             project,
             logprobs=True,
-            note="generators/engine.py on cpu:0",
+            note="generators/vllm_engine.py on cpu:0",
         ),
         Setting(
             "vllm-project-cpu0",
@@ -231,8 +231,8 @@ def run_engine_hf(model: str, texts: list[str], samples: int, max_tokens: int) -
     import torch
     from transformers import AutoTokenizer
 
-    from generators.engine import Sampling
     from generators.hf_engine import start_hf_engine
+    from generators.interface import Sampling
     from verl_async.config import load_config
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

@@ -90,7 +90,7 @@ def hf_logprobs(model, ids) -> torch.Tensor:
 async def ours(model_path: Path, args, bucket_bytes: int) -> tuple[list[float], float, int]:
     from transformers import AutoModelForCausalLM
 
-    from generators.engine import Engine, start_engine
+    from generators.vllm_engine import start_vllm_engine
     from verl_async import protocol as P
     from verl_async.config import load_config
     from verl_async.runtime import free_port
@@ -101,7 +101,7 @@ async def ours(model_path: Path, args, bucket_bytes: int) -> tuple[list[float], 
         [f"weights.bucket_mb={args.bucket_mb}", "generators.kv_cache_mb=32"],
     )
     learner = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    engine = Engine(start_engine(cfg, str(model_path), seed=0), cfg)
+    engine = start_vllm_engine(cfg, str(model_path), seed=0)
     port = free_port("127.0.0.1")
     try:
         holder: dict = {}

@@ -3,8 +3,8 @@
 ``generators.engine: hf`` (verl's ``rollout.name: hf``). For models so small that vLLM's
 fixed costs dominate (the tiny default: three serial vLLM imports at start-up, and a
 per-step overhead larger than the model's forward pass), and for machines without vLLM.
-It keeps the vLLM engine's interface (``generators.engine.Engine``), so the generator's
-loops do not know which one runs.
+It implements the same interface as the vLLM engine (``generators.interface.RolloutEngine``),
+so the generator's loops do not know which one runs.
 
 Batching is in waves rather than continuous: every request queued when a wave starts
 (up to ``max_inflight_groups * group_size`` with the same sampling settings) is decoded
@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from generators.engine import Sample, Sampling
+from generators.interface import Sample, Sampling
 from verl_async.protocol import ParamSpec, WeightUpdate
 from verl_async.schema import RunConfig
 from verl_async.weight_sync import SyncGroup, join_group, receive_weights
@@ -62,7 +62,7 @@ def start_hf_engine(cfg: RunConfig, model_path: str, seed: int) -> HFEngine:
 
 
 class HFEngine:
-    """The ``Engine`` interface over a transformers model held in this process."""
+    """``RolloutEngine`` over a transformers model held in this process."""
 
     def __init__(self, model, tokenizer, cfg: RunConfig, generator: torch.Generator) -> None:
         self.model = model
@@ -272,6 +272,7 @@ class HFEngine:
         return torch.tensor([any(s in t for s in stop) for t in texts], device=self.device)
 
     def shutdown(self) -> None:
+        """Stop the wave loop."""
         self.server.cancel()  # its done-callback cancels the requests still queued
 
 

@@ -1,18 +1,22 @@
-"""Generator process: keep a vLLM engine busy with prompt groups and ship rollouts.
+"""Generator process: keep an engine busy with prompt groups and ship rollouts.
 
-    start_engine -> join_weight_sync -> (concurrently)
-        sample loop:   fetch_prompts -> generate_group -> score -> push_rollouts
-                                     -> evaluate_group -> score -> push_eval
-        weight loop:   poll_version  -> apply_update (pause, receive, resume)
+    run_generator -> start_and_join (start_engine, join_weight_sync) -> Generator.run:
+        sample_loop:    GetPrompts -> generate_group -> sample -> score_and_push
+                                                                  (score, RolloutPusher.push)
+                                   -> evaluate_group -> sample -> score -> PushEval
+        follow_weights: PollVersion -> load -> engine.apply_update (pause, receive, resume)
+
+The engine is a ``RolloutEngine`` (generators/interface.py): vLLM or transformers, as
+``generators.engine`` says (generators/engines.py); this module knows neither.
 
 Scoring never runs on this event loop: rule rewards go to a scoring process of the
 generator's own and model rewards to their reward-model processes (verl_async/rewards);
 the loop only awaits their replies, each with a deadline.
 
-The engine does continuous batching: up to ``max_inflight_groups * group_size`` requests
-are in flight (a group's slot is freed when its sampling ends; at most
-``max_inflight_groups`` more groups wait for their scores), and a group's samples are separate requests so they share the prompt's
-prefix cache. The version reported to the buffer is the one *loaded*, never the newest
+Up to ``max_inflight_groups * group_size`` requests are in flight (a group's slot is
+freed when its sampling ends; at most ``max_inflight_groups`` more groups wait for their
+scores), and a group's samples are separate requests so they share the prompt's prefix
+cache (vLLM batches them continuously, the transformers engine in waves). The version reported to the buffer is the one *loaded*, never the newest
 published: admission depends on it (verl_async/staleness.py).
 """
 
@@ -25,7 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from generators.engine import Engine, Sampling, pack_samples, start_engine
+from generators.engines import start_engine
+from generators.interface import RolloutEngine, Sampling, pack_samples
 from verl_async import placement
 from verl_async import protocol as P
 from verl_async.auth import client_keys
@@ -108,7 +113,7 @@ class RolloutPusher:
 
 class Generator:
     def __init__(
-        self, ctx: RunContext, index: int, engine: Engine, tokenizer, scorer: Scorer
+        self, ctx: RunContext, index: int, engine: RolloutEngine, tokenizer, scorer: Scorer
     ) -> None:
         self.ctx = ctx
         self.cfg = ctx.cfg
@@ -314,20 +319,13 @@ async def run_generator(ctx: RunContext, index: int) -> None:
             engine.shutdown()
 
 
-async def start_and_join(ctx: RunContext, index: int, role: str) -> Engine:
+async def start_and_join(ctx: RunContext, index: int, role: str) -> RolloutEngine:
     """This generator's engine (``generators.engine``), up and a member of the weight-sync
     group."""
     cfg, ep = ctx.cfg, ctx.endpoints
     seed = cfg.learner.seed * 1000 + index
-    if cfg.generators.engine == "hf":
-        from generators.hf_engine import start_hf_engine
-
-        engine = start_hf_engine(cfg, ep.model_path, seed)
-    else:
-        tp = placement.tensor_parallel_size(placement.generator_groups(cfg)[index])
-        llm = start_engine(cfg, ep.model_path, seed=seed, tensor_parallel_size=tp)
-        engine = Engine(llm, cfg)
-        del llm  # the Engine owns it from here (and drops it at shutdown)
+    tp = placement.tensor_parallel_size(placement.generator_groups(cfg)[index])
+    engine = start_engine(cfg, ep.model_path, seed, tensor_parallel_size=tp)
     mark(ctx.path, role, "engine up")
     try:
         epoch = await sync_epoch(ctx, index)

@@ -42,7 +42,7 @@ class WeightSyncExtension:
 
         A broadcast that fails midway (a member died) still finalizes the reload, so the
         model stays loadable; its weights are then a mix, and the generator does not
-        sample again until a whole update has arrived (``Engine.apply_update``)."""
+        sample again until a whole update has arrived (``VllmEngine.apply_update``)."""
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload,
             initialize_layerwise_reload,

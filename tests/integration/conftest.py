@@ -3,8 +3,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 
+from generators.engines import start_engine
+from generators.interface import RolloutEngine
 from verl_async.launch.tiny_model import build_tiny_model
 from verl_async.schema import TinyModelConfig
 
@@ -19,15 +22,11 @@ def pytest_collection_modifyitems(items):
 ENGINES = ["vllm", "hf"]  # generators.engine: every engine-level test runs on both
 
 
-def start_test_engine(kind: str, cfg, model_path: Path, seed: int):
-    """A generator engine of ``kind`` in this process; call it inside a running event loop."""
-    if kind == "hf":
-        from generators.hf_engine import start_hf_engine
-
-        return start_hf_engine(cfg, str(model_path), seed)
-    from generators.engine import Engine, start_engine
-
-    return Engine(start_engine(cfg, str(model_path), seed=seed), cfg)
+def start_test_engine(kind: str, cfg, model_path: Path, seed: int) -> RolloutEngine:
+    """A generator engine of ``kind`` in this process, started as a generator starts it
+    (``generators.engines.start_engine``); call it inside a running event loop."""
+    generators = msgspec.structs.replace(cfg.generators, engine=kind)
+    return start_engine(msgspec.structs.replace(cfg, generators=generators), str(model_path), seed)
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from generators.engine import Sampling
+from generators.interface import Sampling
 from verl_async import protocol as P
 from verl_async.config import load_config, to_yaml
 from verl_async.runtime import Endpoints, write_endpoints

@@ -9,8 +9,8 @@ import threading
 import pytest
 import torch
 
-from generators.engine import Sampling
 from generators.hf_engine import start_hf_engine
+from generators.interface import Sampling
 from learners.update import logits_of
 from tests.weight_sync_helpers import send_weights
 from verl_async import protocol as P

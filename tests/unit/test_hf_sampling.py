@@ -5,8 +5,8 @@ import math
 
 import torch
 
-from generators.engine import Sampling
 from generators.hf_engine import sample_processed
+from generators.interface import Sampling
 
 PROBS = torch.tensor([[0.05, 0.5, 0.15, 0.3]])  # most likely: 1, then 3, 2, 0
 

@@ -1,4 +1,8 @@
-"""A vLLM AsyncLLM engine wrapped for RL: sampling with per-token versions, weight swaps."""
+"""A vLLM AsyncLLM engine wrapped for RL: sampling with per-token versions, weight swaps.
+
+``generators.engine: vllm``; implements ``generators.interface.RolloutEngine``. Weight
+updates reach each vLLM worker through the worker extension (generators/vllm_extension.py).
+"""
 
 from __future__ import annotations
 
@@ -6,10 +10,8 @@ import asyncio
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
 
-import numpy as np
-
+from generators.interface import Sample, Sampling
 from verl_async.protocol import WeightUpdate
 from verl_async.schema import RunConfig
 
@@ -18,7 +20,14 @@ EXTENSION = "generators.vllm_extension.WeightSyncExtension"
 log = logging.getLogger("verl_async.generator")
 
 
-def start_engine(cfg: RunConfig, model_path: str, seed: int, tensor_parallel_size: int = 1):
+def start_vllm_engine(
+    cfg: RunConfig, model_path: str, seed: int, tensor_parallel_size: int = 1
+) -> VllmEngine:
+    """The engine over a new AsyncLLM (call it inside the event loop that will use it)."""
+    return VllmEngine(start_async_llm(cfg, model_path, seed, tensor_parallel_size), cfg)
+
+
+def start_async_llm(cfg: RunConfig, model_path: str, seed: int, tensor_parallel_size: int = 1):
     """AsyncLLM with the weight-sync worker extension; logprobs after temperature/top-p.
 
     ``tensor_parallel_size``: vLLM workers the engine spans (its placement group's GPUs,
@@ -48,39 +57,9 @@ def start_engine(cfg: RunConfig, model_path: str, seed: int, tensor_parallel_siz
     return AsyncLLM.from_engine_args(args)
 
 
-@dataclass(frozen=True)
-class Sampling:
-    """What one request samples with (training or evaluation settings)."""
-
-    max_tokens: int
-    temperature: float  # 0: greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    stop: tuple[str, ...] = ()
-
-    @classmethod
-    def training(cls, cfg: RunConfig) -> Sampling:
-        g = cfg.generators
-        return cls(g.max_new_tokens, g.temperature, g.top_p, g.top_k, tuple(g.stop))
-
-    @classmethod
-    def evaluation(cls, cfg: RunConfig) -> Sampling:
-        g = cfg.generators
-        return cls(g.max_new_tokens, cfg.eval.temperature, g.top_p, g.top_k, tuple(g.stop))
-
-
-@dataclass
-class Sample:
-    """One streamed completion; ``versions[i]`` is the weights version that produced token i."""
-
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    prompt_ids: list[int] | None = None  # the prompt as the engine received it (first request)
-
-
-class Engine:
-    """Owns the AsyncLLM and the version of the weights it currently runs."""
+class VllmEngine:
+    """``RolloutEngine`` over a vLLM AsyncLLM: owns it and the version of the weights it
+    currently runs."""
 
     def __init__(self, llm, cfg: RunConfig) -> None:
         self.llm = llm
@@ -242,17 +221,9 @@ class Engine:
             await self.llm.pause_generation(mode=mode, clear_cache=False)
 
     def shutdown(self) -> None:
+        """Shut the AsyncLLM and its engine processes down."""
         if self.llm is not None:
             self.llm.shutdown()
             # Drop it while modules are alive: AsyncLLM.__del__ at interpreter exit would
             # otherwise call into half-torn-down modules and print a traceback.
             self.llm = None
-
-
-def pack_samples(samples: list[Sample]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]:
-    """Concatenate a group's samples: (tokens [sum T] i32, logprobs f32, versions i32, lengths)."""
-    lengths = [len(s.token_ids) for s in samples]
-    tokens = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in samples), np.int32)
-    logprobs = np.fromiter(itertools.chain.from_iterable(s.logprobs for s in samples), np.float32)
-    versions = np.fromiter(itertools.chain.from_iterable(s.versions for s in samples), np.int32)
-    return tokens, logprobs, versions, lengths
