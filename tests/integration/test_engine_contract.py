@@ -21,11 +21,12 @@ import torch
 
 from generators.interface import RolloutEngine, Sample, Sampling
 from learners.update import logits_of
+from tests.weight_sync_helpers import send_weights
 from verl_async import protocol as P
 from verl_async.algos import token_logprobs
 from verl_async.config import load_config
 from verl_async.runtime import free_port
-from verl_async.weight_sync import join_group, param_specs, send_weights
+from verl_async.weight_sync import join_group, param_specs
 
 from .conftest import ENGINES, ROOT, start_test_engine
 
