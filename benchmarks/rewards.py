@@ -44,7 +44,7 @@ def build_reward_model(args) -> Path:
 
     policy = load_config(args.config, args.override).model.path
     if not policy:
-        from benchmarks.tiny_reward_model import build_tiny_reward_model
+        from tiny_reward_model import build_tiny_reward_model  # benchmarks/ is on sys.path
 
         return build_tiny_reward_model(out)
     if not (out / "config.json").is_file():
