@@ -20,7 +20,7 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 3  # 3: Batch carries no clocks; Stats carries the generator timing
+PROTOCOL_VERSION = 4  # 4: multi-turn episodes (loss masks, turn rewards, episode stats)
 
 _DTYPES = {"float32", "float16", "int32", "int64", "uint8", "bool"}
 # dtype -> name and name -> itemsize, looked up per tensor (``ndarray.dtype.name`` is slow).
@@ -65,10 +65,30 @@ class PromptGroup(msgspec.Struct, frozen=True, kw_only=True):
     extra_info: dict[str, Any] = {}
 
 
+class EpisodeStats(msgspec.Struct, frozen=True, array_like=True):
+    """What one multi-turn episode did (one per sample; the learner's ``multiturn/*``
+    metrics are made from these)."""
+
+    turns: int  # sampled turns
+    tool_calls: int  # environment steps that ran a tool (the environment says)
+    tool_errors: int  # environment calls that raised or whose observation was cut
+    tool_timeouts: int  # environment calls past multiturn.step_timeout_s
+    env_seconds: float  # wall time spent in the environment's reset and steps
+    observation_tokens: int  # tokens of every observation appended
+    budget: str  # "" or the budget that ended it: turns, turn_tokens, observation_tokens, episode_tokens, episode_timeout
+    versions_spanned: int  # newest minus oldest weights version of its sampled tokens
+    template_mismatch: bool  # the incremental tokens differ from a full render of the conversation
+    env_reward: float  # the sum of the environment's per-turn rewards (before env_reward_weight)
+
+
 class RolloutGroup(msgspec.Struct, frozen=True, kw_only=True):
     """All samples of one prompt group, as produced by one generator.
 
     Samples are concatenated along the token axis; ``lengths[i]`` is sample i's length.
+    A multi-turn sample's response is every token after the prompt: sampled turns and the
+    observations between them. ``loss_mask`` is then 1 on sampled tokens and 0 on
+    observation tokens, whose ``behav_logprobs`` are 0.0 and whose ``token_versions``
+    repeat the version of the sampled token before them (placeholders nothing reads).
     """
 
     group_id: int
@@ -83,6 +103,11 @@ class RolloutGroup(msgspec.Struct, frozen=True, kw_only=True):
     failed: list[int]  # [S] samples whose score is the source's default after a failure
     data_source: str
     gen_seconds: float
+    loss_mask: TensorRef | None = None  # [sum(lengths)] uint8, 1 = sampled; None: all sampled
+    # [sum(lengths)] float32: the environment's reward of each turn (times
+    # multiturn.env_reward_weight) at the turn's last sampled token, 0 elsewhere; None: none
+    turn_rewards: TensorRef | None = None
+    episodes: list[EpisodeStats] = []  # [N] multi-turn samples only
 
 
 class EvalResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -95,6 +120,8 @@ class EvalResult(msgspec.Struct, frozen=True, kw_only=True):
     response_lengths: list[int]  # [n] tokens
     versions: list[int]  # [n] weights version that sampled each response's first token
     example: str  # the first sample's text (shown in logs)
+    env_rewards: list[float] = []  # [n] multi-turn: each episode's summed environment reward
+    turns: list[int] = []  # [n] multi-turn: each episode's sampled turns
 
 
 class ParamSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -309,6 +336,9 @@ class Batch(_Msg):
     prompts_skipped: int = 0  # prompts left out of the data set (longer than max_prompt_length)
     sample_index: list[int] = []  # [N] index of each sample within its group
     shard_sizes: list[int] = []  # [world_size] samples of each rank's shard, in order
+    loss_mask: TensorRef | None = None  # [sum response_lengths] uint8; None: all sampled
+    turn_rewards: TensorRef | None = None  # [sum response_lengths] float32; None: all zero
+    episodes: list[EpisodeStats | None] = []  # [N] or empty (no multi-turn sample in the step)
 
 
 class BufferState(_Msg):

@@ -9,7 +9,7 @@ config reference, docs/config.md, is generated from them). Loading a YAML file, 
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -121,6 +121,39 @@ class GeneratorConfig(_Section):
     """Times the launcher starts a generator process again after it died (``launcher:
     local``); the run stops at the next death. Its groups are issued again and the
     weight-sync group is rebuilt with it (docs/faults.md)."""
+
+
+class EnvironmentConfig(_Section):
+    env: str
+    """The environment class, ``package.module:Class`` (importable, as for ``function``
+    reward sources): one instance per episode (docs/multi_turn.md)."""
+    args: dict[str, Any] = {}
+    """Keyword arguments of the class's constructor."""
+    data_sources: list[str] = []
+    """The data sources whose prompts run as episodes of this environment (empty: every
+    source no other environment names)."""
+
+
+class MultiTurnConfig(_Section):
+    environments: list[EnvironmentConfig] = []
+    """Environments that turn prompts into multi-turn episodes (tool calls, feedback,
+    games). Empty: every prompt gets one response."""
+    max_turns: PosInt = 4
+    """Sampled turns an episode may take (each at most ``generators.max_new_tokens``)."""
+    max_observation_tokens: PosInt = 256
+    """Tokens one observation may add; a longer one is cut to this and counted as a tool
+    error."""
+    max_episode_tokens: PosInt = 1024
+    """Prompt plus every turn and observation; an observation that would overflow it ends
+    the episode before it is appended. At most ``generators.max_model_len``."""
+    step_timeout_s: PosFloat = 30.0
+    """Deadline of one environment call (``reset``, ``step``); past it the turn ends with an
+    error observation and the call is counted as a timeout."""
+    episode_timeout_s: PosFloat = 600.0
+    """Deadline of one episode's environment calls together; past it the episode ends."""
+    env_reward_weight: float = 1.0
+    """Weight of the environment's per-turn rewards, added to the combined reward of the
+    ``rewards`` sources (those score the final turn)."""
 
 
 class LearnerConfig(_Section):
@@ -345,6 +378,7 @@ class RunConfig(_Section):
     algo: AlgoConfig = msgspec.field(default_factory=AlgoConfig)
     critic: CriticConfig = msgspec.field(default_factory=CriticConfig)
     rewards: RewardsConfig = msgspec.field(default_factory=RewardsConfig)
+    multiturn: MultiTurnConfig = msgspec.field(default_factory=MultiTurnConfig)
     eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
     staleness: StalenessConfig = msgspec.field(default_factory=StalenessConfig)
     weights: WeightsConfig = msgspec.field(default_factory=WeightsConfig)
