@@ -30,10 +30,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from generators.engines import start_engine
-from generators.interface import RolloutEngine, Sampling, pack_samples
+from generators.episodes import Episode, EpisodeRunner, Packed, pack_group
+from generators.interface import RolloutEngine, Sampling
+from generators.render import Renderer
 from verl_async import placement
 from verl_async import protocol as P
 from verl_async.auth import client_keys
+from verl_async.envs import EnvironmentTable
 from verl_async.rewards.scorer import GroupScores, Scorer
 from verl_async.runtime import RunContext, mark
 from verl_async.transport import AsyncBufferClient
@@ -47,26 +50,30 @@ class Finished:
     """A sampled and scored group waiting to be pushed."""
 
     group: P.PromptGroup
-    packed: tuple  # pack_samples(...): tokens, logprobs, versions, lengths
+    packed: Packed
     scored: GroupScores
     seconds: float
     acknowledged: asyncio.Event
 
     def message(self, generator_id: int, frames: P.Frames) -> P.RolloutGroup:
-        tokens, logprobs, versions, lengths = self.packed
+        p = self.packed
+        multiturn = p.loss_mask is not None
         return P.RolloutGroup(
             group_id=self.group.group_id,
             prompt_id=self.group.prompt_id,
             generator_id=generator_id,
-            prompt_ids=frames.add(np.asarray(self.group.prompt_ids, np.int32)),
-            response_ids=frames.add(tokens),
-            behav_logprobs=frames.add(logprobs),
-            token_versions=frames.add(versions),
-            lengths=lengths,
+            prompt_ids=frames.add(np.asarray(p.prompt_ids, np.int32)),
+            response_ids=frames.add(p.tokens),
+            behav_logprobs=frames.add(p.logprobs),
+            token_versions=frames.add(p.versions),
+            lengths=p.lengths,
             scores=self.scored.scores,
             failed=self.scored.failed,
             data_source=self.group.data_source,
             gen_seconds=self.seconds,
+            loss_mask=frames.add(p.loss_mask) if multiturn else None,
+            turn_rewards=frames.add(p.turn_rewards) if multiturn else None,
+            episodes=p.episodes,
         )
 
 
@@ -131,6 +138,13 @@ class Generator:
         self.inflight: set[asyncio.Task] = set()  # groups being sampled
         self.scoring: set[asyncio.Task] = set()  # groups sampled, being scored and pushed
         self.pusher = RolloutPusher(self.buffer, index, on_error=self._finished)
+        # Multi-turn: the environments (classes loaded now, so a bad one fails at start)
+        # and the runner of their episodes on this engine (generators/episodes.py).
+        self.environments = EnvironmentTable(self.cfg.multiturn)
+        self.episodes = None
+        if self.cfg.multiturn.environments:
+            renderer = Renderer(tokenizer, self.cfg.data.chat_template, engine_eos_ids(tokenizer))
+            self.episodes = EpisodeRunner(engine, renderer, tokenizer, self.cfg.multiturn)
 
     async def run(self) -> None:
         weights = asyncio.create_task(self.follow_weights())
@@ -195,11 +209,23 @@ class Generator:
         waiters[0].cancel()
 
     async def sample(self, group: P.PromptGroup, n: int, how: Sampling) -> list:
-        """``n`` samples of the group's prompt (the token ids the buffer rendered)."""
-        return await asyncio.gather(*(self.engine.sample(group.prompt_ids, how) for _ in range(n)))
+        """``n`` samples of the group's prompt (the token ids the buffer rendered): one
+        response each, or an episode each when an environment takes the group's data
+        source (``multiturn.environments``)."""
+        found = self.environments.spec_for(group.data_source)
+        if found is None:
+            return await asyncio.gather(
+                *(self.engine.sample(group.prompt_ids, how) for _ in range(n))
+            )
+        _, spec, cls = found
+        return await self.episodes.run_group(spec, cls, group, n, how)
 
     async def score(self, group: P.PromptGroup, samples: list) -> tuple[list[str], GroupScores]:
-        """The samples' texts and their scores."""
+        """The samples' texts and their scores (an episode's text is its last turn; a
+        reward model reads its whole conversation)."""
+        if samples and isinstance(samples[0], Episode):
+            texts = [e.final_text for e in samples]
+            return texts, await self.scorer.score_group(group, texts, [e.messages for e in samples])
         texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
         return texts, await self.scorer.score_group(group, texts)
 
@@ -212,12 +238,16 @@ class Generator:
 
     async def score_and_push(self, group: P.PromptGroup, samples: list, t0: float) -> None:
         _, scored = await self.score(group, samples)
-        await self.pusher.push(group, pack_samples(samples), scored, time.perf_counter() - t0)
+        packed = pack_group(list(group.prompt_ids), samples)
+        await self.pusher.push(group, packed, scored, time.perf_counter() - t0)
 
     async def evaluate_group(self, round_: int, group: P.PromptGroup) -> None:
         """An evaluation prompt: sampled with the eval settings, only its scores go back."""
         samples = await self.sample(group, self.cfg.eval.samples, self.eval_sampling)
         texts, scored = await self.score(group, samples)
+        episodes = samples if samples and isinstance(samples[0], Episode) else []
+        if episodes:
+            samples = [e.sample for e in episodes]
         result = P.EvalResult(
             group_id=group.group_id,
             data_source=group.data_source,
@@ -226,6 +256,8 @@ class Generator:
             response_lengths=[len(s.token_ids) for s in samples],
             versions=[s.versions[0] if s.versions else self.engine.loaded_version for s in samples],
             example=texts[0],
+            env_rewards=[e.stats.env_reward for e in episodes],
+            turns=[e.stats.turns for e in episodes],
         )
         await self.buffer.request(P.PushEval(round=round_, results=[result]))
 
@@ -281,6 +313,20 @@ class Generator:
             self.cfg.weights.mode,
             self.engine.resubmitted,
         )
+
+
+def engine_eos_ids(tokenizer) -> set[int]:
+    """The tokens that end a turn: the tokenizer's end of sequence and the model's
+    generation config's (what both engines stop at)."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    try:
+        from transformers import GenerationConfig
+
+        extra = GenerationConfig.from_pretrained(tokenizer.name_or_path).eos_token_id
+    except (OSError, ValueError):  # no generation_config.json: the tokenizer's alone
+        extra = None
+    ids.update(extra if isinstance(extra, list) else [] if extra is None else [extra])
+    return ids
 
 
 def make_scorer(ctx: RunContext, index: int) -> Scorer:

@@ -145,6 +145,12 @@ def check_consistency(cfg: RunConfig) -> None:
             "bad value for 'data.max_prompt_length': plus generators.max_new_tokens it exceeds "
             f"generators.max_model_len ({g.max_model_len})"
         )
+    mt = cfg.multiturn
+    if mt.environments and mt.max_episode_tokens > g.max_model_len:
+        raise ConfigError(
+            "bad value for 'multiturn.max_episode_tokens': an episode must fit the engine's "
+            f"generators.max_model_len ({g.max_model_len})"
+        )
     if cfg.eval.every_steps and not cfg.data.val_path:
         raise ConfigError("bad value for 'eval.every_steps': evaluation needs data.val_path")
     check_endpoints(cfg.buffer)

@@ -274,10 +274,15 @@ class Scorer:
                 self._failure(item.source, error, 1)
 
     async def _score_model(
-        self, group: P.PromptGroup, responses: list[str], s: int, out: GroupScores
+        self,
+        group: P.PromptGroup,
+        responses: list[str],
+        s: int,
+        out: GroupScores,
+        conversations: list[list[dict]] | None,
     ) -> None:
         source = self.sources[s]
-        convs = [conversation(group.prompt, text) for text in responses]
+        convs = conversations or [conversation(group.prompt, text) for text in responses]
         try:
             async with asyncio.timeout(self.timeout_s):  # not wait_for: see transport.py
                 values = await self.model_clients[source.name].score(convs)
@@ -292,8 +297,17 @@ class Scorer:
             self._failure(s, repr(exc), len(responses))
         out.scores[s] = values
 
-    async def score_group(self, group: P.PromptGroup, responses: list[str]) -> GroupScores:
-        """Raw scores [S][n] of the group's responses (NaN where a source is not routed)."""
+    async def score_group(
+        self,
+        group: P.PromptGroup,
+        responses: list[str],
+        conversations: list[list[dict]] | None = None,
+    ) -> GroupScores:
+        """Raw scores [S][n] of the group's responses (NaN where a source is not routed).
+
+        ``conversations``: multi-turn episodes' whole conversations, which reward models
+        read instead of prompt + response; rule sources score ``responses`` (the episodes'
+        last turns)."""
         n = len(responses)
         out = GroupScores(
             scores=[[math.nan] * n for _ in self.sources], failed=[0] * len(self.sources)
@@ -301,7 +315,7 @@ class Scorer:
         active = [s for s, src in enumerate(self.sources) if routed(src, group.data_source)]
         rule_idx = [s for s in active if not isinstance(self.sources[s], ModelReward)]
         jobs = [
-            self._score_model(group, responses, s, out)
+            self._score_model(group, responses, s, out, conversations)
             for s in active
             if isinstance(self.sources[s], ModelReward)
         ]
