@@ -181,7 +181,7 @@ def _turn_rewards(
 
 
 def _check_episodes(where: str, episodes: list[EpisodeStats], n: int) -> None:
-    """None, or one sane ``EpisodeStats`` per sample."""
+    """No episode stats, or one sane ``EpisodeStats`` per sample."""
     if len(episodes) not in (0, n):
         raise ProtocolError(
             f"{where}: {len(episodes)} episode stats for {n} samples (one per sample, or none)"
