@@ -10,7 +10,7 @@ import uvloop
 from buffer.evaluation import EvalRounds
 from buffer.leases import Leases
 from buffer.ledger import PromptLedger
-from buffer.rollouts import RolloutLimits
+from buffer.rollouts import RolloutLimits, max_response_tokens
 from buffer.server import BufferServer
 from verl_async import protocol as P
 from verl_async.auth import server_keys
@@ -62,7 +62,7 @@ def rollout_limits(cfg: RunConfig, model_path: str) -> RolloutLimits:
         num_sources=len(cfg.rewards.sources),
         group_size=cfg.generators.group_size,
         vocab_size=AutoConfig.from_pretrained(model_path).vocab_size,
-        max_response_tokens=cfg.generators.max_new_tokens,
+        max_response_tokens=max_response_tokens(cfg),
     )
 
 

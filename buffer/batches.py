@@ -3,7 +3,8 @@
 The step's groups were consumed in issue order, filtered for staleness and split over the
 ranks by buffer/ledger.py (``StepBatch``, ``shard_samples``); here its samples are laid
 out rank by rank (``shard_sizes``) in sample-major arrays, concatenated over tokens.
-Encoded once per step: every rank is sent the same message.
+Encoded once per step: every rank is sent the same message. The multi-turn fields (loss
+mask, turn rewards, episode stats) travel only in a step that holds a multi-turn sample.
 """
 
 from __future__ import annotations
@@ -12,7 +13,14 @@ import logging
 
 import numpy as np
 
-from buffer.ledger import LedgerError, PromptLedger, StepBatch, filter_stale, shard_samples
+from buffer.ledger import (
+    LedgerError,
+    PromptLedger,
+    StepBatch,
+    StoredGroup,
+    filter_stale,
+    shard_samples,
+)
 from verl_async import protocol as P
 
 log = logging.getLogger("verl_async.buffer")
@@ -93,6 +101,31 @@ def encode_step(step: StepBatch, num_sources: int, **counts: int) -> tuple[P.Bat
         behav_logprobs=frames.add(cat([g.behav_logprobs[i] for g, i in samples], np.float32)),
         token_versions=frames.add(cat([g.token_versions[i] for g, i in samples], np.int32)),
         dropped_stale=step.dropped_stale,
+        **_multiturn_fields(samples, frames),
         **counts,
     )
     return body, frames
+
+
+def _multiturn_fields(samples: list[tuple[StoredGroup, int]], frames: P.Frames) -> dict:
+    """``Batch.loss_mask``, ``turn_rewards`` and ``episodes`` of ``samples``, each present
+    only when some sample has it: a step of single-turn samples sends none of them."""
+
+    def column(attr: str, fill, dtype: type) -> P.TensorRef | None:
+        """Per-sample arrays ``attr`` concatenated; ``fill`` stands in for samples without."""
+        if all(getattr(g, attr) is None for g, _ in samples):
+            return None
+        parts = [
+            fill(len(g.responses[i]), dtype) if getattr(g, attr) is None else getattr(g, attr)[i]
+            for g, i in samples
+        ]
+        return frames.add(np.concatenate(parts, dtype=dtype))
+
+    multiturn = any(g.episodes for g, _ in samples)
+    return {
+        "loss_mask": column("loss_masks", np.ones, np.uint8),  # single-turn: all sampled
+        "turn_rewards": column("turn_rewards", np.zeros, np.float32),
+        "episodes": [g.episodes[i] if g.episodes else None for g, i in samples]
+        if multiturn
+        else [],
+    }

@@ -20,7 +20,7 @@ import numpy as np
 
 from buffer.leases import Leases
 from verl_async.data import PromptRecord, epoch_order
-from verl_async.protocol import PromptGroup, RolloutGroup
+from verl_async.protocol import EpisodeStats, PromptGroup, RolloutGroup
 from verl_async.staleness import Admission, check_sample
 
 
@@ -30,7 +30,12 @@ class LedgerError(ValueError):
 
 @dataclass
 class StoredGroup:
-    """A returned group's samples, arrays owned by the buffer."""
+    """A returned group's samples, arrays owned by the buffer.
+
+    Multi-turn samples add three per-sample fields (verl_async/protocol.py's
+    ``RolloutGroup`` says what they mean); a single-turn group leaves them at their
+    defaults, and every selection of samples goes through ``select`` to keep them aligned.
+    """
 
     group_id: int
     prompt_id: int
@@ -42,10 +47,39 @@ class StoredGroup:
     scores: list[list[float]]  # [N][S] raw score per reward source (NaN: not routed)
     failed: list[int]  # [S] samples whose source failed and gave its default score
     data_source: str
+    loss_masks: list[np.ndarray] | None = None  # N x [T_i] uint8, 1 = sampled; None: all sampled
+    turn_rewards: list[np.ndarray] | None = None  # N x [T_i] float32; None: all zero
+    episodes: list[EpisodeStats] = field(default_factory=list)  # [N], or [] (single-turn)
 
     @property
     def num_tokens(self) -> int:
         return sum(len(r) + len(self.prompt_ids) for r in self.responses)
+
+    def sampled_versions(self, i: int) -> np.ndarray:
+        """Weights versions of sample ``i``'s sampled tokens (observation tokens carry
+        placeholders, which no check should read)."""
+        if self.loss_masks is None:
+            return self.token_versions[i]
+        return self.token_versions[i][self.loss_masks[i].astype(bool)]
+
+    def select(self, keep: list[int]) -> StoredGroup:
+        """The same group with only samples ``keep``, in that order (arrays are shared)."""
+        pick = lambda per_sample: [per_sample[i] for i in keep]  # noqa: E731
+        return StoredGroup(
+            self.group_id,
+            self.prompt_id,
+            self.generator_id,
+            self.prompt_ids,
+            pick(self.responses),
+            pick(self.behav_logprobs),
+            pick(self.token_versions),
+            pick(self.scores),
+            self.failed,
+            self.data_source,
+            loss_masks=None if self.loss_masks is None else pick(self.loss_masks),
+            turn_rewards=None if self.turn_rewards is None else pick(self.turn_rewards),
+            episodes=pick(self.episodes) if self.episodes else [],
+        )
 
 
 @dataclass
@@ -306,27 +340,16 @@ def filter_stale(
     for g in groups:
         keep = [
             i
-            for i, versions in enumerate(g.token_versions)
+            for i in range(len(g.responses))
             if check_sample(
-                learner_version, int(versions.min(initial=learner_version)), max_staleness
+                learner_version,
+                int(g.sampled_versions(i).min(initial=learner_version)),
+                max_staleness,
             )
         ]
         dropped += len(g.responses) - len(keep)
         if keep:
-            kept.append(
-                StoredGroup(
-                    g.group_id,
-                    g.prompt_id,
-                    g.generator_id,
-                    g.prompt_ids,
-                    [g.responses[i] for i in keep],
-                    [g.behav_logprobs[i] for i in keep],
-                    [g.token_versions[i] for i in keep],
-                    [g.scores[i] for i in keep],
-                    g.failed,
-                    g.data_source,
-                )
-            )
+            kept.append(g.select(keep))
     return kept, dropped
 
 

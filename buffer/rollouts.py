@@ -4,6 +4,10 @@ Pure, and every rejection raises ``ProtocolError`` naming the group and the fiel
 is recorded from a group that fails here, and the learner never sees a batch it cannot
 train on. Whether the sender may return the group at all is the ledger's question
 (``check_issued``, leases), asked before any of this.
+
+Multi-turn samples (verl_async/protocol.py, ``RolloutGroup``) add a loss mask, per-turn
+rewards and episode stats; their observation tokens carry placeholder versions and
+log-probs, so the version checks read sampled tokens only.
 """
 
 from __future__ import annotations
@@ -15,7 +19,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from buffer.ledger import StoredGroup
-from verl_async.protocol import ProtocolError, RolloutGroup, vector
+from verl_async.protocol import EpisodeStats, ProtocolError, RolloutGroup, vector
+from verl_async.schema import RunConfig
+
+# What may end an episode early ("": it ended on its own); EpisodeStats.budget.
+EPISODE_BUDGETS = (
+    "",
+    "turns",
+    "turn_tokens",
+    "observation_tokens",
+    "episode_tokens",
+    "episode_timeout",
+)
 
 
 @dataclass(frozen=True)
@@ -26,7 +41,21 @@ class RolloutLimits:
     num_sources: int = 1  # reward sources: the width of every group's scores
     group_size: int | None = None  # samples per group (generators.group_size)
     vocab_size: int | None = None  # token ids are in [0, vocab_size)
-    max_response_tokens: int | None = None  # generators.max_new_tokens
+    max_response_tokens: int | None = None  # see ``max_response_tokens``
+
+
+def max_response_tokens(cfg: RunConfig) -> int:
+    """The longest response a sample of run ``cfg`` may return.
+
+    One response is at most ``generators.max_new_tokens``. With environments, a response
+    is a whole episode: its turns and observations fit in ``multiturn.max_episode_tokens``
+    together with the prompt, so that bounds the response too. Prompts no environment
+    claims still get one response, hence the larger of the two.
+    """
+    single = cfg.generators.max_new_tokens
+    if not cfg.multiturn.environments:
+        return single
+    return max(single, cfg.multiturn.max_episode_tokens)
 
 
 def unpack_rollout(
@@ -49,14 +78,18 @@ def unpack_rollout(
     _check_token_ids(where, "response_ids", resp, limits.vocab_size)
     if lp.size and not (lp.max() <= 0 and lp.min() > -np.inf):  # NaN fails both
         raise ProtocolError(f"{where}: behav_logprobs must be finite and <= 0")
+    bounds = [0, *itertools.accumulate(g.lengths)]
+    mask = _loss_mask(where, g, frames, bounds)
+    rewards = _turn_rewards(where, g, frames, mask)
+    _check_episodes(where, g.episodes, len(g.lengths))
     lo, hi = versions
-    if ver.size and (ver.min() < lo or ver.max() > hi):
+    sampled = ver if mask is None else ver[mask.view(bool)]
+    if sampled.size and (sampled.min() < lo or sampled.max() > hi):
         raise ProtocolError(
-            f"{where}: token versions {ver.min()}..{ver.max()} are outside {lo}..{hi} "
+            f"{where}: token versions {sampled.min()}..{sampled.max()} are outside {lo}..{hi} "
             "(loaded when issued .. newest announced)"
         )
     _check_scores(where, g.scores, g.failed, len(g.lengths), limits.num_sources)
-    bounds = [0, *itertools.accumulate(g.lengths)]
     # Views on the received frames (numpy keeps each frame alive): no copy on the way in.
     split = lambda a: [a[bounds[i] : bounds[i + 1]] for i in range(len(g.lengths))]  # noqa: E731
     return StoredGroup(
@@ -70,6 +103,9 @@ def unpack_rollout(
         [list(sample) for sample in zip(*g.scores, strict=True)],  # [S][N] -> [N][S]
         list(g.failed),
         g.data_source,
+        loss_masks=None if mask is None else split(mask),
+        turn_rewards=None if rewards is None else split(rewards),
+        episodes=list(g.episodes),
     )
 
 
@@ -93,6 +129,89 @@ def _check_lengths(
             f"{where}: lengths add up to {sum(lengths)} tokens; response_ids, "
             f"behav_logprobs and token_versions hold {sizes[0]}, {sizes[1]} and {sizes[2]}"
         )
+
+
+def _loss_mask(where: str, g: RolloutGroup, frames: list, bounds: list[int]) -> np.ndarray | None:
+    """The group's loss mask (None: every token sampled), checked: 0 or 1 per response
+    token, and every non-empty sample starts and ends on a sampled token (the model's turn
+    comes first, and an observation no turn answers is nothing to train on)."""
+    if g.loss_mask is None:
+        return None
+    mask = vector(g.loss_mask, frames, "uint8", f"{where}: loss_mask")
+    if len(mask) != bounds[-1]:
+        raise ProtocolError(
+            f"{where}: loss_mask holds {len(mask)} values, lengths add up to {bounds[-1]} tokens"
+        )
+    if mask.size and mask.max() > 1:
+        raise ProtocolError(
+            f"{where}: loss_mask holds {mask.max()}; each value is 1 (sampled) or 0 (observation)"
+        )
+    for i, (start, end) in enumerate(itertools.pairwise(bounds)):
+        if start == end:
+            continue
+        for edge, at in (("starts", start), ("ends", end - 1)):
+            if not mask[at]:
+                raise ProtocolError(
+                    f"{where}: sample {i} {edge} on an observation token (loss_mask 0); "
+                    "a response starts and ends with sampled tokens"
+                )
+    return mask
+
+
+def _turn_rewards(
+    where: str, g: RolloutGroup, frames: list, mask: np.ndarray | None
+) -> np.ndarray | None:
+    """The group's per-turn rewards (None: none), checked: finite, one per response token,
+    and zero on observation tokens (a reward belongs to its turn's last sampled token)."""
+    if g.turn_rewards is None:
+        return None
+    rewards = vector(g.turn_rewards, frames, "float32", f"{where}: turn_rewards")
+    total = sum(g.lengths)
+    if len(rewards) != total:
+        raise ProtocolError(
+            f"{where}: turn_rewards holds {len(rewards)} values, lengths add up to {total} tokens"
+        )
+    if not np.isfinite(rewards).all():
+        raise ProtocolError(f"{where}: turn_rewards must be finite")
+    if mask is not None and rewards[~mask.view(bool)].any():
+        raise ProtocolError(
+            f"{where}: turn_rewards holds a nonzero reward at an observation token (loss_mask 0)"
+        )
+    return rewards
+
+
+def _check_episodes(where: str, episodes: list[EpisodeStats], n: int) -> None:
+    """No episode stats, or one sane ``EpisodeStats`` per sample."""
+    if len(episodes) not in (0, n):
+        raise ProtocolError(
+            f"{where}: {len(episodes)} episode stats for {n} samples (one per sample, or none)"
+        )
+    counts = (
+        "turns",
+        "tool_calls",
+        "tool_errors",
+        "tool_timeouts",
+        "observation_tokens",
+        "versions_spanned",
+    )
+    for i, ep in enumerate(episodes):
+        for name in counts:
+            if getattr(ep, name) < 0:
+                raise ProtocolError(
+                    f"{where}: episode {i}: {name} = {getattr(ep, name)} is negative"
+                )
+        if not (math.isfinite(ep.env_seconds) and ep.env_seconds >= 0):
+            raise ProtocolError(
+                f"{where}: episode {i}: env_seconds = {ep.env_seconds} is not a finite, "
+                "non-negative number of seconds"
+            )
+        if not math.isfinite(ep.env_reward):
+            raise ProtocolError(f"{where}: episode {i}: env_reward = {ep.env_reward} is not finite")
+        if ep.budget not in EPISODE_BUDGETS:
+            raise ProtocolError(
+                f"{where}: episode {i}: budget {ep.budget[:32]!r} is not one of "
+                + ", ".join(repr(b) for b in EPISODE_BUDGETS)
+            )
 
 
 def _check_token_ids(where: str, name: str, ids: np.ndarray, vocab_size: int | None) -> None:

@@ -3,7 +3,9 @@
     ledger.json      where the prompt ledger stands (next group, groups to re-issue, the
                      step consumption resumes at), the admission counters and the version
     rollouts.arrow   every stored rollout group with its per-token versions (Arrow IPC,
-                     one row per group)
+                     one row per group); multi-turn groups add their loss masks, turn
+                     rewards and episode stats, columns that are null for single-turn
+                     groups and absent from snapshots older than multi-turn rollouts
 
 The snapshot is taken *as of step s*: groups that the learner's prefetcher already took
 for steps >= s go back into it, because a learner restored at step s has not trained on
@@ -28,6 +30,7 @@ import pyarrow as pa
 
 from buffer.ledger import LedgerError, PromptLedger, StoredGroup
 from verl_async import protocol as P
+from verl_async.protocol import EpisodeStats
 
 FORMAT = 2
 LEDGER_FILE = "ledger.json"
@@ -58,13 +61,33 @@ class SnapshotError(ValueError):
     """A snapshot that cannot be restored into this run (with the reason)."""
 
 
-def _nested(values: np.ndarray, inner_lengths: list[int], outer_counts: list[int]) -> pa.Array:
-    """list<list<T>>: rows of ``outer_counts`` samples, samples of ``inner_lengths`` items."""
+def _nested(
+    values: np.ndarray,
+    inner_lengths: list[int],
+    outer_counts: list[int],
+    nulls: list[bool] | None = None,
+) -> pa.Array:
+    """list<list<T>>: rows of ``outer_counts`` samples, samples of ``inner_lengths`` items;
+    rows where ``nulls`` is true are null (and hold no samples)."""
     inner = pa.ListArray.from_arrays(
         pa.array(np.concatenate([[0], np.cumsum(inner_lengths)]).astype(np.int32)), values
     )
     return pa.ListArray.from_arrays(
-        pa.array(np.concatenate([[0], np.cumsum(outer_counts)]).astype(np.int32)), inner
+        pa.array(np.concatenate([[0], np.cumsum(outer_counts)]).astype(np.int32)),
+        inner,
+        mask=None if nulls is None else pa.array(nulls, pa.bool_()),
+    )
+
+
+def _optional_nested(groups: list[StoredGroup], attr: str, dtype) -> pa.Array:
+    """Per-sample arrays ``attr`` (None for a single-turn group, stored as null)."""
+    per_group = [getattr(g, attr) for g in groups]
+    arrays = [a for samples in per_group if samples is not None for a in samples]
+    return _nested(
+        np.concatenate(arrays, dtype=dtype) if arrays else np.zeros(0, dtype),
+        [len(a) for a in arrays],
+        [0 if samples is None else len(samples) for samples in per_group],
+        [samples is None for samples in per_group],
     )
 
 
@@ -93,6 +116,12 @@ def rollouts_to_arrow(groups: list[StoredGroup]) -> bytes:
             "scores": pa.array([g.scores for g in groups], pa.list_(pa.list_(pa.float64()))),
             "failed": pa.array([g.failed for g in groups], pa.list_(pa.int64())),
             "data_source": pa.array([g.data_source for g in groups], pa.string()),
+            "loss_masks": _optional_nested(groups, "loss_masks", np.uint8),
+            "turn_rewards": _optional_nested(groups, "turn_rewards", np.float32),
+            "episodes": pa.array(
+                [msgspec.msgpack.encode(g.episodes) if g.episodes else None for g in groups],
+                pa.binary(),
+            ),
         }
     )
     sink = io.BytesIO()
@@ -116,6 +145,25 @@ def rollouts_from_arrow(data: bytes) -> list[StoredGroup]:
         samples = [values[inner_off[i] : inner_off[i + 1]] for i in range(len(inner))]
         return [samples[outer_off[r] : outer_off[r + 1]] for r in range(len(outer))]
 
+    def optional(name: str, dtype) -> list[list[np.ndarray] | None]:
+        """``split`` of a nullable column, None for its null rows and for every row of a
+        snapshot written before the column existed (all single-turn)."""
+        if name not in table.column_names:
+            return [None] * table.num_rows
+        valid = table.column(name).is_valid().to_pylist()
+        return [
+            [a.astype(dtype) for a in samples] if ok else None
+            for samples, ok in zip(split(name), valid, strict=True)
+        ]
+
+    def episodes() -> list[list[EpisodeStats]]:
+        if "episodes" not in table.column_names:
+            return [[] for _ in range(table.num_rows)]
+        return [
+            [] if raw is None else msgspec.msgpack.decode(raw, type=list[EpisodeStats])
+            for raw in rows("episodes")
+        ]
+
     def rows(name: str) -> list:
         return table.column(name).to_pylist()
 
@@ -127,6 +175,9 @@ def rollouts_from_arrow(data: bytes) -> list[StoredGroup]:
         split("behav_logprobs"),
         split("token_versions"),
     )
+    masks = optional("loss_masks", np.uint8)
+    turn_rewards = optional("turn_rewards", np.float32)
+    stats = episodes()
     return [
         StoredGroup(
             group_id=gid,
@@ -139,6 +190,9 @@ def rollouts_from_arrow(data: bytes) -> list[StoredGroup]:
             scores=scores,
             failed=failed,
             data_source=source,
+            loss_masks=masks[i],
+            turn_rewards=turn_rewards[i],
+            episodes=stats[i],
         )
         for i, (gid, pid, gen, scores, failed, source) in enumerate(
             zip(

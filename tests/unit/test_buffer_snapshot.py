@@ -1,7 +1,10 @@
 """The buffer's checkpoint: Arrow round trip, and exactly-once across snapshot + restore."""
 
+import io
+
 import msgspec
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from buffer.ledger import LedgerError, PromptLedger, StoredGroup
@@ -14,6 +17,7 @@ from buffer.snapshot import (
     rollouts_to_arrow,
 )
 from verl_async.data import PromptRecord
+from verl_async.protocol import EpisodeStats
 from verl_async.staleness import Admission
 
 
@@ -33,11 +37,31 @@ def _group(k, version, rng):
     )
 
 
+def _multiturn(g: StoredGroup, masks: bool = True, rewards: bool = True) -> StoredGroup:
+    """``g`` made multi-turn: each sample's middle tokens an observation, a turn reward at
+    its first token, and its episode stats."""
+    if masks:
+        g.loss_masks = [np.zeros(len(r), np.uint8) for r in g.responses]
+        for m in g.loss_masks:
+            m[:1] = m[-1:] = 1
+    if rewards:
+        g.turn_rewards = [np.zeros(len(r), np.float32) for r in g.responses]
+        for i, t in enumerate(g.turn_rewards):
+            t[:1] = 0.25 * (i + 1)
+    g.episodes = [
+        EpisodeStats(i + 1, i, 0, 1, 0.5 * i, len(r), "turns" if i else "", i, bool(i), -0.5)
+        for i, r in enumerate(g.responses)
+    ]
+    return g
+
+
 def _same(a: StoredGroup, b: StoredGroup) -> bool:
     arrays = ("responses", "behav_logprobs", "token_versions")
+    optional = ("loss_masks", "turn_rewards")
     return (
-        (a.group_id, a.prompt_id, a.generator_id, a.failed, a.data_source)
-        == (b.group_id, b.prompt_id, b.generator_id, b.failed, b.data_source)
+        (a.group_id, a.prompt_id, a.generator_id, a.failed, a.data_source, a.episodes)
+        == (b.group_id, b.prompt_id, b.generator_id, b.failed, b.data_source, b.episodes)
+        and all((getattr(a, n) is None) == (getattr(b, n) is None) for n in optional)
         and np.array_equal(np.array(a.scores), np.array(b.scores), equal_nan=True)
         and np.array_equal(a.prompt_ids, b.prompt_ids)
         and all(
@@ -46,7 +70,7 @@ def _same(a: StoredGroup, b: StoredGroup) -> bool:
                 x.dtype == y.dtype and np.array_equal(x, y)
                 for x, y in zip(getattr(a, n), getattr(b, n), strict=True)
             )
-            for n in arrays
+            for n in arrays + tuple(n for n in optional if getattr(a, n) is not None)
         )
     )
 
@@ -58,6 +82,49 @@ def test_rollouts_survive_the_arrow_round_trip_bit_for_bit():
     assert len(back) == len(groups)
     assert all(_same(a, b) for a, b in zip(groups, back, strict=True))
     assert rollouts_from_arrow(rollouts_to_arrow([])) == []
+
+
+def test_multiturn_rollouts_survive_the_arrow_round_trip_bit_for_bit():
+    rng = np.random.default_rng(1)
+    groups = [_group(k, 2, rng) for k in range(6)]
+    _multiturn(groups[0])
+    _multiturn(groups[2], rewards=False)
+    _multiturn(groups[3], masks=False)
+    _multiturn(groups[5])
+    back = rollouts_from_arrow(rollouts_to_arrow(groups))
+    assert all(_same(a, b) for a, b in zip(groups, back, strict=True))
+    assert [g.loss_masks is None for g in back] == [False, True, False, True, True, False]
+    assert [g.turn_rewards is None for g in back] == [False, True, True, False, True, False]
+    assert [bool(g.episodes) for g in back] == [True, False, True, True, False, True]
+    assert back[0].loss_masks[0].dtype == np.uint8
+    assert back[0].turn_rewards[0].dtype == np.float32
+
+
+def test_a_snapshot_written_before_multiturn_rollouts_loads_as_single_turn():
+    rng = np.random.default_rng(2)
+    groups = [_group(k, 1, rng) for k in range(3)]
+    new = pa.ipc.open_file(pa.py_buffer(rollouts_to_arrow(groups))).read_all()
+    # The columns the buffer wrote before multi-turn rollouts, and nothing else.
+    old = new.select(
+        [
+            "group_id",
+            "prompt_id",
+            "generator_id",
+            "prompt_ids",
+            "response_ids",
+            "behav_logprobs",
+            "token_versions",
+            "scores",
+            "failed",
+            "data_source",
+        ]
+    )
+    sink = io.BytesIO()
+    with pa.ipc.new_file(sink, old.schema) as writer:
+        writer.write_table(old)
+    back = rollouts_from_arrow(sink.getvalue())
+    assert all(_same(a, b) for a, b in zip(groups, back, strict=True))
+    assert all((g.loss_masks, g.turn_rewards, g.episodes) == (None, None, []) for g in back)
 
 
 def test_ledger_state_round_trips_and_rejects_other_formats():

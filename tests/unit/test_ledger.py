@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 from buffer.ledger import LedgerError, PromptLedger, StoredGroup, filter_stale, shard_samples
 from buffer.telemetry import AdmissionClock, TokenRate
 from verl_async.data import PromptRecord
+from verl_async.protocol import EpisodeStats
 from verl_async.staleness import Admission
 
 
@@ -68,6 +69,26 @@ def test_filter_stale_drops_and_counts():
     kept, dropped = filter_stale([_stored(0, [3, 1, 2])], learner_version=4, max_staleness=2)
     assert dropped == 1
     assert [int(v.min()) for v in kept[0].token_versions] == [3, 2]
+
+
+def test_filter_stale_keeps_multiturn_fields_aligned_and_reads_only_sampled_versions():
+    g = _stored(0, [3, 1, 2])
+    # Sample 2's observation placeholders carry version 0: stale if anything read them.
+    g.token_versions[2] = np.array([2, 0, 2], np.int32)
+    g.loss_masks = [np.array(m, np.uint8) for m in ([1, 1, 1], [1, 0, 1], [1, 0, 1])]
+    g.turn_rewards = [np.array([i, 0, 0], np.float32) for i in range(3)]
+    g.episodes = [EpisodeStats(i, 0, 0, 0, 0.0, 1, "", 0, False, 0.0) for i in range(3)]
+    g.scores = [[0.0], [1.0], [2.0]]
+    [kept], dropped = filter_stale([g], learner_version=4, max_staleness=2)
+    assert dropped == 1
+    assert [r[0] for r in kept.turn_rewards] == [0, 2] and kept.scores == [[0.0], [2.0]]
+    assert [e.turns for e in kept.episodes] == [0, 2]
+    assert [m.tolist() for m in kept.loss_masks] == [[1, 1, 1], [1, 0, 1]]
+    assert [v.tolist() for v in kept.token_versions] == [[3, 3, 3], [2, 0, 2]]
+    # Without a mask every token is sampled: the same versions make sample 2 stale.
+    g.loss_masks = None
+    [kept], dropped = filter_stale([g], learner_version=4, max_staleness=2)
+    assert dropped == 2 and kept.turn_rewards[0][0] == 0 and kept.loss_masks is None
 
 
 def _group_of_lengths(k, lengths):
