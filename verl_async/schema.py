@@ -37,6 +37,10 @@ class TinyModelConfig(_Section):
     """MLP width of the tiny model."""
     seed: int = 0
     """Seed of the random initialisation (same seed -> same weights)."""
+    extra_words: list[str] = []
+    """Words appended to the tiny vocabulary, e.g. the feedback words of a multi-turn
+    environment ("wrong", "higher"); the default vocabulary is unchanged, so runs without
+    extra words build the same model."""
 
 
 class ModelConfig(_Section):

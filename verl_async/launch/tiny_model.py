@@ -14,6 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from verl_async.config_base import ConfigError
 from verl_async.schema import TinyModelConfig
 from verl_async.tasks.max_digit import VOCAB
 
@@ -21,11 +22,27 @@ _MARKER = "verl_async_tiny.json"
 _CACHE_FORMAT = 1  # bump when a build of the same config would differ
 
 
-def build_tokenizer(out_dir: Path) -> None:
+def vocabulary(cfg: TinyModelConfig) -> list[str]:
+    """``VOCAB`` and then ``cfg.extra_words`` not already in it, in order; a word that
+    holds whitespace (the tokenizer splits words at whitespace) raises ConfigError."""
+    words = list(VOCAB)
+    for word in cfg.extra_words:
+        if not word or any(c.isspace() for c in word):
+            raise ConfigError(
+                f"bad value for 'model.tiny.extra_words': {word!r} is not one word "
+                "(empty, or holds whitespace)"
+            )
+        if word not in words:
+            words.append(word)
+    return words
+
+
+def build_tokenizer(out_dir: Path, words: list[str]) -> None:
+    """A word-level tokenizer over ``words`` (ids in list order) into ``out_dir``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(VOCAB)}
+    vocab = {tok: i for i, tok in enumerate(words)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
@@ -42,7 +59,11 @@ def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig) -> Path:
     """Write the tiny model to ``out_dir`` unless the same one is already there; a copy
     of an identical build in the cache (``cache_dir``) saves importing torch."""
     out_dir = Path(out_dir)
-    wanted = json.dumps({"vocab": VOCAB, **_as_dict(cfg)}, sort_keys=True)
+    words = vocabulary(cfg)
+    # The extra words are part of "vocab": without them the marker (and the cache key) is
+    # the one builds had before the option existed, so their copies are used as they are.
+    shape = {k: v for k, v in _as_dict(cfg).items() if k != "extra_words"}
+    wanted = json.dumps({"vocab": words, **shape}, sort_keys=True)
     marker = out_dir / _MARKER
     if marker.is_file() and marker.read_text() == wanted:
         return out_dir
@@ -50,7 +71,7 @@ def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig) -> Path:
     if cached is not None and (cached / _MARKER).is_file():
         _copy(cached, out_dir)
         return out_dir
-    _build(out_dir, cfg, wanted)
+    _build(out_dir, cfg, words, wanted)
     if cached is not None:
         _store(out_dir, cached)
     return out_dir
@@ -90,14 +111,14 @@ def _store(built: Path, cached: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _build(out_dir: Path, cfg: TinyModelConfig, wanted: str) -> None:
+def _build(out_dir: Path, cfg: TinyModelConfig, words: list[str], wanted: str) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     marker = out_dir / _MARKER
     out_dir.mkdir(parents=True, exist_ok=True)
     config = LlamaConfig(
-        vocab_size=len(VOCAB),
+        vocab_size=len(words),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers,
@@ -114,7 +135,7 @@ def _build(out_dir: Path, cfg: TinyModelConfig, wanted: str) -> None:
     torch.manual_seed(cfg.seed)
     model = LlamaForCausalLM(config).to(torch.float32)
     model.save_pretrained(out_dir)
-    build_tokenizer(out_dir)
+    build_tokenizer(out_dir, words)
     marker.write_text(wanted)
 
 

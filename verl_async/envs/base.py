@@ -1,0 +1,218 @@
+"""The environment contract: what a multi-turn episode's environment is, how it is named in
+the config, loaded and matched to a prompt's data source.
+
+An episode alternates between the model and an environment::
+
+    prompt = env.reset(row) or row.prompt
+    text = <the model's turn>
+    step = as_step(env.step(text))      # observations, reward, done, tool_call
+    ...                                 # observations appended, next turn sampled
+    env.close()                         # if it has one
+
+The generator drives that loop (budgets, timeouts, rendering tokens); an environment only
+answers ``reset`` and ``step``. Environments are named in ``multiturn.environments`` as
+``package.module:Class``; ``EnvironmentTable`` loads them once and tells which one (if any)
+runs the prompts of a data source.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from collections.abc import Awaitable
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from verl_async.config_base import ConfigError
+from verl_async.schema import EnvironmentConfig, MultiTurnConfig
+
+Message = dict[str, str]
+StepResult = tuple[list[Message], float | None, bool]
+
+ENV_PATTERN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+@dataclass(frozen=True)
+class EnvRow:
+    """The prompt an episode starts from, as the dataset gives it."""
+
+    prompt: str | list[Message]  # a plain string prompt, or chat messages
+    ground_truth: str
+    data_source: str
+    extra_info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Step:
+    """What the environment answers to one turn of the model."""
+
+    observations: list[Message]  # appended after the assistant's turn
+    reward: float | None = None  # this turn's reward; None: none
+    done: bool = False  # the episode ends after this turn
+    tool_call: bool = False  # this step ran a tool (counted in the metrics)
+
+
+class Environment(Protocol):
+    """One episode's environment, built as ``Class(**args)`` from its config entry.
+
+    ``reset(row)`` gives the episode's initial prompt: chat messages, a string for plain
+    (no chat template) prompts, or None for the row's prompt as it is (which also spares
+    the generator rendering it again). Every episode of one prompt must get the same
+    initial prompt, because a group of samples is compared with itself: randomness must
+    come from the row, never from the instance.
+
+    ``step(text)`` answers the model's turn, given as text with special tokens removed:
+    a ``Step``, or for convenience a plain tuple ``(observations, reward, done)``.
+
+    An optional ``close()`` is called when the episode ends, however it ends. Every method
+    may be a plain function or ``async def``; the generator calls them off its event loop
+    under ``multiturn.step_timeout_s``, so an environment may block.
+    """
+
+    def reset(
+        self, row: EnvRow
+    ) -> list[Message] | str | None | Awaitable[list[Message] | str | None]: ...
+
+    def step(self, text: str) -> Step | StepResult | Awaitable[Step | StepResult]: ...
+
+
+def as_step(result: Any) -> Step:
+    """``result`` of an environment's ``step`` (already awaited) as a ``Step``: a tuple
+    ``(observations, reward, done)`` is converted and the reward made a float; anything
+    else, or a field of the wrong type, raises TypeError saying what came back."""
+    if isinstance(result, Awaitable):
+        raise TypeError("step returned an awaitable that was not awaited")
+    if isinstance(result, tuple) and len(result) == 3:
+        step = Step(*result)
+    elif isinstance(result, Step):
+        step = result
+    else:
+        raise TypeError(
+            "step must return a Step or a tuple (observations, reward, done), got "
+            + _describe(result)
+        )
+    if not isinstance(step.observations, list) or not all(
+        _is_message(m) for m in step.observations
+    ):
+        raise TypeError(
+            "step's observations must be a list of {role, content} messages of strings, got "
+            + repr(step.observations)[:200]
+        )
+    reward = step.reward
+    # int, float, numpy and torch scalars have __float__; str and None do not.
+    if reward is not None and not (hasattr(reward, "__float__") and math.isfinite(reward)):
+        raise TypeError(f"step's reward must be a finite number or None, got {reward!r:.200}")
+    if not isinstance(step.done, bool) or not isinstance(step.tool_call, bool):
+        raise TypeError(
+            f"step's done and tool_call must be bools, got {step.done!r:.50} and "
+            f"{step.tool_call!r:.50}"
+        )
+    return step if reward is None or type(reward) is float else replace(step, reward=float(reward))
+
+
+def load_environment(spec: EnvironmentConfig, key: str) -> type:
+    """The class ``spec.env`` names (``package.module:Class``, imported with importlib);
+    any failure raises ConfigError naming ``<key>.env``."""
+    where = f"bad value for '{key}.env'"
+    if not ENV_PATTERN.match(spec.env):
+        raise ConfigError(f"{where}: '{spec.env}' is not of the form package.module:Class")
+    module_name, _, attr = spec.env.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # an environment's own import may fail in any way
+        raise ConfigError(
+            f"{where}: module '{module_name}' cannot be imported ({type(exc).__name__}: {exc})"
+        ) from None
+    cls = getattr(module, attr, None)
+    if cls is None:
+        raise ConfigError(f"{where}: module '{module_name}' has no '{attr}'")
+    if not isinstance(cls, type):
+        raise ConfigError(f"{where}: '{spec.env}' is not a class ({type(cls).__name__})")
+    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
+    if missing:
+        raise ConfigError(
+            f"{where}: '{spec.env}' has no {' or '.join(missing)} method (an environment "
+            "needs reset(row) and step(text))"
+        )
+    return cls
+
+
+def make_environment(cls: type, spec: EnvironmentConfig, key: str) -> Any:
+    """A new instance of ``cls`` built with ``spec.args``; arguments it refuses (TypeError,
+    ValueError) raise ConfigError naming ``<key>.args``."""
+    try:
+        return cls(**spec.args)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"bad value for '{key}.args': {spec.env}: {exc}") from None
+
+
+def check_environments(mt: MultiTurnConfig) -> None:
+    """The checks of ``multiturn.environments`` that import nothing: the form of every
+    ``env``, no data source named by two environments, at most one catch-all (an
+    environment with no ``data_sources``)."""
+    claimed: dict[str, int] = {}
+    catch_all: int | None = None
+    for i, spec in enumerate(mt.environments):
+        key = f"multiturn.environments[{i}]"
+        if not ENV_PATTERN.match(spec.env):
+            raise ConfigError(
+                f"bad value for '{key}.env': '{spec.env}' is not of the form package.module:Class"
+            )
+        if not spec.data_sources:
+            if catch_all is not None:
+                raise ConfigError(
+                    f"bad value for '{key}.data_sources': empty, and so is that of "
+                    f"multiturn.environments[{catch_all}]; at most one environment may take "
+                    "every data source the others do not name"
+                )
+            catch_all = i
+        for source in spec.data_sources:
+            if source in claimed:
+                raise ConfigError(
+                    f"bad value for '{key}.data_sources': '{source}' is already "
+                    f"multiturn.environments[{claimed[source]}]'s"
+                )
+            claimed[source] = i
+
+
+class EnvironmentTable:
+    """Which environment runs the prompts of each data source, with every class loaded.
+
+    Built once per generator from ``cfg.multiturn``: a class that cannot be loaded fails
+    here, at start, with the key of its entry (``multiturn.environments[i].env``).
+    """
+
+    def __init__(self, mt: MultiTurnConfig) -> None:
+        check_environments(mt)
+        self.entries: list[tuple[EnvironmentConfig, type]] = [
+            (spec, load_environment(spec, f"multiturn.environments[{i}]"))
+            for i, spec in enumerate(mt.environments)
+        ]
+        self._by_source = {
+            source: i for i, (spec, _) in enumerate(self.entries) for source in spec.data_sources
+        }
+        self._catch_all = next(
+            (i for i, (spec, _) in enumerate(self.entries) if not spec.data_sources), None
+        )
+
+    def spec_for(self, data_source: str) -> tuple[int, EnvironmentConfig, type] | None:
+        """(index, config entry, class) of the environment for ``data_source``: the one
+        that names it, else the catch-all, else None (its prompts stay single-turn)."""
+        i = self._by_source.get(data_source, self._catch_all)
+        if i is None:
+            return None
+        spec, cls = self.entries[i]
+        return i, spec, cls
+
+
+def _is_message(m: Any) -> bool:
+    return (
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+    )
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, tuple):
+        return f"a tuple of {len(value)}"
+    return type(value).__name__
