@@ -25,7 +25,7 @@ class WordTokenizer:
     eos_token_id = EOS
 
     def __init__(self):
-        self.vocab = {"<pad>": 0, "<bos>": 1, "<eos>": EOS}
+        self.vocab = {"<pad>": 0, "<bos>": 1, "<eos>": EOS, "max": 3, "3": 4, "7": 5, "=": 6}
 
     def _id(self, word):
         return self.vocab.setdefault(word, len(self.vocab))
@@ -98,7 +98,7 @@ class BadReset(Retry):
 
 
 GROUP = P.PromptGroup(
-    group_id=0, prompt_id=0, epoch=0, prompt_ids=[1, 50, 51], prompt="max 3 7 =",
+    group_id=0, prompt_id=0, epoch=0, prompt_ids=[1, 3, 4, 5, 6], prompt="max 3 7 =",
     ground_truth="7", data_source="d",
 )  # fmt: skip
 
@@ -129,7 +129,7 @@ def test_masks_placeholders_versions_and_turn_rewards_line_up():
     assert s.env_reward == pytest.approx(0.5) and not s.template_mismatch
     assert ep.final_text == "7"
     # Each turn is a request for the whole conversation so far (same engine).
-    assert engine.requests[2][0] == [1, 50, 51, three, EOS, w, nine, EOS, w]
+    assert engine.requests[2][0] == [*GROUP.prompt_ids, three, EOS, w, nine, EOS, w]
     packed = pack_group(GROUP.prompt_ids, [ep, ep])
     assert packed.lengths == [8, 8] and packed.loss_mask.dtype == np.uint8
     assert packed.turn_rewards.tolist() == ep.turn_rewards * 2
@@ -155,12 +155,12 @@ def test_a_turn_cut_by_its_token_budget_ends_the_episode():
 
 
 def test_episode_tokens_stop_before_an_observation_that_would_overflow():
-    # prompt 3 + turn 2 = 5; an observation of 1 token would leave no room for a token.
-    _, _, [ep] = run(["3", "9"], max_episode_tokens=6)
+    # prompt 5 + turn 2 = 7; an observation of 1 token would leave no room for a token.
+    _, _, [ep] = run(["3", "9"], max_episode_tokens=8)
     assert ep.stats.budget == "episode_tokens" and ep.loss_mask == [1, 1]
     # The last turn's budget is what is left of the episode's.
-    _, engine, [ep] = run(["3", "9 9 9 9 ..."], max_episode_tokens=8)
-    assert engine.requests[1][1].max_tokens == 8 - 6
+    _, engine, [ep] = run(["3", "9 9 9 9 ..."], max_episode_tokens=10)
+    assert engine.requests[1][1].max_tokens == 10 - 8
     assert ep.stats.budget == "episode_tokens"
 
 
@@ -178,7 +178,8 @@ def test_failing_tools_end_their_turn_with_an_error_observation(cls, kind):
     assert time.monotonic() - t0 < 5  # a hung tool costs its timeout, not 30 s
     assert getattr(ep.stats, f"tool_{kind}") == 2
     assert ep.stats.turns == 2 and ep.stats.budget == "turns"
-    assert "error" in tok.vocab.keys() or "error:" in tok.vocab.keys()
+    observed = [t for t, m in zip(ep.sample.token_ids, ep.loss_mask, strict=True) if not m]
+    assert tok.decode(observed).startswith("error:")
 
 
 def test_a_failed_reset_runs_a_single_turn_on_the_row_prompt():
