@@ -468,3 +468,22 @@ def test_eval_row_reports_environment_reward_and_turns_when_present():
     assert row["eval/reward_mean"] == 0.5  # the outcome scores, as for single-turn rounds
     plain = eval_row(msgspec.structs.replace(report, results=[result(1)]), RunConfig())
     assert "eval/env_reward" not in plain and "eval/turns_mean" not in plain
+
+
+def test_the_learner_trains_on_the_outcome_plus_turn_rewards_and_reports_the_return():
+    from types import SimpleNamespace
+
+    from learners.trainer import Learner
+
+    cfg = RunConfig()
+    algo = msgspec.structs.replace(cfg.algo, adv_estimator="rloo")
+    learner = SimpleNamespace(
+        cfg=cfg, running={}, algo=algo, reference=None, critic=None, dp=DataParallel(),
+        acc=SimpleNamespace(device=torch.device("cpu")), kl_ctrl=kl_controller(algo.kl),
+    )  # fmt: skip
+    b = _collated()
+    adv = Learner.compute_advantages(learner, b, b)
+    # Scores 1 and 0; sample 0's turn rewards 0.25 + 0.5. Groups of one: rloo keeps the
+    # return, on the sampled tokens only.
+    torch.testing.assert_close(b.rewards, torch.tensor([1.75, 0.0]))
+    torch.testing.assert_close(adv.advantages, torch.tensor([1.75, 0.0])[:, None] * b.loss_mask)
