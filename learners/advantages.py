@@ -18,9 +18,10 @@ Multi-turn samples have observation tokens (mask 0) between their sampled turns.
 at those positions is read: the KL is charged on sampled tokens only, grpo and rloo sum
 sampled tokens, and for reinforce_plus_plus and gae the observations are transparent: the
 recursion goes from one sampled token to the next, discounting once per sampled token.
-The verl estimators restart (reinforce_plus_plus) at a masked position, so each row's
+verl's REINFORCE++ restarts its running return at every masked position, so each row's
 sampled positions are moved to its front, the estimator runs on those compacted rows and
-the results go back to where the tokens came from (``over_sampled_tokens``).
+the results go back to where the tokens came from (``over_sampled_tokens``; verl's GAE
+passes masked positions through and would not need it, but gets the same path).
 """
 
 from __future__ import annotations

@@ -26,9 +26,10 @@ def step_row(
     """One metrics.jsonl line. Staleness is measured against the version trained at (= step).
 
     ``staleness_hist[k]`` counts the samples of staleness k, for k = 0 .. max(eta, max seen);
-    ``inflight_update_samples`` counts samples whose tokens span more than one version.
+    ``inflight_update_samples`` counts samples whose sampled tokens span more than one
+    version (a multi-turn sample's observation tokens carry none of their own).
     """
-    mask = batch.loss_mask > 0  # sampled tokens: observations carry no version of their own
+    mask = batch.loss_mask > 0
     oldest = batch.token_versions.masked_fill(~mask, 1 << 30).min(dim=1).values  # [N]
     newest = batch.token_versions.masked_fill(~mask, -1).max(dim=1).values
     stale = (step - oldest).float()
