@@ -1,6 +1,7 @@
 """From one combined reward per sample to per-token advantages, for every estimator.
 
-    reward r_i  ->  token-level scores (r_i at the sample's last response token, 0 elsewhere)
+    reward r_i  ->  token-level scores (r_i at the sample's last sampled token, 0 elsewhere)
+                ->  plus the environment's turn rewards            (multi-turn samples)
                 ->  minus coef * KL(pi_old || pi_ref) per token   (algo.kl.in_reward)
                 ->  advantages [N, T-1] by algo.adv_estimator:
                       grpo, rloo             the sum of a sample's token rewards, compared
@@ -9,9 +10,18 @@
                       gae                    TD(lambda) against the critic's values
 
 Everything is in the targets' layout of ``TrainBatch`` ([N, T-1], ``loss_mask`` marks the
-response tokens); advantages are zero outside responses. pi_old is pi_prox, the learner's
+sampled response tokens); advantages are zero elsewhere. pi_old is pi_prox, the learner's
 weights before this batch's updates, so the in-reward KL is measured against the same
 policy the PPO ratio starts from, whatever the staleness of the samples.
+
+Multi-turn samples have observation tokens (mask 0) between their sampled turns. Nothing
+at those positions is read: the KL is charged on sampled tokens only, grpo and rloo sum
+sampled tokens, and for reinforce_plus_plus and gae the observations are transparent: the
+recursion goes from one sampled token to the next, discounting once per sampled token.
+verl's REINFORCE++ restarts its running return at every masked position, so each row's
+sampled positions are moved to its front, the estimator runs on those compacted rows and
+the results go back to where the tokens came from (``over_sampled_tokens``; verl's GAE
+passes masked positions through and would not need it, but gets the same path).
 """
 
 from __future__ import annotations
@@ -48,14 +58,50 @@ def kl_controller(kl_cfg) -> FixedKLController | AdaptiveKLController:
 
 
 def token_level_scores(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """rewards [N], mask [N, T-1] -> [N, T-1]: each reward at its sample's last response
-    token (a sample with no response token gets nothing)."""
+    """rewards [N], mask [N, T-1] -> [N, T-1]: each reward at its sample's last kept
+    (sampled) token (a sample with no kept token gets nothing)."""
     scores = torch.zeros_like(mask, dtype=torch.float32)
     positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
     last = torch.where(mask > 0, positions, -1).max(dim=1).values  # [N], -1: empty
     rows = torch.nonzero(last >= 0).squeeze(1)
     scores[rows, last[rows]] = rewards[rows].to(scores.dtype)
     return scores
+
+
+def episode_returns(outcome: torch.Tensor, turn_rewards: torch.Tensor | None) -> torch.Tensor:
+    """Each sample's whole return [N]: its outcome reward plus the sum of its turn rewards
+    (``turn_rewards`` [N, T-1] is 0 off the sampled tokens, as ``collate`` leaves it)."""
+    if turn_rewards is None:
+        return outcome
+    return outcome + turn_rewards.sum(dim=1).to(outcome.device, outcome.dtype)
+
+
+def has_gaps(mask: torch.Tensor) -> bool:
+    """Whether some row of ``mask`` [N, T] has a masked position between two kept ones."""
+    keep = mask > 0
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    first = torch.where(keep, positions, mask.shape[1]).min(dim=1).values
+    last = torch.where(keep, positions, -1).max(dim=1).values
+    span = (last - first + 1).clamp(min=0)  # 0 for a row with nothing kept
+    return bool((span != keep.sum(dim=1)).any())
+
+
+def over_sampled_tokens(estimator, mask: torch.Tensor, *inputs: torch.Tensor):
+    """Run a token-level ``estimator(mask, *inputs) -> (advantages, returns)`` as if each
+    row held its kept positions only, one after the other; [N, T] in and out, zeros at
+    masked positions.
+
+    A batch without gaps (every single-turn batch) goes to the estimator unchanged, so
+    its results are bit for bit those of the estimator alone."""
+    if not has_gaps(mask):
+        return estimator(mask, *inputs)
+    keep = mask > 0
+    # A stable sort of "is masked" puts each row's kept positions first, in their order.
+    order = torch.sort((~keep).to(torch.int32), dim=1, stable=True).indices
+    packed_mask = mask.gather(1, order)
+    packed = estimator(packed_mask, *(x.gather(1, order) for x in inputs))
+    # The estimators give zeros at masked positions, so the packed tails land as zeros.
+    return tuple(torch.zeros_like(out).scatter(1, order, out) for out in packed)
 
 
 def estimate(
@@ -67,14 +113,19 @@ def estimate(
     logp_old: torch.Tensor | None = None,
     logp_ref: torch.Tensor | None = None,
     kl_ctrl: FixedKLController | AdaptiveKLController | None = None,
+    turn_rewards: torch.Tensor | None = None,
 ) -> Advantages:
     """Advantages of one batch under ``algo`` (an ``AlgoConfig``); see the module docstring.
 
-    ``values`` is needed by gae; ``logp_old``, ``logp_ref`` and ``kl_ctrl`` by
-    ``algo.kl.in_reward`` (the controller is updated with this batch's KL).
+    ``rewards`` [N] are the outcome rewards (placed on each sample's last sampled token);
+    ``turn_rewards`` [N, T-1], when given, are added where ``mask`` is 1. ``values`` is
+    needed by gae; ``logp_old``, ``logp_ref`` and ``kl_ctrl`` by ``algo.kl.in_reward``
+    (the controller is updated with this batch's KL).
     """
     mask = mask.float()
     tokens = token_level_scores(rewards, mask)
+    if turn_rewards is not None:
+        tokens = tokens + torch.where(mask > 0, turn_rewards, torch.zeros_like(turn_rewards))
     kl_mean = None
     if algo.kl.in_reward:
         tokens, kl_mean = apply_kl_penalty(
@@ -87,15 +138,17 @@ def estimate(
     if kind == "gae":
         if values is None:
             raise ValueError("adv_estimator 'gae' needs the critic's values")
-        adv, returns = gae_advantages(
-            tokens, values, mask, algo.gamma, algo.lam, algo.normalize_adv_std
-        )
+        adv, returns = over_sampled_tokens(
+            lambda m, r, v: gae_advantages(r, v, m, algo.gamma, algo.lam, algo.normalize_adv_std),
+            mask, tokens, values,
+        )  # fmt: skip
     elif kind == "reinforce_plus_plus":
-        adv, returns = reinforce_plus_plus_advantages(
-            tokens, mask, algo.gamma, algo.normalize_adv_std
-        )
+        adv, returns = over_sampled_tokens(
+            lambda m, r: reinforce_plus_plus_advantages(r, m, algo.gamma, algo.normalize_adv_std),
+            mask, tokens,
+        )  # fmt: skip
     else:
-        totals = (tokens * mask).sum(dim=1)  # the reward, less the sample's KL penalty
+        totals = (tokens * mask).sum(dim=1)  # the rewards, less the sample's KL penalty
         if kind == "grpo":
             per_sample = grpo_outcome_advantages(totals, group_index, algo.normalize_adv_std)
         elif kind == "rloo":

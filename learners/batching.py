@@ -21,14 +21,19 @@ class TrainBatch:
     """A step's samples, right-padded. T = longest prompt + response in the batch.
 
     With several learner ranks it holds the whole step, rows ordered rank by rank
-    (``shard_sizes``); learners/distributed.py cuts out a rank's own rows."""
+    (``shard_sizes``); learners/distributed.py cuts out a rank's own rows.
+
+    A multi-turn sample's response holds observation tokens between its sampled turns:
+    ``loss_mask`` is 0 there, and their placeholders are sanitised (behaviour log-prob 0,
+    version -1, turn reward 0), so they look like positions outside any response to every
+    reader that forgets the mask."""
 
     step: int
     input_ids: torch.Tensor  # [N, T] long
     attention_mask: torch.Tensor  # [N, T] long
-    loss_mask: torch.Tensor  # [N, T-1] float, 1 where target position t+1 is a response token
+    loss_mask: torch.Tensor  # [N, T-1] float, 1 where target t+1 is a sampled response token
     behav_logprobs: torch.Tensor  # [N, T-1] float32, aligned with targets input_ids[:, 1:]
-    token_versions: torch.Tensor  # [N, T-1] long (-1 outside responses)
+    token_versions: torch.Tensor  # [N, T-1] long (-1 outside responses and on observations)
     scores: np.ndarray  # [N, S] float32 raw score per reward source (NaN: not routed)
     failed: list[int]  # [S] samples whose source failed (scored with its default)
     sample_sources: list[str]  # [N] data_source of each sample
@@ -40,9 +45,15 @@ class TrainBatch:
     group_ids: list[int]  # the step's groups (audit trail: trained.jsonl)
     group_prompts: list[int]  # prompt index of each group
     group_generators: list[int]  # the generator that sampled each group
-    sample_digests: list[int]  # crc32 of each sample's (group, index), tokens, logprobs, versions
+    # crc32 of each sample's (group, index), tokens, logprobs, versions (and loss mask and
+    # turn rewards, when the message has them)
+    sample_digests: list[int]
     prompts_skipped: int  # prompts the buffer left out as too long
     shard_sizes: list[int]  # [ranks] rows of each rank's shard, in order
+    # [N, T-1] float32: each turn's environment reward at its last sampled token; None: the
+    # step has no turn reward at all.
+    turn_rewards: torch.Tensor | None
+    episodes: list  # [N] EpisodeStats of each multi-turn sample (None: single-turn), or []
     # The buffer's Stats right after the batch came (generator rate and timing totals),
     # asked by the prefetcher of the rank that writes metrics; None elsewhere.
     buffer_stats: P.Stats | None = None
@@ -61,10 +72,16 @@ class TrainBatch:
 
 
 def collate(msg: P.Batch, frames: list, pad_id: int, pin: bool = False) -> TrainBatch:
+    """A ``Batch`` message and its frames -> a ``TrainBatch`` (pinned host memory with ``pin``).
+
+    Observation tokens (``loss_mask`` 0) keep their ids and attention but get the
+    placeholders of a position outside any response, whatever the message holds there."""
     prompt = P.tensor(msg.prompt_ids, frames)
     resp = P.tensor(msg.response_ids, frames)
     behav = P.tensor(msg.behav_logprobs, frames)
     vers = P.tensor(msg.token_versions, frames)
+    sampled = None if msg.loss_mask is None else P.tensor(msg.loss_mask, frames)
+    turn = None if msg.turn_rewards is None else P.tensor(msg.turn_rewards, frames)
     n = len(msg.response_lengths)
     total = [p + r for p, r in zip(msg.prompt_lengths, msg.response_lengths, strict=True)]
     width = max(total, default=1)
@@ -73,6 +90,7 @@ def collate(msg: P.Batch, frames: list, pad_id: int, pin: bool = False) -> Train
     loss_mask = np.zeros((n, width - 1), np.float32)
     behav_pad = np.zeros((n, width - 1), np.float32)
     vers_pad = np.full((n, width - 1), -1, np.int64)
+    turn_pad = None if turn is None else np.zeros((n, width - 1), np.float32)
     po = ro = 0
     digests = []
     seen: dict[int, int] = {}  # without sample_index: samples come in group order
@@ -81,16 +99,28 @@ def collate(msg: P.Batch, frames: list, pad_id: int, pin: bool = False) -> Train
         g = msg.sample_group[i]
         j = seen[g] = msg.sample_index[i] if msg.sample_index else seen.get(g, -1) + 1
         digest = zlib.crc32(f"{msg.sample_group[i]}.{j}".encode())
-        for part in (resp[ro : ro + r], behav[ro : ro + r], vers[ro : ro + r]):
+        own = slice(ro, ro + r)
+        parts = [resp[own], behav[own], vers[own]]
+        parts += [a[own] for a in (sampled, turn) if a is not None]
+        for part in parts:
             digest = zlib.crc32(part.tobytes(), digest)
         digests.append(digest)
         ids[i, :p] = prompt[po : po + p]
-        ids[i, p : p + r] = resp[ro : ro + r]
+        ids[i, p : p + r] = resp[own]
         attn[i, : p + r] = 1
         # Target of position t is token t+1; response token j sits at p+j, so position p+j-1.
-        loss_mask[i, p - 1 : p - 1 + r] = 1
-        behav_pad[i, p - 1 : p - 1 + r] = behav[ro : ro + r]
-        vers_pad[i, p - 1 : p - 1 + r] = vers[ro : ro + r]
+        cols = slice(p - 1, p - 1 + r)
+        if sampled is None:
+            loss_mask[i, cols] = 1
+            behav_pad[i, cols] = behav[own]
+            vers_pad[i, cols] = vers[own]
+        else:  # observation tokens get the placeholders of positions outside a response
+            keep = sampled[own] > 0
+            loss_mask[i, cols] = keep
+            behav_pad[i, cols] = np.where(keep, behav[own], 0.0)
+            vers_pad[i, cols] = np.where(keep, vers[own], -1)
+        if turn_pad is not None:
+            turn_pad[i, cols] = turn[own] if sampled is None else np.where(keep, turn[own], 0.0)
         po += p
         ro += r
     source_of = dict(zip(msg.group_ids, msg.data_sources, strict=True))
@@ -116,6 +146,8 @@ def collate(msg: P.Batch, frames: list, pad_id: int, pin: bool = False) -> Train
         sample_digests=digests,
         prompts_skipped=msg.prompts_skipped,
         shard_sizes=list(msg.shard_sizes) or [n],
+        turn_rewards=None if turn_pad is None else t(turn_pad),
+        episodes=list(msg.episodes),
     )
 
 

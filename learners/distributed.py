@@ -24,8 +24,16 @@ import torch
 from learners.batching import TrainBatch
 from learners.plan import shard_bounds
 
-# Per-row fields of a TrainBatch, and which of them are [N, T] / [N, T-1] (width-trimmed).
-_ROW_TENSORS = ("input_ids", "attention_mask", "loss_mask", "behav_logprobs", "token_versions")
+# Per-row tensors of a TrainBatch (width-trimmed): input_ids and attention_mask are [N, T],
+# the others [N, T-1]; turn_rewards may be None.
+_ROW_TENSORS = (
+    "input_ids",
+    "attention_mask",
+    "loss_mask",
+    "behav_logprobs",
+    "token_versions",
+    "turn_rewards",
+)
 
 
 class DataParallel:
@@ -57,6 +65,8 @@ class DataParallel:
         width = max(int(batch.attention_mask[start:stop].sum(dim=1).max()), 2)
         out = {f.name: getattr(batch, f.name) for f in fields(batch)}
         for name in _ROW_TENSORS:
+            if out[name] is None:
+                continue
             t = out[name][start:stop]
             out[name] = (
                 t[:, :width] if name in ("input_ids", "attention_mask") else t[:, : width - 1]

@@ -9,6 +9,7 @@ except the final one. Each finished round is one line of ``eval.jsonl``:
     eval/reward/<source>     mean raw score of that source (over the samples it scored)
     eval/reward_failed/<source>, eval/reward_mean, eval/reward_ds/<data_source>
     eval/response_length, eval/version_min, eval/version_max, eval/seconds, eval/prompts
+    eval/env_reward, eval/turns_mean   (only when the round has multi-turn episodes)
 """
 
 from __future__ import annotations
@@ -118,4 +119,11 @@ def eval_row(report: P.EvalReport, cfg: RunConfig) -> dict:
             "eval/prompts": len(report.results),
         }
     )
+    # Multi-turn episodes only: a single-turn prompt's result leaves both lists empty.
+    env_rewards = [x for r in report.results for x in r.env_rewards]
+    turns = [n for r in report.results for n in r.turns]
+    if env_rewards:
+        row["eval/env_reward"] = float(np.mean(env_rewards))
+    if turns:
+        row["eval/turns_mean"] = float(np.mean(turns))
     return row

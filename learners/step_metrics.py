@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import resource
+from collections import Counter
+from collections.abc import Sequence
 
 import torch
 
@@ -24,12 +26,12 @@ def step_row(
     """One metrics.jsonl line. Staleness is measured against the version trained at (= step).
 
     ``staleness_hist[k]`` counts the samples of staleness k, for k = 0 .. max(eta, max seen);
-    ``inflight_update_samples`` counts samples whose tokens span more than one version.
+    ``inflight_update_samples`` counts samples whose sampled tokens span more than one
+    version (a multi-turn sample's observation tokens carry none of their own).
     """
     mask = batch.loss_mask > 0
-    versions = batch.token_versions.masked_fill(~mask, 1 << 30)
-    oldest = versions.min(dim=1).values  # [N]
-    newest = batch.token_versions.max(dim=1).values
+    oldest = batch.token_versions.masked_fill(~mask, 1 << 30).min(dim=1).values  # [N]
+    newest = batch.token_versions.masked_fill(~mask, -1).max(dim=1).values
     stale = (step - oldest).float()
     n_resp = int(mask.sum())
     seen = int(stale.max()) if len(stale) else 0
@@ -100,6 +102,51 @@ def algo_metrics(batch: TrainBatch, s: StepStats, critic, adv, kl_ctrl) -> dict:
                 "critic/values/mean": critic.values_mean,
             }
         )
+    return row
+
+
+# The budgets that can end an episode (``EpisodeStats.budget``); each gets its
+# ``multiturn/budget_hits/<kind>`` field, 0 in a step where none bound.
+BUDGETS = ("turns", "turn_tokens", "observation_tokens", "episode_tokens", "episode_timeout")
+
+
+def multiturn_metrics(batch: TrainBatch) -> dict:
+    """``reward/env`` and the ``multiturn/*`` fields of a step with multi-turn samples
+    (``episode_metrics``); {} for a step without any."""
+    rows = [i for i, e in enumerate(batch.episodes) if e is not None]
+    if not rows:
+        return {}
+    index = torch.tensor(rows, device=batch.loss_mask.device)
+    sampled = (batch.loss_mask[index] > 0).sum(dim=1)
+    env = 0.0
+    if batch.turn_rewards is not None:
+        env = float(batch.turn_rewards[index].sum(dim=1).mean())
+    episodes = [batch.episodes[i] for i in rows]
+    return {"reward/env": env, **episode_metrics(episodes, sampled.tolist())}
+
+
+def episode_metrics(episodes: Sequence[P.EpisodeStats], sampled_tokens: Sequence[int]) -> dict:
+    """The ``multiturn/*`` fields of a step's episodes (at least one), ``sampled_tokens``
+    being each one's sampled tokens: means per episode, or totals over the step."""
+    n = len(episodes)
+    mean = lambda values: sum(values) / n  # noqa: E731
+    budgets = Counter(e.budget for e in episodes if e.budget)
+    row = {
+        "multiturn/turns_mean": mean([e.turns for e in episodes]),
+        "multiturn/turns_max": max(e.turns for e in episodes),
+        "multiturn/tool_calls": mean([e.tool_calls for e in episodes]),
+        "multiturn/tool_errors": sum(e.tool_errors for e in episodes),
+        "multiturn/tool_timeouts": sum(e.tool_timeouts for e in episodes),
+        "multiturn/env_seconds": mean([e.env_seconds for e in episodes]),
+        "multiturn/observation_tokens": mean([e.observation_tokens for e in episodes]),
+        "multiturn/sampled_tokens": mean(sampled_tokens),
+        "multiturn/budget_hits": sum(budgets.values()),
+        "multiturn/versions_spanned_mean": mean([e.versions_spanned for e in episodes]),
+        "multiturn/versions_spanned_max": max(e.versions_spanned for e in episodes),
+        "multiturn/template_mismatch": sum(e.template_mismatch for e in episodes),
+    }
+    for kind in sorted(set(BUDGETS) | set(budgets)):
+        row[f"multiturn/budget_hits/{kind}"] = budgets[kind]
     return row
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from learners import checkpointing
-from learners.advantages import Advantages, estimate, kl_controller
+from learners.advantages import Advantages, episode_returns, estimate, kl_controller
 from learners.batching import Prefetcher, TrainBatch
 from learners.critic import (
     CriticStats,
@@ -35,7 +35,7 @@ from learners.evaluation import EvalTracker
 from learners.plan import plan_update
 from learners.publish import WeightSync, gathered_buckets
 from learners.state_dicts import model_state, optimizer_state
-from learners.step_metrics import GeneratorTiming, algo_metrics, step_row
+from learners.step_metrics import GeneratorTiming, algo_metrics, multiturn_metrics, step_row
 from learners.update import StepStats, policy_update, prox_pass
 from verl_async import protocol as P
 from verl_async.algos.losses import explained_variance
@@ -180,15 +180,18 @@ class Learner:
         return batch, self.dp.local(batch)
 
     def compute_advantages(self, batch: TrainBatch, local: TrainBatch) -> Advantages:
-        """Combine the reward sources into one reward per sample, then the estimator's
-        per-token advantages, with what it needs first: reference log-probs, pi_prox for
-        a KL in the reward, the critic's values (learners/advantages.py).
+        """Combine the reward sources into one outcome reward per sample, then the
+        estimator's per-token advantages (with a multi-turn sample's turn rewards), with
+        what it needs first: reference log-probs, pi_prox for a KL in the reward, the
+        critic's values (learners/advantages.py). ``batch.rewards`` is each episode's
+        whole return: the outcome reward plus its turn rewards.
 
         The model passes run on this rank's rows (``local``) and are gathered back, so
         rewards and advantages are computed over the whole step on every rank."""
         group_index = batch.group_index.cpu()
-        rewards = combine(batch.scores, group_index.numpy(), self.cfg.rewards.sources, self.running)
-        batch.rewards = torch.from_numpy(np.asarray(rewards, np.float32))  # [N]
+        outcome = combine(batch.scores, group_index.numpy(), self.cfg.rewards.sources, self.running)
+        outcome = torch.from_numpy(np.asarray(outcome, np.float32))  # [N]
+        batch.rewards = episode_returns(outcome, batch.turn_rewards)
         algo, temperature, dp = self.algo, self.cfg.generators.temperature, self.dp
         if self.reference is not None:
             local.logp_ref = reference_logprobs(self.reference, local, temperature)
@@ -203,13 +206,14 @@ class Learner:
         device = self.acc.device
         return estimate(
             algo,
-            batch.rewards.to(device),
+            outcome.to(device),
             group_index.to(device),
             batch.loss_mask,
             batch.values,
             batch.logp_prox,
             batch.logp_ref,
             self.kl_ctrl,
+            batch.turn_rewards,
         )
 
     def update(
@@ -397,6 +401,7 @@ class Learner:
             time.monotonic() - self.t_start,
         )
         row.update(algo_metrics(batch, stats, critic_stats, adv, self.kl_ctrl))
+        row.update(multiturn_metrics(batch))
         row.update(self.gen_timing.row(batch.buffer_stats))  # the generators since the last batch
         row["prompts_skipped"] = batch.prompts_skipped
         row.update(

@@ -21,6 +21,7 @@ from verl_async.algos import (
 )
 from verl_async.algos.kl import kl_penalty
 from verl_async.algos.losses import agg_loss
+from verl_async.algos.masked import masked_sum
 
 
 @dataclass
@@ -82,6 +83,10 @@ def policy_update(
     log-probs, detached: no separate forward (a quarter of the step's compute on a real
     model); else a no-grad pass first. ``version``: the weights' version (for the
     rollout-versus-learner log-prob check of ``StepStats``).
+
+    Every loss term and statistic reads the positions of ``batch.loss_mask`` only: the
+    sampled tokens (a multi-turn sample's observation tokens are 0 there, and ``collate``
+    has already replaced their placeholder log-probs and versions).
     """
     mask = batch.loss_mask
     if plan is None:
@@ -191,8 +196,8 @@ def _step_stats(
         rollout_fresh_fraction=float(fresh.sum() / n_tok),
         loss=per_mb("loss"),
         pg_loss=per_mb("pg_loss"),
-        kl=float((kl_k3(logp_prox, batch.behav_logprobs) * mask).sum() / n_tok),
-        entropy=float((entropy[:, :-1] * mask).sum() / n_tok),
+        kl=float(masked_sum(kl_k3(logp_prox, batch.behav_logprobs), mask) / n_tok),
+        entropy=float(masked_sum(entropy[:, :-1], mask) / n_tok),
         clip_fraction=mean(lambda o: o.clip_fraction),
         clip_fraction_lower=mean(lambda o: o.pg_clipfrac_lower),
         ppo_kl=mean(lambda o: o.ppo_kl),
