@@ -8,8 +8,11 @@
 
 A turn is one engine request; ``engine.sample`` returns only whole turns (a request cut
 by an abort-mode weight swap goes on from its prefix inside it), so a tool call is never
-parsed from a partial turn. A turn ends at an end-of-sequence token; one cut by its token
-budget ends the episode (the template would have to invent the end of it).
+parsed from a partial turn. A turn ends at an end-of-sequence token or at its token budget
+(``generators.max_new_tokens``): the environment answers both alike, and after a cut turn
+the template's end-of-turn token is appended as a non-sampled token before the observation
+(what a full render of the conversation writes there). A turn cut by what is left of
+``multiturn.max_episode_tokens`` ends the episode.
 
 Environment calls (the constructor, ``reset``, ``step``, ``close``) never run on the
 generator's event loop: plain methods run in a daemon thread each, ``async def`` ones on an
@@ -225,9 +228,12 @@ class EpisodeRunner:
             ended = bool(turn.token_ids) and turn.token_ids[-1] in self.renderer.eos_ids
             text = self.tokenizer.decode(turn.token_ids, skip_special_tokens=True)
             turns.append(text)
-            if not ended:
-                budget = "turn_tokens" if len(turn.token_ids) >= how.max_tokens else "episode_tokens"
+            if not ended and len(turn.token_ids) < how.max_tokens:
+                budget = "episode_tokens"  # cut by what was left of the episode
                 break
+            # A turn cut by its own budget (generators.max_new_tokens) is still a whole turn:
+            # the environment answers it, and the template's end-of-turn closes it below.
+            budget = "" if ended else "turn_tokens"
             if env is None:
                 break
             try:
@@ -253,6 +259,8 @@ class EpisodeRunner:
             obs_messages, obs_ids, cut = self._observation(step.observations)
             if cut:
                 counts.tool_errors += 1
+            if not ended:  # not sampled: what the template writes after a turn's content
+                obs_ids = [self.renderer.end_of_turn, *obs_ids]
             if len(prompt_ids) + len(out.token_ids) + len(obs_ids) >= mt.max_episode_tokens:
                 budget = "episode_tokens"  # no room for the observation and a token after it
                 break
@@ -299,18 +307,21 @@ class EpisodeRunner:
         cut = False
         for m in messages:
             if len(m["content"]) > cap:
-                m["content"] = m["content"][:cap]
+                m["content"] = m["content"][:cap] + " [truncated]"
                 cut = True
         ids = self.renderer.observation_ids(messages)
+        if len(ids) <= limit:
+            return messages, ids, cut
+        longest = max(messages, key=lambda m: len(m["content"]))
+        text, keep = longest["content"], len(longest["content"])
         while len(ids) > limit:
-            cut = True
-            longest = max(messages, key=lambda m: len(m["content"]))
-            keep = int(len(longest["content"]) * limit / len(ids) * 0.9)
-            if keep <= 0 or keep >= len(longest["content"]):
-                return messages, ids[:limit], cut  # template tokens alone overflow: cut ids
-            longest["content"] = longest["content"][:keep] + " [truncated]"
+            # Shrink in proportion to the overflow, and always by at least one character.
+            keep = min(keep - 1, int(keep * limit / len(ids) * 0.9))
+            if keep <= 0:
+                return messages, ids[:limit], True  # the template's own tokens overflow
+            longest["content"] = text[:keep] + " [truncated]"
             ids = self.renderer.observation_ids(messages)
-        return messages, ids, cut
+        return messages, ids, True
 
 
 def _append(out: Sample, mask: list[int], rewards: list[float], turn: Sample) -> None:

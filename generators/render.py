@@ -49,6 +49,9 @@ class Renderer:
         self.templated = bool(chat_template and getattr(tokenizer, "chat_template", None))
         self.eos_ids = set(eos_ids)
         self.separator: list[int] = []  # what the template puts after an assistant turn's end
+        # The token that ends an assistant turn (the template's; plain: the tokenizer's EOS).
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.end_of_turn = eos if eos in self.eos_ids else min(self.eos_ids)
         if self.templated:
             anchor = self._render(_ANCHOR, generation_prompt=False)
             ends = [i for i, t in enumerate(anchor) if t in self.eos_ids]
@@ -59,6 +62,7 @@ class Renderer:
                 )
             self._anchor_len = ends[-1] + 1
             self.separator = anchor[self._anchor_len :]
+            self.end_of_turn = anchor[ends[-1]]
 
     def _render(self, messages: list[Message], generation_prompt: bool) -> list[int]:
         ids = self.tokenizer.apply_chat_template(
@@ -97,10 +101,10 @@ class Renderer:
         """The whole conversation rendered at once: ``turns[i]`` is assistant turn i's text,
         ``observations[i]`` the messages after it (one list fewer than turns, or as many)."""
         if not self.templated:
-            eos = min(self.eos_ids)
             ids = self.prompt_ids(prompt)
             for i, text in enumerate(turns):
-                ids += self.tokenizer(text, add_special_tokens=False)["input_ids"] + [eos]
+                ids += self.tokenizer(text, add_special_tokens=False)["input_ids"]
+                ids += [self.end_of_turn]
                 if i < len(observations):
                     ids += self.observation_ids(observations[i])
             return ids

@@ -111,7 +111,7 @@ BUDGETS = ("turns", "turn_tokens", "observation_tokens", "episode_tokens", "epis
 
 
 def multiturn_metrics(batch: TrainBatch) -> dict:
-    """``reward/env`` and the ``multiturn/*`` fields of a step with multi-turn samples
+    """``multiturn/env_reward`` and the ``multiturn/*`` fields of a step with multi-turn samples
     (``episode_metrics``); {} for a step without any."""
     rows = [i for i, e in enumerate(batch.episodes) if e is not None]
     if not rows:
@@ -122,7 +122,7 @@ def multiturn_metrics(batch: TrainBatch) -> dict:
     if batch.turn_rewards is not None:
         env = float(batch.turn_rewards[index].sum(dim=1).mean())
     episodes = [batch.episodes[i] for i in rows]
-    return {"reward/env": env, **episode_metrics(episodes, sampled.tolist())}
+    return {"multiturn/env_reward": env, **episode_metrics(episodes, sampled.tolist())}
 
 
 def episode_metrics(episodes: Sequence[P.EpisodeStats], sampled_tokens: Sequence[int]) -> dict:

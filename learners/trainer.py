@@ -81,7 +81,7 @@ class Learner:
         self.kl_ctrl = kl_controller(self.cfg.algo.kl)  # checkpointed
         self.algo = msgspec.structs.replace(  # the divisor of seq-mean-token-sum-norm resolved
             self.cfg.algo,
-            loss_scale_factor=self.cfg.algo.loss_scale_factor or self.cfg.generators.max_new_tokens,
+            loss_scale_factor=self.cfg.algo.loss_scale_factor or longest_response(self.cfg),
         )
         self.version = 0
         self.steps_done = 0
@@ -480,3 +480,11 @@ def fetch_buffer_files(
     finally:
         client.close()
     return {name: memoryview(P.tensor(ref, frames)) for name, ref in reply.files.items()}
+
+
+def longest_response(cfg) -> int:
+    """The most tokens a response may hold: one turn, or a whole episode when the run has
+    environments (the default divisor of ``seq-mean-token-sum-norm``)."""
+    if cfg.multiturn.environments:
+        return max(cfg.generators.max_new_tokens, cfg.multiturn.max_episode_tokens)
+    return cfg.generators.max_new_tokens

@@ -18,6 +18,7 @@ import yaml
 
 from verl_async import placement
 from verl_async.config_base import ConfigError
+from verl_async.envs.base import check_environments
 from verl_async.loggers import check_loggers
 from verl_async.reward_config import check_rewards
 from verl_async.schema import BufferConfig, RunConfig
@@ -146,6 +147,7 @@ def check_consistency(cfg: RunConfig) -> None:
             f"generators.max_model_len ({g.max_model_len})"
         )
     mt = cfg.multiturn
+    check_environments(mt)
     if mt.environments and mt.max_episode_tokens > g.max_model_len:
         raise ConfigError(
             "bad value for 'multiturn.max_episode_tokens': an episode must fit the engine's "

@@ -244,7 +244,8 @@ class AlgoConfig(_Section):
     seq-mean-token-mean or seq-mean-token-sum-norm (docs/algorithms.md)."""
     loss_scale_factor: PosFloat | None = None
     """seq-mean-token-sum-norm's constant divisor; empty: generators.max_new_tokens (the
-    response horizon, as verl divides by its padded response length)."""
+    response horizon, as verl divides by its padded response length), or
+    multiturn.max_episode_tokens when the run has environments."""
     entropy_coeff: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     """Entropy bonus: the actor loss subtracts entropy_coeff times the aggregated entropy."""
     kl: KLConfig = msgspec.field(default_factory=KLConfig)

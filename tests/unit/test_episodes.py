@@ -103,7 +103,10 @@ GROUP = P.PromptGroup(
 )  # fmt: skip
 
 
-def run(turns, cls=Retry, n=1, how=Sampling(max_tokens=4, temperature=1.0), **mt):
+TURN = Sampling(max_tokens=4, temperature=1.0)
+
+
+def run(turns, cls=Retry, n=1, how=TURN, **mt):
     tok = WordTokenizer()
     engine = ScriptEngine(tok, turns)
     cfg = MultiTurnConfig(environments=[EnvironmentConfig(env="x:Y")], **mt)
@@ -148,10 +151,20 @@ def test_max_turns():
     assert ep.loss_mask[-1] == 1  # ends on a sampled token, no observation appended
 
 
-def test_a_turn_cut_by_its_token_budget_ends_the_episode():
-    _, _, [ep] = run(["1 2 3 4 5 ..."], how=Sampling(max_tokens=3, temperature=1.0))
-    assert (ep.stats.turns, ep.stats.budget) == (1, "turn_tokens")
-    assert len(ep.sample.token_ids) == 3 and EOS not in ep.sample.token_ids
+def test_a_turn_cut_by_its_token_budget_is_answered_and_closed_by_a_placeholder_end():
+    how = Sampling(max_tokens=3, temperature=1.0)
+    tok, _, [ep] = run(["1 2 3 4 5 ...", "7 7 7 7 ..."], how=how)
+    one, two, three, w, seven = (tok.vocab[x] for x in ["1", "2", "3", "wrong", "7"])
+    # "1 2 3" is judged (wrong); an end-of-turn nobody sampled closes it before "wrong".
+    assert ep.sample.token_ids == [one, two, three, EOS, w, seven, seven, seven]
+    assert ep.loss_mask == [1, 1, 1, 0, 0, 1, 1, 1]
+    assert ep.turn_rewards == [0, 0, -0.25, 0, 0, 0, 0, 1.0]
+    # The environment ended it; its last turn was cut by the turn budget.
+    assert (ep.stats.turns, ep.stats.budget, ep.stats.template_mismatch) == (
+        2,
+        "turn_tokens",
+        False,
+    )
 
 
 def test_episode_tokens_stop_before_an_observation_that_would_overflow():
@@ -165,13 +178,15 @@ def test_episode_tokens_stop_before_an_observation_that_would_overflow():
 
 
 def test_a_long_observation_is_cut_to_its_budget_and_counted():
-    _, _, [ep] = run(["3", "7"], cls=Floods, max_observation_tokens=5)
+    _, _, [ep] = run(["3", "7"], cls=Floods, max_observation_tokens=5, max_turns=2)
     obs = [t for t, m in zip(ep.sample.token_ids, ep.loss_mask, strict=True) if not m]
     assert len(obs) <= 5 and ep.stats.observation_tokens == len(obs)
     assert ep.stats.tool_errors == 1
 
 
-@pytest.mark.parametrize("cls,kind", [(Raises, "errors"), (Hangs, "timeouts"), (AsyncHangs, "timeouts")])
+@pytest.mark.parametrize(
+    "cls,kind", [(Raises, "errors"), (Hangs, "timeouts"), (AsyncHangs, "timeouts")]
+)
 def test_failing_tools_end_their_turn_with_an_error_observation(cls, kind):
     t0 = time.monotonic()
     tok, _, [ep] = run(["3", "7"], cls=cls, step_timeout_s=0.3, max_turns=2)

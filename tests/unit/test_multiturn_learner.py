@@ -446,7 +446,7 @@ def test_episode_metrics_pinned():
 def test_step_metrics_of_multi_turn_samples_only():
     row = multiturn_metrics(_collated())
     # Sample 0 alone is an episode: 4 sampled tokens, turn rewards 0.25 + 0.5.
-    assert row["reward/env"] == pytest.approx(0.75)
+    assert row["multiturn/env_reward"] == pytest.approx(0.75)
     assert row["multiturn/sampled_tokens"] == 4.0
     assert row["multiturn/observation_tokens"] == 3.0
     assert multiturn_metrics(_collated(mask=False, turn=False)) == {}

@@ -70,8 +70,10 @@ def episode(renderer, tok, prompt, turns, observations, eos_id):
 
 PROMPTS = [
     [{"role": "user", "content": "What is 17 * 23? Use the calculator."}],  # no system message
-    [{"role": "system", "content": "You are a calculator user."},
-     {"role": "user", "content": "What is 17 * 23?"}],  # fmt: skip
+    [
+        {"role": "system", "content": "You are a calculator user."},
+        {"role": "user", "content": "What is 17 * 23?"},
+    ],  # fmt: skip
 ]
 TURNS = ["<calc>17*23</calc>", "The answer is 391."]
 OBSERVATIONS = [[{"role": "user", "content": "<result>391</result>"}]]
@@ -170,7 +172,8 @@ def test_plain_mode_on_the_word_level_tokenizer(tmp_path):
 
 
 @pytest.mark.skipif(
-    not os.environ.get("VERL_ASYNC_SMOLLM2"), reason="opt-in: VERL_ASYNC_SMOLLM2=models/smollm2-135m"
+    not os.environ.get("VERL_ASYNC_SMOLLM2"),
+    reason="opt-in: VERL_ASYNC_SMOLLM2=models/smollm2-135m",
 )
 def test_smollm2_tokenizer():
     from transformers import AutoTokenizer
