@@ -153,17 +153,18 @@ def test_plain_mode_on_the_word_level_tokenizer(tmp_path):
     from transformers import AutoTokenizer
 
     from verl_async.launch.tiny_model import build_tokenizer
+    from verl_async.tasks.max_digit import VOCAB
 
-    build_tokenizer(tmp_path)
+    build_tokenizer(tmp_path, [*VOCAB, "wrong"])
     tok = AutoTokenizer.from_pretrained(tmp_path)
     eos_id = tok.eos_token_id
     r = Renderer(tok, False, {eos_id})
     assert not r.templated
     prompt = "max 3 7 1 ="
-    obs = [[{"role": "user", "content": "max"}]]  # a word of the tiny vocabulary
-    assert r.observation_ids(obs[0]) == encode(tok, "max")
+    obs = [[{"role": "user", "content": "wrong"}]]  # model.tiny.extra_words: [wrong]
+    assert r.observation_ids(obs[0]) == encode(tok, "wrong")
     inc = episode(r, tok, prompt, ["3", "7"], obs, eos_id)
-    assert inc == tok(prompt)["input_ids"] + encode(tok, "3") + [eos_id] + encode(tok, "max") + (
+    assert inc == tok(prompt)["input_ids"] + encode(tok, "3") + [eos_id] + encode(tok, "wrong") + (
         encode(tok, "7") + [eos_id]
     )
     assert r.matches_full_render(inc, r.full_ids(prompt, ["3", "7"], obs), ended=True)
