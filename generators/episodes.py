@@ -49,10 +49,13 @@ _ERROR_CHARS = 300  # an error observation quotes at most this much of the excep
 class EnvCallError(Exception):
     """An environment call that raised (``cause``) or passed its deadline (``timed_out``)."""
 
-    def __init__(self, what: str, cause: BaseException | None, timed_out: bool) -> None:
+    def __init__(
+        self, what: str, cause: BaseException | None, timed_out: bool, running: bool = False
+    ) -> None:
         super().__init__(what)
         self.cause = cause
         self.timed_out = timed_out
+        self.running = running  # timed out in a thread that cannot be stopped: still running
 
     def observation(self) -> str:
         if self.timed_out:
@@ -81,6 +84,7 @@ class EnvCalls:
             future = asyncio.run_coroutine_threadsafe(fn(*args), self._env_loop())
         else:
             future = concurrent.futures.Future()
+            future.set_running_or_notify_cancel()  # a running thread cannot be cancelled
 
             def run() -> None:
                 try:
@@ -97,9 +101,9 @@ class EnvCalls:
             async with asyncio.timeout(max(timeout_s, 0.0)):
                 return await asyncio.wrap_future(future)
         except TimeoutError:
-            future.cancel()  # a coroutine is cancelled; a thread runs on, abandoned
-            self.abandoned += 1
-            raise EnvCallError(what, None, timed_out=True) from None
+            cancelled = future.cancel()  # a coroutine is cancelled; a thread runs on
+            self.abandoned += not cancelled
+            raise EnvCallError(what, None, timed_out=True, running=not cancelled) from None
         except Exception as exc:  # noqa: BLE001 (the environment's own error)
             raise EnvCallError(what, exc, timed_out=False) from exc
 
@@ -243,6 +247,11 @@ class EpisodeRunner:
                     err = EnvCallError("step", err, timed_out=False)
                 counts.failed(err)
                 log_env_failure(spec, err)
+                if err.running:  # calling it again would race with the call still running
+                    env = None
+                    if time.monotonic() >= deadline:
+                        budget = "episode_timeout"
+                    break
                 step = Step([{"role": "user", "content": err.observation()}])
             counts.tool_calls += int(step.tool_call)
             if step.reward is not None:

@@ -184,17 +184,24 @@ def test_a_long_observation_is_cut_to_its_budget_and_counted():
     assert ep.stats.tool_errors == 1
 
 
-@pytest.mark.parametrize(
-    "cls,kind", [(Raises, "errors"), (Hangs, "timeouts"), (AsyncHangs, "timeouts")]
-)
-def test_failing_tools_end_their_turn_with_an_error_observation(cls, kind):
+@pytest.mark.parametrize("cls,kind,count", [(Raises, "errors", 2), (AsyncHangs, "timeouts", 2)])
+def test_failing_tools_end_their_turn_with_an_error_observation(cls, kind, count):
     t0 = time.monotonic()
     tok, _, [ep] = run(["3", "7"], cls=cls, step_timeout_s=0.3, max_turns=2)
     assert time.monotonic() - t0 < 5  # a hung tool costs its timeout, not 30 s
-    assert getattr(ep.stats, f"tool_{kind}") == 2
+    assert getattr(ep.stats, f"tool_{kind}") == count
     assert ep.stats.turns == 2 and ep.stats.budget == "turns"
     observed = [t for t, m in zip(ep.sample.token_ids, ep.loss_mask, strict=True) if not m]
     assert tok.decode(observed).startswith("error:")
+
+
+def test_a_plain_method_past_its_deadline_ends_the_episode():
+    t0 = time.monotonic()
+    _, _, [ep] = run(["3", "7"], cls=Hangs, step_timeout_s=0.3, max_turns=2)
+    assert time.monotonic() - t0 < 5
+    # Its thread still sleeps in step(): no second call, no observation, one turn.
+    assert (ep.stats.tool_timeouts, ep.stats.turns) == (1, 1)
+    assert ep.loss_mask == [1, 1]
 
 
 def test_a_failed_reset_runs_a_single_turn_on_the_row_prompt():
