@@ -182,19 +182,33 @@ def crashed_and_resumed_scaled_out(tmp_path_factory) -> Path:
     return _crash_and_resume(tmp_path_factory.mktemp("crash_dp"), TWO_GENERATORS, shapes)
 
 
-def _crash_and_resume(tmp: Path, extra: list[str], shapes: list[list[str]] | None = None) -> Path:
+@pytest.fixture(scope="module")
+def crashed_and_resumed_multiturn(tmp_path_factory) -> Path:
+    return _crash_and_resume(
+        tmp_path_factory.mktemp("crash_mt"),
+        ["eval.every_steps=0", "trainer.total_steps=24"],
+        config="configs/tiny_multiturn.yaml",
+    )
+
+
+def _crash_and_resume(
+    tmp: Path,
+    extra: list[str],
+    shapes: list[list[str]] | None = None,
+    config: str = "configs/tiny.yaml",
+) -> Path:
     """``shapes``: further overrides of each of the four launches (placement changes)."""
     data = tmp / "prompts.jsonl"
     lines = (ROOT / "configs/data/max_digit.jsonl").read_text().splitlines()[: B * STEPS]
     data.write_text("\n".join(lines) + "\n")
     run_dir = tmp / "run"
     shapes = iter(shapes or [[]] * 4)
-    train = ["train", "configs/tiny.yaml", *_overrides(data), *extra, *next(shapes)]
+    train = ["train", config, *_overrides(data), *extra, *next(shapes)]
 
     def resume() -> list[str]:
         return [
             "train",
-            "configs/tiny.yaml",
+            config,
             "--resume",
             str(run_dir),
             *_overrides(data),
@@ -270,6 +284,16 @@ def test_exactly_once_holds_with_two_learner_ranks_and_two_generators(
     assert log.count("FSDP2 over 2 ranks (gloo)") == 3
     for i in (0, 1):
         assert "loaded version" in (run_dir / "logs" / f"generator{i}.log").read_text()
+
+
+def test_exactly_once_holds_with_multi_turn_episodes_in_flight(crashed_and_resumed_multiturn):
+    """Episodes in flight at a kill are sampled again from their first turn (their group is
+    issued again); finished ones stored in the snapshot are trained as they were."""
+    run_dir = crashed_and_resumed_multiturn
+    _audit_exactly_once(run_dir)
+    rows = _rows(run_dir / "metrics.jsonl")
+    assert all("multiturn/turns_mean" in r for r in rows)
+    assert any(r["multiturn/turns_max"] > 1 for r in rows)
 
 
 def _audit_exactly_once(run_dir: Path) -> None:
