@@ -37,8 +37,9 @@ def vocabulary(cfg: TinyModelConfig) -> list[str]:
     return words
 
 
-def build_tokenizer(out_dir: Path, words: list[str]) -> None:
-    """A word-level tokenizer over ``words`` (ids in list order) into ``out_dir``."""
+def build_tokenizer(out_dir: Path, words: list[str] = VOCAB) -> None:
+    """A word-level tokenizer over ``words`` (ids in list order; the tiny model's default
+    vocabulary if not given) into ``out_dir``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
