@@ -19,18 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from buffer.ledger import StoredGroup
-from verl_async.protocol import EpisodeStats, ProtocolError, RolloutGroup, vector
+from verl_async.protocol import EPISODE_BUDGETS, EpisodeStats, ProtocolError, RolloutGroup, vector
 from verl_async.schema import RunConfig
-
-# What may end an episode early ("": it ended on its own); EpisodeStats.budget.
-EPISODE_BUDGETS = (
-    "",
-    "turns",
-    "turn_tokens",
-    "observation_tokens",
-    "episode_tokens",
-    "episode_timeout",
-)
 
 
 @dataclass(frozen=True)
@@ -207,10 +197,10 @@ def _check_episodes(where: str, episodes: list[EpisodeStats], n: int) -> None:
             )
         if not math.isfinite(ep.env_reward):
             raise ProtocolError(f"{where}: episode {i}: env_reward = {ep.env_reward} is not finite")
-        if ep.budget not in EPISODE_BUDGETS:
+        if ep.budget and ep.budget not in EPISODE_BUDGETS:
             raise ProtocolError(
                 f"{where}: episode {i}: budget {ep.budget[:32]!r} is not one of "
-                + ", ".join(repr(b) for b in EPISODE_BUDGETS)
+                + ", ".join(repr(b) for b in ("", *EPISODE_BUDGETS))
             )
 
 

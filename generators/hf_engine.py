@@ -12,6 +12,11 @@ together, left-padded, with a KV cache, for at most ``max_tokens`` steps; reques
 arrive meanwhile wait for the next wave. A wave runs in a worker thread (torch releases
 the GIL), so the event loop keeps polling versions and pushing rollouts.
 
+No KV cache outlives its wave: each request's prefix (for a multi-turn episode, the whole
+conversation so far) is recomputed by the weights that sample its continuation, so a
+cache never mixes two versions across a swap (vLLM's engine resets its prefix cache at
+every update for the same reason).
+
 Weights change only between waves, under the lock that a wave holds, and the version is
 bumped before the lock is released: every token of a wave is stamped with the version
 that computed it, exactly. In ``weights.mode: abort`` a swap ends the running wave at its

@@ -105,11 +105,6 @@ def algo_metrics(batch: TrainBatch, s: StepStats, critic, adv, kl_ctrl) -> dict:
     return row
 
 
-# The budgets that can end an episode (``EpisodeStats.budget``); each gets its
-# ``multiturn/budget_hits/<kind>`` field, 0 in a step where none bound.
-BUDGETS = ("turns", "turn_tokens", "observation_tokens", "episode_tokens", "episode_timeout")
-
-
 def multiturn_metrics(batch: TrainBatch) -> dict:
     """``multiturn/env_reward`` and the ``multiturn/*`` fields of a step with multi-turn samples
     (``episode_metrics``); {} for a step without any."""
@@ -145,7 +140,7 @@ def episode_metrics(episodes: Sequence[P.EpisodeStats], sampled_tokens: Sequence
         "multiturn/versions_spanned_max": max(e.versions_spanned for e in episodes),
         "multiturn/template_mismatch": sum(e.template_mismatch for e in episodes),
     }
-    for kind in sorted(set(BUDGETS) | set(budgets)):
+    for kind in sorted(set(P.EPISODE_BUDGETS) | set(budgets)):
         row[f"multiturn/budget_hits/{kind}"] = budgets[kind]
     return row
 

@@ -65,6 +65,10 @@ class PromptGroup(msgspec.Struct, frozen=True, kw_only=True):
     extra_info: dict[str, Any] = {}
 
 
+EPISODE_BUDGETS = ("turns", "turn_tokens", "episode_tokens", "episode_timeout")
+"""What ``EpisodeStats.budget`` may name besides "" (generators/episodes.py says when)."""
+
+
 class EpisodeStats(msgspec.Struct, frozen=True, array_like=True):
     """What one multi-turn episode did (one per sample; the learner's ``multiturn/*``
     metrics are made from these)."""
@@ -75,7 +79,7 @@ class EpisodeStats(msgspec.Struct, frozen=True, array_like=True):
     tool_timeouts: int  # environment calls past multiturn.step_timeout_s
     env_seconds: float  # wall time spent in the environment's reset and steps
     observation_tokens: int  # tokens of every observation appended
-    budget: str  # "" or the budget that ended it: turns, turn_tokens, observation_tokens, episode_tokens, episode_timeout
+    budget: str  # "" or one of EPISODE_BUDGETS: the budget that ended it
     versions_spanned: int  # newest minus oldest weights version of its sampled tokens
     template_mismatch: bool  # the incremental tokens differ from a full render of the conversation
     env_reward: float  # the sum of the environment's per-turn rewards (before env_reward_weight)

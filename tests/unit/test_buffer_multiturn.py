@@ -140,7 +140,7 @@ def _rejections():
         (dict(episodes=[episode(env_seconds=-1.0)] * 2), "episode 0: env_seconds = -1.0 is not a finite, non-negative number of seconds"),
         (dict(episodes=[episode(env_reward=-np.inf)] * 2), "episode 0: env_reward = -inf is not finite"),
         (dict(episodes=[EPISODES[0], episode(budget="tokens")]), "episode 1: budget 'tokens' is not one of "
-         "'', 'turns', 'turn_tokens', 'observation_tokens', 'episode_tokens', 'episode_timeout'"),
+         "'', 'turns', 'turn_tokens', 'episode_tokens', 'episode_timeout'"),
     ]  # fmt: skip
     for fields, message in cases:
         yield (*multiturn_group(**fields), f"group 5: {message}")

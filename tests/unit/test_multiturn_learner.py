@@ -434,7 +434,6 @@ def test_episode_metrics_pinned():
         "multiturn/budget_hits": 2,
         "multiturn/budget_hits/turns": 1,
         "multiturn/budget_hits/turn_tokens": 0,
-        "multiturn/budget_hits/observation_tokens": 0,
         "multiturn/budget_hits/episode_tokens": 1,
         "multiturn/budget_hits/episode_timeout": 0,
         "multiturn/versions_spanned_mean": pytest.approx(4.0 / 3),
