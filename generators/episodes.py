@@ -225,19 +225,22 @@ class EpisodeRunner:
             if room <= 0:
                 budget = "episode_tokens"
                 break
+            turn_budget = min(how.max_tokens, room)
             turn = await self.engine.sample(
-                prompt_ids + out.token_ids, replace(how, max_tokens=min(how.max_tokens, room))
+                prompt_ids + out.token_ids, replace(how, max_tokens=turn_budget)
             )
             _append(out, mask, rewards, turn)
             ended = bool(turn.token_ids) and turn.token_ids[-1] in self.renderer.eos_ids
             text = self.tokenizer.decode(turn.token_ids, skip_special_tokens=True)
             turns.append(text)
-            if not ended and len(turn.token_ids) < how.max_tokens:
+            cut = not ended and len(turn.token_ids) >= turn_budget
+            if cut and turn_budget < how.max_tokens:
                 budget = "episode_tokens"  # cut by what was left of the episode
                 break
-            # A turn cut by its own budget (generators.max_new_tokens) is still a whole turn:
-            # the environment answers it, and the template's end-of-turn closes it below.
-            budget = "" if ended else "turn_tokens"
+            # A turn cut by its own budget (generators.max_new_tokens) or a stop string is
+            # still a whole turn: the environment answers it, and the template's
+            # end-of-turn closes it below.
+            budget = "turn_tokens" if cut else ""
             if env is None:
                 break
             try:
@@ -265,8 +268,8 @@ class EpisodeRunner:
             if time.monotonic() >= deadline:
                 budget = "episode_timeout"
                 break
-            obs_messages, obs_ids, cut = self._observation(step.observations)
-            if cut:
+            obs_messages, obs_ids, truncated = self._observation(step.observations)
+            if truncated:
                 counts.tool_errors += 1
             if not ended:  # not sampled: what the template writes after a turn's content
                 obs_ids = [self.renderer.end_of_turn, *obs_ids]

@@ -49,8 +49,10 @@ class ScriptEngine:
     async def sample(self, prompt_ids, how):
         self.requests.append((list(prompt_ids), how))
         words = self.turns.pop(0)
-        ids = self.tok(words, add_special_tokens=False)["input_ids"][: how.max_tokens]
-        if len(ids) < how.max_tokens and not words.endswith("..."):
+        # A turn ending in "...": the engine stopped without an end-of-sequence token.
+        text = words.removesuffix(" ...")
+        ids = self.tok(text, add_special_tokens=False)["input_ids"][: how.max_tokens]
+        if len(ids) < how.max_tokens and text == words:
             ids.append(EOS)
         version, self.version = self.version, self.version + 1
         return Sample(ids, [self.logprob] * len(ids), [version] * len(ids), list(prompt_ids))
@@ -232,3 +234,12 @@ def test_calls_run_off_the_loop():
         return ticks
 
     assert asyncio.run(main()) > 10  # the loop kept running while the call slept
+
+
+def test_a_turn_ended_by_a_stop_string_is_a_whole_turn():
+    # The engine stopped early without an end-of-sequence token (a stop string).
+    tok, _, [ep] = run(["1 ...", "7"])
+    one, w, seven = (tok.vocab[x] for x in ["1", "wrong", "7"])
+    assert ep.sample.token_ids == [one, EOS, w, seven, EOS]
+    assert ep.loss_mask == [1, 0, 0, 1, 1]
+    assert ep.stats.budget == ""
