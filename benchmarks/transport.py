@@ -59,6 +59,7 @@ def produce_through_buffer(endpoint: str, index: int, size: int, window: int, go
 
 async def _produce(endpoint: str, index: int, size: int, window: int) -> None:
     """The generator's client side: GetPrompts, then each group through ``RolloutPusher``."""
+    from generators.episodes import Packed
     from generators.main import RolloutPusher
     from verl_async import protocol as P
     from verl_async.rewards.scorer import GroupScores
@@ -67,7 +68,6 @@ async def _produce(endpoint: str, index: int, size: int, window: int) -> None:
     client = AsyncBufferClient(endpoint, 60.0)
     pusher = RolloutPusher(client, index)
     resp, logprobs, versions = rollout_arrays(size)
-    packed = (resp, logprobs, versions, [len(resp)])
     scored = GroupScores(scores=[[1.0]], failed=[0])  # one reward source, one sample
 
     inflight: set[asyncio.Task] = set()
@@ -80,7 +80,12 @@ async def _produce(endpoint: str, index: int, size: int, window: int) -> None:
             )
             exhausted = reply.exhausted
             inflight |= {
-                asyncio.create_task(pusher.push(g, packed, scored, 0.0)) for g in reply.groups
+                asyncio.create_task(
+                    pusher.push(
+                        g, Packed(g.prompt_ids, resp, logprobs, versions, [len(resp)]), scored, 0.0
+                    )
+                )
+                for g in reply.groups
             }
         if inflight:
             done, inflight = await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
