@@ -79,6 +79,17 @@ def rolling(values: list[float], window: int) -> list[float]:
     return out
 
 
+def time_to_target(
+    rewards: list[float], times: list[float], window: int, target: float
+) -> tuple[int | None, float | None]:
+    """(step, seconds) of the first step whose trailing ``window``-step mean reward is at
+    least ``target``, counting only steps with a full window; (None, None) if none is."""
+    for i, value in enumerate(rolling(rewards, window)):
+        if i >= window - 1 and value >= target:
+            return i, times[i]
+    return None, None
+
+
 def mean(values) -> float:
     values = list(values)
     return sum(values) / len(values) if values else 0.0
