@@ -8,7 +8,10 @@ import platform
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from custom_learner import command
@@ -48,6 +51,29 @@ def run_train(
         )
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
     return rows, seconds
+
+
+@contextmanager
+def sampled_load(every_s: float = 5.0) -> Iterator[list[float]]:
+    """The machine's 1-minute load average, sampled every ``every_s`` while the block runs:
+    yields the list that the samples are appended to. On a shared machine it tells which
+    timings other work slowed down."""
+    samples: list[float] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while True:
+            samples.append(os.getloadavg()[0])
+            if stop.wait(every_s):
+                return
+
+    thread = threading.Thread(target=sample, name="load-sampler", daemon=True)
+    thread.start()
+    try:
+        yield samples
+    finally:
+        stop.set()
+        thread.join()
 
 
 def interrupt(proc: subprocess.Popen, timeout_s: float = 120.0) -> None:

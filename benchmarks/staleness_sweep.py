@@ -16,7 +16,8 @@ ahead it runs.
 Prints one table row per (eta, correction), averaged over seeds: final reward (mean of the
 last 10 steps), train time and time to ``--target`` (the first step whose trailing 20-step
 mean reward reaches it), each also as a ratio to eta = 0 of the same correction, and, for a
-multi-turn config, turns and weights versions spanned per episode. Writes
+multi-turn config, turns and weights versions spanned per episode; the last column is the
+machine's 1-minute load average during each run (a run alone adds about 2–3). Writes
 ``OUT/sweep.json`` after every cell, draws reward curves against steps and against train
 time to ``--plot``, and ends with one summary line.
 """
@@ -30,7 +31,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, machine, mean, rolling, run_train, time_to_target  # noqa: E402
+from common import (  # noqa: E402
+    ROOT,
+    machine,
+    mean,
+    rolling,
+    run_train,
+    sampled_load,
+    time_to_target,
+)
 
 LAST = 10  # final reward = mean over the last LAST steps
 WINDOW = 20  # time to the target reward: trailing mean over WINDOW steps
@@ -62,6 +71,7 @@ class Cell:
     turns_mean: float | None = None  # sampled turns per episode (multi-turn runs only)
     versions_spanned_mean: float | None = None  # per episode: newest - oldest version
     versions_spanned_max: int | None = None
+    load_mean: float | None = None  # the machine's 1-minute load average during the run
 
     def time_to(self, target: float) -> float | None:
         """Seconds from the learner's start to the first step whose trailing WINDOW-step
@@ -83,7 +93,8 @@ def run_cell(eta: int, correction: str, seed: int, args) -> Cell:
         f"learner.groups_per_step={args.groups_per_step}",
         *args.override,
     ]
-    rows, wall = run_train(args.config, args.out / f"eta{eta}-{correction}-s{seed}", overrides)
+    with sampled_load() as load:
+        rows, wall = run_train(args.config, args.out / f"eta{eta}-{correction}-s{seed}", overrides)
     rewards = [r["reward_mean"] for r in rows]
     train_s = rows[-1]["wall_s"]
     # A single-turn run's rows have no multiturn/ metrics.
@@ -114,6 +125,7 @@ def run_cell(eta: int, correction: str, seed: int, args) -> Cell:
         versions_spanned_max=(
             max(r["multiturn/versions_spanned_max"] for r in multiturn) if multiturn else None
         ),
+        load_mean=mean(load),
     )
 
 
@@ -152,7 +164,7 @@ def table(cells: list[Cell], target: float) -> str:
         "train s", "train ÷ η=0", f"time to {target} (trailing {WINDOW}), s", "÷ η=0",
         "staleness mean/max",
         *(["turns", "versions spanned mean/max"] if multiturn else []),
-        "dropped", "in-flight steps", "IS limited", "gen idle", "learner wait",
+        "dropped", "in-flight steps", "IS limited", "gen idle", "learner wait", "load",
     ]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for (eta, corr), cs in by.items():
@@ -191,6 +203,7 @@ def table(cells: list[Cell], target: float) -> str:
             f"{mean(c.is_clipped_fraction for c in cs):.3f}",
             f"{mean(c.gen_idle_share for c in cs):.0%}",
             f"{mean(c.learner_wait_share for c in cs):.0%}",
+            " / ".join(f"{c.load_mean:.1f}" if c.load_mean is not None else "—" for c in cs),
         ]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
