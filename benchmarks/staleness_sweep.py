@@ -73,12 +73,17 @@ class Cell:
     versions_spanned_max: int | None = None
     load_mean: float | None = None  # the machine's 1-minute load average during the run
 
+    def reach(self, target: float) -> tuple[int | None, float | None]:
+        """(steps done, seconds from the learner's start) at the first step whose trailing
+        WINDOW-step mean reward reaches ``target``; (None, None) if no step does. The
+        seconds are None too where no step times were kept."""
+        times = self.step_wall_s or [None] * len(self.rewards)
+        index, seconds = time_to_target(self.rewards, times, WINDOW, target)
+        return (None, None) if index is None else (index + 1, seconds)
+
     def time_to(self, target: float) -> float | None:
-        """Seconds from the learner's start to the first step whose trailing WINDOW-step
-        mean reward reaches ``target``; None if no step does (or no step times were kept)."""
-        if self.step_wall_s is None:
-            return None
-        return time_to_target(self.rewards, self.step_wall_s, WINDOW, target)[1]
+        """The seconds of ``reach(target)``."""
+        return self.reach(target)[1]
 
 
 def run_cell(eta: int, correction: str, seed: int, args) -> Cell:
@@ -161,7 +166,7 @@ def table(cells: list[Cell], target: float) -> str:
     multiturn = any(c.turns_mean is not None for c in cells)
     header = [
         "η", "correction", "seeds", "reward first→final (± sd over seeds)", "Δ final vs η=0",
-        "train s", "train ÷ η=0", f"time to {target} (trailing {WINDOW}), s", "÷ η=0",
+        "train s", "train ÷ η=0", f"time to {target} (trailing {WINDOW}), s (steps)", "÷ η=0",
         "staleness mean/max",
         *(["turns", "versions spanned mean/max"] if multiturn else []),
         "dropped", "in-flight steps", "IS limited", "gen idle", "learner wait", "load",
@@ -173,7 +178,8 @@ def table(cells: list[Cell], target: float) -> str:
         b = base.get(corr)
         train_s = mean(c.train_s for c in cs)
         reach = time_to(cs, target)
-        reached = sum(c.time_to(target) is not None for c in cs)
+        steps = [c.reach(target)[0] for c in cs]
+        reached = sum(n is not None for n in steps)
         row = [
             str(eta),
             corr,
@@ -182,7 +188,9 @@ def table(cells: list[Cell], target: float) -> str:
             f"{mean(final) - mean(c.reward_final for c in b):+.3f}" if b else "—",
             f"{train_s:.1f}",
             ratio(train_s, mean(c.train_s for c in b)) if b else "—",
-            f"{reach:.1f}" if reach is not None else f"reached in {reached} of {len(cs)}",
+            f"{reach:.1f} ({mean(steps):.0f})"
+            if reach is not None
+            else f"reached in {reached} of {len(cs)}",
             ratio(reach, time_to(b, target)) if b else "—",
             f"{mean(c.staleness_mean for c in cs):.2f}/{max(c.staleness_max for c in cs)}",
         ]

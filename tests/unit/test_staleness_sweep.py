@@ -48,10 +48,13 @@ def _row(table: str, eta: int, correction: str) -> list[str]:
 def test_time_to_target_counts_full_windows_only():
     # The trailing 20-step mean first reaches 0.5 at step 29 (10 low steps, then 20 high).
     cell = _cell(0, "none", [0.0] * 10 + [0.5] * 30, step_s=2.0)
-    assert cell.time_to(0.5) == 60.0
-    assert cell.time_to(0.6) is None
+    assert cell.reach(0.5) == (30, 60.0)
+    assert cell.reach(0.6) == (None, None)
     # Already high from the start: the first full window, step 19.
-    assert _cell(0, "none", [1.0] * 25, step_s=1.0).time_to(0.5) == 20.0
+    assert _cell(0, "none", [1.0] * 25, step_s=1.0).reach(0.5) == (20, 20.0)
+    # A cell from a sweep.json without step times still has its steps.
+    cell.step_wall_s = None
+    assert cell.reach(0.5) == (30, None)
 
 
 def test_table_ratios_against_eta0_of_the_same_correction():
@@ -67,14 +70,10 @@ def test_table_ratios_against_eta0_of_the_same_correction():
     header = [x.strip() for x in table.splitlines()[0].strip("|").split("|")]
     assert "turns" not in header  # single-turn cells: no multi-turn columns
     train, train_ratio = header.index("train s"), header.index("train ÷ η=0")
-    reach = header.index("time to 0.5 (trailing 20), s")
+    reach = header.index("time to 0.5 (trailing 20), s (steps)")
     row = _row(table, 2, "none")
-    assert (row[train], row[train_ratio], row[reach], row[reach + 1]) == (
-        "40.0",
-        "0.50×",
-        "30.0",
-        "0.50×",
-    )
+    assert (row[train], row[train_ratio]) == ("40.0", "0.50×")
+    assert (row[reach], row[reach + 1]) == ("30.0 (30)", "0.50×")
     row = _row(table, 2, "decoupled")
     assert (row[train_ratio], row[reach + 1]) == ("0.25×", "0.25×")
     row = _row(table, 8, "decoupled")
@@ -98,8 +97,8 @@ def test_table_multiturn_columns_and_seeds_averaged():
     assert row[header.index("turns")] == "1.25"
     assert row[header.index("versions spanned mean/max")] == "1.00/3"
     # time to 0.5: 20 s and 60 s (step 19 of each seed), mean 40 against eta=0's 20.
-    reach = header.index("time to 0.5 (trailing 20), s")
-    assert (row[reach], row[reach + 1]) == ("40.0", "2.00×")
+    reach = header.index("time to 0.5 (trailing 20), s (steps)")
+    assert (row[reach], row[reach + 1]) == ("40.0 (20)", "2.00×")
 
 
 ARGS = {"max_attempts": 3, "feedback": "wrong", "right_reward": 0.0, "wrong_reward": -0.25}
