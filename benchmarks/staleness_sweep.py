@@ -155,6 +155,7 @@ def time_to(cells: list[Cell], target: float) -> float | None:
 
 
 def ratio(value: float | None, base: float | None) -> str:
+    """``value / base`` as ``0.63×``; a dash where either is missing."""
     return f"{value / base:.2f}×" if value is not None and base else "—"
 
 
@@ -188,8 +189,9 @@ def table(cells: list[Cell], target: float) -> str:
             f"{mean(final) - mean(c.reward_final for c in b):+.3f}" if b else "—",
             f"{train_s:.1f}",
             ratio(train_s, mean(c.train_s for c in b)) if b else "—",
-            f"{reach:.1f} ({mean(steps):.0f})"
-            if reach is not None
+            # Cells from sweep.json files without step times have steps only.
+            f"{f'{reach:.1f}' if reach is not None else '—'} ({mean(steps):.0f})"
+            if reached == len(cs)
             else f"reached in {reached} of {len(cs)}",
             ratio(reach, time_to(b, target)) if b else "—",
             f"{mean(c.staleness_mean for c in cs):.2f}/{max(c.staleness_max for c in cs)}",

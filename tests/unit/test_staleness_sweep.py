@@ -78,6 +78,10 @@ def test_table_ratios_against_eta0_of_the_same_correction():
     assert (row[train_ratio], row[reach + 1]) == ("0.25×", "0.25×")
     row = _row(table, 8, "decoupled")
     assert (row[reach], row[reach + 1]) == ("reached in 0 of 1", "—")
+    # Cells without step times (older sweep.json files) still show their steps.
+    for cell in cells:
+        cell.step_wall_s = None
+    assert _row(sweep.table(cells, target=0.5), 2, "none")[reach : reach + 2] == ["— (30)", "—"]
 
 
 def test_table_multiturn_columns_and_seeds_averaged():
