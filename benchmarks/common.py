@@ -8,7 +8,10 @@ import platform
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from custom_learner import command
@@ -50,6 +53,29 @@ def run_train(
     return rows, seconds
 
 
+@contextmanager
+def sampled_load(every_s: float = 5.0) -> Iterator[list[float]]:
+    """The machine's 1-minute load average, sampled every ``every_s`` while the block runs:
+    yields the list that the samples are appended to. On a shared machine it tells which
+    timings other work slowed down."""
+    samples: list[float] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while True:
+            samples.append(os.getloadavg()[0])
+            if stop.wait(every_s):
+                return
+
+    thread = threading.Thread(target=sample, name="load-sampler", daemon=True)
+    thread.start()
+    try:
+        yield samples
+    finally:
+        stop.set()
+        thread.join()
+
+
 def interrupt(proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
     """Stop a ``verl-async train`` as Ctrl-C would (SIGINT: roles stopped in order), and
     kill it if it has not exited after ``timeout_s``."""
@@ -77,6 +103,17 @@ def rolling(values: list[float], window: int) -> list[float]:
             total -= values[i - window]
         out.append(total / min(i + 1, window))
     return out
+
+
+def time_to_target(
+    rewards: list[float], times: list[float], window: int, target: float
+) -> tuple[int | None, float | None]:
+    """(step, seconds) of the first step whose trailing ``window``-step mean reward is at
+    least ``target``, counting only steps with a full window; (None, None) if none is."""
+    for i, value in enumerate(rolling(rewards, window)):
+        if i >= window - 1 and value >= target:
+            return i, times[i]
+    return None, None
 
 
 def mean(values) -> float:

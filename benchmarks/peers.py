@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, machine, mean, rolling, run_train  # noqa: E402
+from common import ROOT, machine, mean, rolling, run_train, time_to_target  # noqa: E402
 
 from verl_async.config import load_config  # noqa: E402
 from verl_async.data import DEFAULT_SOURCE, PromptRecord, as_messages  # noqa: E402
@@ -277,17 +277,6 @@ def dataset_rows(records: list[PromptRecord], templated: bool) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- results
-
-
-def time_to_target(
-    rewards: list[float], times: list[float], window: int, target: float
-) -> tuple[int | None, float | None]:
-    """(step, seconds) of the first step whose trailing ``window``-step mean reward is at
-    least ``target``, counting only steps with a full window; (None, None) if none is."""
-    for i, value in enumerate(rolling(rewards, window)):
-        if i >= window - 1 and value >= target:
-            return i, times[i]
-    return None, None
 
 
 def summarize(system: str, rows: list[dict], wall_s: float, args) -> dict:

