@@ -80,30 +80,34 @@ def build_model(args, dev: torch.device, dtype: torch.dtype):
 
 
 def batch_message(args, rank: int):
-    """A ``Batch`` like the buffer sends: half prompt, half response, groups of 8."""
+    """A ``Batch`` like the buffer sends: ``--response-len`` response tokens after a prompt
+    that fills the rest of ``--seq-len``, groups of 8."""
     from verl_async import protocol as P
 
     rng = np.random.default_rng(rank)
-    n, half = args.samples, args.seq_len // 2
+    n, resp = args.samples, args.response_len or args.seq_len // 2
+    prompt = args.seq_len - resp
     frames = P.Frames()
     body = P.Batch(
         step=0,
         group_ids=list(range(n // 8)),
         sample_group=[i // 8 for i in range(n)],
-        prompt_lengths=[half] * n,
-        response_lengths=[half] * n,
+        prompt_lengths=[prompt] * n,
+        response_lengths=[resp] * n,
         scores=rng.integers(0, 2, (n, 1)).astype(float).tolist(),
         failed=[0],
         data_sources=["default"] * (n // 8),
-        prompt_ids=frames.add(rng.integers(0, args.vocab, n * half, dtype=np.int32)),
-        response_ids=frames.add(rng.integers(0, args.vocab, n * half, dtype=np.int32)),
-        behav_logprobs=frames.add(np.full(n * half, -np.log(args.vocab), np.float32)),
-        token_versions=frames.add(np.zeros(n * half, np.int32)),
+        prompt_ids=frames.add(rng.integers(0, args.vocab, n * prompt, dtype=np.int32)),
+        response_ids=frames.add(rng.integers(0, args.vocab, n * resp, dtype=np.int32)),
+        behav_logprobs=frames.add(np.full(n * resp, -np.log(args.vocab), np.float32)),
+        token_versions=frames.add(np.zeros(n * resp, np.int32)),
         dropped_stale=0,
         buffer_size=0,
     )
     return body, [bytes(b) for b in frames.buffers]
 
+
+PARTS = ("prox_s", "forward_s", "backward_s", "optimizer_s")
 
 # Dense bf16 peak of the accelerators we know (vendor data sheets); --peak-tflops otherwise.
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
@@ -130,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--samples", type=int, default=64, help="sequences per rank per step")
     ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument(
+        "--response-len", type=int, default=0, help="of --seq-len (default: half of it)"
+    )
     ap.add_argument("--steps", type=int, default=5, help="timed steps (after 2 warm-up steps)")
     ap.add_argument("--bucket-mb", type=int, default=64)
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="for MFU (default: known GPUs)")
@@ -141,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from learners.batching import collate, copy_to_device, wait_for_copy
     from learners.publish import gathered_buckets
+    from learners.setup import adamw
     from learners.update import policy_update
     from verl_async.algos import grpo_advantages
     from verl_async.runtime import free_port
@@ -156,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     rank, world, dev = init_distributed(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     model = build_model(args, dev, dtype)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    optimizer = adamw(model, lr=1e-6, weight_decay=0.0)  # the learner's
     algo = AlgoConfig(correction="decoupled", minibatches=2)
     body, frames = batch_message(args, rank)
 
@@ -164,11 +172,14 @@ def main(argv: list[str] | None = None) -> int:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
+    parts: list[dict] = []  # each timed step's split (StepStats' timing fields)
+
     def train_step(batch) -> None:
         rewards = torch.from_numpy(batch.scores[:, 0])  # one source, weight 1
         adv = grpo_advantages(rewards, batch.group_index.cpu()).to(dev)
         model.train()
-        policy_update(model, optimizer, batch, adv, algo, torch.Tensor.backward, clip_grad)
+        s = policy_update(model, optimizer, batch, adv, algo, torch.Tensor.backward, clip_grad)
+        parts.append({k: getattr(s, k, None) for k in PARTS})
 
     def timed_steps(overlap: bool) -> list[float]:
         """Steps fed from pinned host memory: the copy inline before each step, or (the
@@ -188,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
             sync(dev)
             if i >= 2:
                 times.append(time.perf_counter() - t0)
+            else:
+                parts.pop()  # warm-up
         return times
 
     pin = dev.type == "cuda"
@@ -220,9 +233,14 @@ def main(argv: list[str] | None = None) -> int:
         pub_s = statistics.median(publish_times)
         params = sum(p.numel() for p in model.parameters())  # global sizes (DTensor)
         peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else 0.0
-        # Training is ~6 FLOPs per parameter and token (forward + backward), and the
-        # pi_prox pass before the minibatches ~2 more.
-        flops = (6 + 2 * (algo.minibatches > 1)) * params * tokens
+        # The work the update needs: ~6 FLOPs per parameter and token (forward and
+        # backward), ~2 more for the pi_prox pass over the later minibatches' rows; the
+        # output head's parameters count on response tokens only (nothing reads the
+        # logits of other positions).
+        k = algo.minibatches
+        head = model.get_output_embeddings().weight.numel()
+        resp_tokens = sum(body.response_lengths) * world
+        flops = (6 + 2 * (k - 1) / k) * ((params - head) * tokens + head * resp_tokens)
         per_device = flops / step_s / world / 1e12
         peak_tflops = args.peak_tflops or PEAK_BF16_TFLOPS.get(_gpu_kind(dev), 0.0)
         result = {
@@ -231,11 +249,13 @@ def main(argv: list[str] | None = None) -> int:
             "params": params,
             "dtype": str(dtype),
             "tokens_per_step": tokens,
+            "response_tokens_per_step": resp_tokens,
             "step_s": step_times,
             "publish_s": publish_times,
             "publish_bytes": nbytes,
             "peak_gib": peak,
             "overlapped_step_s": overlap_times,
+            "parts_s": parts,
             "tflops_per_device": per_device,
             "mfu": per_device / peak_tflops if peak_tflops else None,
         }
@@ -244,11 +264,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"machine: {machine()}; ranks: {world}; device: {result['device']}")
         print(
             f"model: {params / 1e6:.0f}M parameters, {dtype}; {tokens} tokens per step "
-            f"({args.samples} x {args.seq_len} per rank)"
+            f"({args.samples} x {args.seq_len} per rank, {resp_tokens} of them response tokens)"
         )
         print("| | median s | rate |")
         print("|---|---|---|")
         print(f"| learner step (FSDP2) | {step_s:.3f} | {tokens / step_s:,.0f} tokens/s |")
+        if parts and parts[0]["prox_s"] is not None:  # a learner that reports its parts
+            split = ", ".join(
+                f"{k[:-2]} {statistics.median(p[k] for p in parts):.3f}" for k in PARTS
+            )
+            print(f"| of which (median s) | {split} | |")
         if overlap_times:
             over_s = statistics.median(overlap_times)
             print(

@@ -21,9 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from learners.batching import TrainBatch
+from learners.logprobs import token_stats
 from learners.plan import Minibatch, micro_rows, plan_update
-from learners.update import logits_of
-from verl_async.algos import token_logprobs
 from verl_async.algos.losses import explained_variance, value_loss
 from verl_async.algos.masked import masked_mean
 
@@ -57,11 +56,13 @@ def load_reference(path: str, device: torch.device, dtype: torch.dtype):
 
 
 def reference_logprobs(ref, batch: TrainBatch, temperature: float) -> torch.Tensor:
-    """The reference policy's log-probs of the batch's targets [N, T-1], at the sampling
-    temperature (the same distribution the actor's log-probs describe)."""
+    """The reference policy's log-probs of the batch's targets [N, T-1] at the loss mask's
+    positions (0 elsewhere), at the sampling temperature (the same distribution the
+    actor's log-probs describe)."""
     with torch.no_grad():
-        logits = logits_of(ref, batch.input_ids, batch.attention_mask, temperature)
-        return token_logprobs(logits, batch.input_ids[:, 1:])
+        return token_stats(
+            ref, batch.input_ids, batch.attention_mask, batch.loss_mask, temperature
+        ).logp
 
 
 def critic_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -63,6 +63,11 @@ def step_row(
         "grad_norm": s.grad_norm,
         "rollout_logp_diff_max": s.rollout_logp_diff_max,
         "rollout_fresh_fraction": round(s.rollout_fresh_fraction, 4),
+        "padding_fraction": round(s.padding_fraction, 4),
+        "timing/prox_s": round(s.prox_s, 4),
+        "timing/forward_s": round(s.forward_s, 4),
+        "timing/backward_s": round(s.backward_s, 4),
+        "timing/optimizer_s": round(s.optimizer_s, 4),
         # Peak resident memory of the learner process so far (Linux reports KiB).
         "learner_peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
     }

@@ -6,19 +6,15 @@ all run this code.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
 from learners.batching import TrainBatch
+from learners.logprobs import token_stats
 from learners.plan import Minibatch, micro_rows, plan_update
-from verl_async.algos import (
-    LossOutput,
-    kl_k3,
-    policy_loss,
-    token_entropy,
-    token_logprobs,
-)
+from verl_async.algos import LossOutput, kl_k3, policy_loss
 from verl_async.algos.kl import kl_penalty
 from verl_async.algos.losses import agg_loss
 from verl_async.algos.masked import masked_sum
@@ -43,15 +39,13 @@ class StepStats:
     # log space) shows a weight push gone wrong; the fraction says how many were compared.
     rollout_logp_diff_max: float = 0.0
     rollout_fresh_fraction: float = 0.0
-
-
-def logits_of(
-    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
-) -> torch.Tensor:
-    """Logits divided by the sampling temperature: log-probs of the distribution the
-    generators sampled from (vLLM's processed logprobs are taken after the same division)."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # [N, T, V]
-    return logits if temperature == 1.0 else logits / temperature
+    # Seconds of this update by part (the device synchronised at each boundary), and the
+    # share of the computed [rows x width] positions that were padding.
+    prox_s: float = 0.0  # the no-grad pi_prox pass
+    forward_s: float = 0.0  # gradient passes: model, log-probs, losses
+    backward_s: float = 0.0
+    optimizer_s: float = 0.0  # gradient clipping and the optimizer steps
+    padding_fraction: float = 0.0
 
 
 def policy_update(
@@ -78,11 +72,14 @@ def policy_update(
     (``algo.kl.loss_coef``); ``step=False`` computes the losses and metrics without
     changing the weights (the critic's warm-up steps).
 
-    pi_prox: ``logp_prox`` when the caller computed it already, else with one minibatch
-    the gradient pass runs at the weights pi_prox is defined by, so pi_prox is that pass's
-    log-probs, detached: no separate forward (a quarter of the step's compute on a real
-    model); else a no-grad pass first. ``version``: the weights' version (for the
-    rollout-versus-learner log-prob check of ``StepStats``).
+    pi_prox: ``logp_prox`` when the caller computed it already. Else the first minibatch's
+    gradient passes run at the weights pi_prox is defined by, so its log-probs, detached,
+    are pi_prox's for those rows, and a no-grad pass before the update covers the later
+    minibatches' rows only: with one minibatch no separate forward at all (a quarter of
+    the step's compute on a real model), with k of them (k - 1)/k of one. Log-probs and
+    entropies are computed at the loss mask's positions only (learners/logprobs.py).
+    ``version``: the weights' version (for the rollout-versus-learner log-prob check of
+    ``StepStats``).
 
     Every loss term and statistic reads the positions of ``batch.loss_mask`` only: the
     sampled tokens (a multi-turn sample's observation tokens are 0 there, and ``collate``
@@ -91,43 +88,50 @@ def policy_update(
     mask = batch.loss_mask
     if plan is None:
         plan = plan_update(mask, batch.attention_mask, [len(mask)], 0, algo.minibatches)
-    one_pass = logp_prox is None and len(plan) == 1
-    entropy = None
-    if logp_prox is None and not one_pass:
-        logp_prox, entropy = prox_pass(model, batch, temperature)
-    if one_pass:
-        logp_prox = torch.zeros_like(mask)  # filled from the gradient pass
+    clock = _Clock(mask.device)
+    given = logp_prox is not None
+    # Without a given pi_prox: the first minibatch's gradient passes run at the weights
+    # pi_prox is defined by, so they give its log-probs and entropies for their rows; a
+    # no-grad pass covers the rows of the later minibatches only.
+    entropy = torch.zeros_like(mask)  # pi_prox's, or (given) the ones seen during the update
+    if not given:
+        logp_prox = torch.zeros_like(mask)
+        later = [idx for mb in plan[1:] for idx in mb.micro if len(idx)]
+        if len(plan) > 1:
+            rows = torch.cat(later) if later else torch.zeros(0, dtype=torch.long)
+            logp_prox, entropy = prox_pass(model, batch, temperature, rows)
+            clock.lap("prox_s")
     bonus = algo.entropy_coeff > 0
-    seen_entropy = torch.zeros_like(batch.attention_mask, dtype=mask.dtype)
     adv = advantages if advantages.dim() == 2 else advantages[:, None]
     parts, grads = [], []
-    for mb in plan:
+    for k, mb in enumerate(plan):
         agg = mb.agg_kwargs(algo.loss_scale_factor)
         sums = {"loss": 0.0, "pg_loss": 0.0, "kl_loss": 0.0}  # over the minibatch's micro-batches
+        at_prox = k == 0 and not given  # this pass's log-probs are pi_prox's
         for idx in mb.micro:
             rows, rows_mask = micro_rows(idx, mask)
+            clock.count_padding(batch.attention_mask[rows])
             with torch.enable_grad() if step else torch.no_grad():
-                logits = logits_of(
-                    model, batch.input_ids[rows], batch.attention_mask[rows], temperature
-                )
-                logp = token_logprobs(logits, batch.input_ids[rows, 1:])
-                prox = logp.detach() if one_pass else logp_prox[rows]
-                chunk_entropy = None
-                if entropy is None or bonus:  # [n, T]; with a gradient only for the bonus
-                    chunk_entropy = token_entropy(logits if bonus else logits.detach())
-                del logits
+                stats = token_stats(
+                    model, batch.input_ids[rows], batch.attention_mask[rows], rows_mask,
+                    temperature, entropy=bonus or at_prox or given,
+                )  # fmt: skip
+                logp = stats.logp
+                prox = logp.detach() if at_prox else logp_prox[rows]
                 out, pg_loss, kl_loss = actor_loss(
                     logp, prox, batch.behav_logprobs[rows], adv[rows], rows_mask, algo,
-                    chunk_entropy[:, :-1] if bonus else None,
+                    stats.entropy if bonus else None,
                     None if logp_ref is None else logp_ref[rows], agg,
                 )  # fmt: skip
+            clock.lap("forward_s")
             if step:
                 backward(out.loss)
+            clock.lap("backward_s")
             if len(idx):  # a placeholder row counts for nothing
-                if one_pass:
+                if at_prox:
                     logp_prox[rows] = prox
-                if chunk_entropy is not None:
-                    seen_entropy[rows] = chunk_entropy.detach()
+                if at_prox or given:
+                    entropy[rows] = stats.entropy.detach()
                 sums["loss"] += float(out.loss.detach())
                 sums["pg_loss"] += float(pg_loss.detach())
                 sums["kl_loss"] += 0.0 if kl_loss is None else float(kl_loss.detach())
@@ -137,12 +141,43 @@ def policy_update(
             grad = float(clip_grad())
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+        clock.lap("optimizer_s")
         if logp_ref is None or algo.kl.loss_coef == 0:
             sums["kl_loss"] = None
         grads.append({**sums, "grad": grad})
-    if entropy is None:  # no pass before the update: the entropies seen during it
-        entropy = seen_entropy
-    return _step_stats(parts, grads, logp_prox, entropy, batch, version)
+    stats = _step_stats(parts, grads, logp_prox, entropy, batch, version)
+    return clock.fill(stats)
+
+
+class _Clock:
+    """Seconds spent in each part of an update, and the padding of what was computed."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.seconds: dict[str, float] = {}
+        self.t = self._now()
+        self.cells = self.real = 0
+
+    def _now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def lap(self, part: str) -> None:
+        now = self._now()
+        self.seconds[part] = self.seconds.get(part, 0.0) + now - self.t
+        self.t = now
+
+    def count_padding(self, attention_mask: torch.Tensor) -> None:
+        """One gradient pass's rows, [n, T] as the model computes them (the step's width)."""
+        self.cells += attention_mask.numel()
+        self.real += int(attention_mask.sum())
+
+    def fill(self, stats: StepStats) -> StepStats:
+        for part, seconds in self.seconds.items():
+            setattr(stats, part, seconds)
+        stats.padding_fraction = 1.0 - self.real / self.cells if self.cells else 0.0
+        return stats
 
 
 def actor_loss(
@@ -197,7 +232,7 @@ def _step_stats(
         loss=per_mb("loss"),
         pg_loss=per_mb("pg_loss"),
         kl=float(masked_sum(kl_k3(logp_prox, batch.behav_logprobs), mask) / n_tok),
-        entropy=float(masked_sum(entropy[:, :-1], mask) / n_tok),
+        entropy=float(masked_sum(entropy, mask) / n_tok),
         clip_fraction=mean(lambda o: o.clip_fraction),
         clip_fraction_lower=mean(lambda o: o.pg_clipfrac_lower),
         ppo_kl=mean(lambda o: o.ppo_kl),
@@ -209,8 +244,24 @@ def _step_stats(
     )
 
 
-def prox_pass(model, batch: TrainBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """pi_prox log-probs [N, T-1] and token entropies [N, T] before any update (no grad)."""
+def prox_pass(
+    model, batch: TrainBatch, temperature: float, rows: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """pi_prox log-probs and token entropies [N, T-1] at the loss mask's positions, before
+    any update (no grad, one forward pass). ``rows``: only these rows, the others stay 0
+    (an empty set still runs the pass, on a placeholder row, for FSDP2's collectives)."""
+    mask = batch.loss_mask
+    logp, entropy = torch.zeros_like(mask), torch.zeros_like(mask)
+    idx, idx_mask = (
+        micro_rows(rows, mask)
+        if rows is not None
+        else (torch.arange(len(mask), device=mask.device), mask)
+    )
     with torch.no_grad():
-        logits = logits_of(model, batch.input_ids, batch.attention_mask, temperature)
-        return token_logprobs(logits, batch.input_ids[:, 1:]), token_entropy(logits)
+        stats = token_stats(
+            model, batch.input_ids[idx], batch.attention_mask[idx], idx_mask, temperature,
+            entropy=True,
+        )  # fmt: skip
+    if rows is None or len(rows):
+        logp[idx], entropy[idx] = stats.logp, stats.entropy
+    return logp, entropy

@@ -27,9 +27,10 @@ import torch.distributed as dist
 from buffer.ledger import StoredGroup, shard_samples
 from learners.batching import collate
 from learners.distributed import DataParallel
+from learners.logprobs import logits_of
 from learners.plan import Minibatch, plan_update
 from learners.setup import fsdp2, leave_job
-from learners.update import logits_of, policy_update
+from learners.update import policy_update
 from verl_async import protocol as P
 from verl_async.algos import token_logprobs
 from verl_async.schema import AlgoConfig

@@ -73,7 +73,7 @@ def _learner_logprobs(model_dir, prompt_ids, response_ids, temperature):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from learners.update import logits_of
+    from learners.logprobs import logits_of
     from verl_async.algos import token_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

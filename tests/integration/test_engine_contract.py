@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from generators.interface import RolloutEngine, Sample, Sampling
-from learners.update import logits_of
+from learners.logprobs import logits_of
 from tests.weight_sync_helpers import send_weights
 from verl_async import protocol as P
 from verl_async.algos import token_logprobs

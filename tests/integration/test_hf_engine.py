@@ -11,7 +11,7 @@ import torch
 
 from generators.hf_engine import start_hf_engine
 from generators.interface import Sampling
-from learners.update import logits_of
+from learners.logprobs import logits_of
 from tests.weight_sync_helpers import send_weights
 from verl_async import protocol as P
 from verl_async.algos import token_logprobs

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from learners.batching import collate
-from learners.update import logits_of, policy_update, prox_pass
+from learners.logprobs import logits_of
+from learners.update import policy_update, prox_pass
 from verl_async import protocol as P
 from verl_async.algos import policy_loss, token_logprobs
 from verl_async.launch.tiny_model import build_tiny_model
@@ -186,3 +187,53 @@ def test_rollout_logp_gap_is_measured_on_tokens_of_the_trained_version_only(tmp_
         backward=lambda loss: loss.backward(), clip_grad=lambda: 0.0,
     )  # fmt: skip
     assert (none.rollout_logp_diff_max, none.rollout_fresh_fraction) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("minibatches", [2, 3])
+def test_later_minibatches_read_pi_prox_from_before_the_first_step(tmp_path, minibatches):
+    """pi_prox of every row is the weights' before the update: the first minibatch's
+    gradient pass gives its rows', a no-grad pass the others'. Equal to a full pass over
+    all rows first, then one step per minibatch, computed by hand."""
+    from transformers import AutoModelForCausalLM
+
+    path = build_tiny_model(tmp_path / "m", TinyModelConfig())
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    reference = copy.deepcopy(model)
+    batch = _batch()
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    algo = msgspec.structs.replace(AlgoConfig(), minibatches=minibatches, correction="decoupled")
+    temperature = 0.7
+
+    opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    with torch.no_grad():
+        whole = logits_of(reference, batch.input_ids, batch.attention_mask, temperature)
+        logp_prox = token_logprobs(whole, batch.input_ids[:, 1:])
+    for rows in np.array_split(np.arange(4), minibatches):
+        rows = torch.as_tensor(rows)
+        logits = logits_of(
+            reference, batch.input_ids[rows], batch.attention_mask[rows], temperature
+        )
+        logp = token_logprobs(logits, batch.input_ids[rows, 1:])
+        out = policy_loss(
+            logp, logp_prox[rows], batch.behav_logprobs[rows], adv[rows, None],
+            batch.loss_mask[rows], algo.correction, algo.clip_eps, algo.is_cap,
+            algo.clip_eps_high,
+        )  # fmt: skip
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    opt2 = torch.optim.SGD(model.parameters(), lr=0.5)
+    stats = policy_update(
+        model, opt2, batch, adv, algo, lambda loss: loss.backward(), lambda: 0.0, temperature
+    )
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    mask = batch.loss_mask
+    expected_kl = float(
+        ((logp_prox - batch.behav_logprobs).exp() - 1 - (logp_prox - batch.behav_logprobs))
+        .mul(mask)
+        .sum()
+        / mask.sum()
+    )
+    assert stats.kl == pytest.approx(expected_kl, rel=1e-4)

@@ -1,0 +1,116 @@
+"""Log-probs and entropies at the loss mask's positions only (learners/logprobs.py),
+pinned against the full computation: every position's logits, then the mask."""
+
+import pytest
+import torch
+
+from learners.logprobs import logits_of, token_stats
+from verl_async.algos import token_entropy, token_logprobs
+
+VOCAB = 97
+
+
+def _model(tie: bool = False):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=tie,
+    )  # fmt: skip
+    return LlamaForCausalLM(config).to(torch.float32)
+
+
+def _batch():
+    """Right-padded rows with different prompt lengths; the mask covers each row's response
+    but for an observation gap in row 1; prompts and padding hold junk ids."""
+    g = torch.Generator().manual_seed(1)
+    n, t = 4, 14
+    ids = torch.randint(0, VOCAB, (n, t), generator=g)
+    lengths = [(5, 6), (3, 10), (8, 4), (2, 12)]  # (prompt, response)
+    attn = torch.zeros(n, t, dtype=torch.long)
+    mask = torch.zeros(n, t - 1)
+    for i, (p, r) in enumerate(lengths):
+        attn[i, : p + r] = 1
+        mask[i, p - 1 : p - 1 + r] = 1
+    mask[1, 5:8] = 0  # an observation inside row 1's response
+    return ids, attn, mask
+
+
+class NoSlicing(torch.nn.Module):
+    """A model whose forward takes no ``logits_to_keep``: the full path."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, attention_mask):
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("chunk", [1024, 5, 1])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_values_and_gradients_equal_the_full_computation(tie, chunk, temperature):
+    model = _model(tie)
+    ids, attn, mask = _batch()
+    weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(2))
+
+    full = logits_of(model, ids, attn, temperature)
+    ref_logp = token_logprobs(full, ids[:, 1:])
+    ref_ent = token_entropy(full)[:, :-1]
+    ((ref_logp * weights + 0.1 * ref_ent) * mask).sum().backward()
+    ref_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+
+    stats = token_stats(model, ids, attn, mask, temperature, entropy=True, chunk_tokens=chunk)
+    ((stats.logp * weights + 0.1 * stats.entropy) * mask).sum().backward()
+    on = mask > 0
+    torch.testing.assert_close(stats.logp[on], ref_logp[on], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(stats.entropy[on], ref_ent[on], atol=1e-5, rtol=1e-5)
+    assert (stats.logp[~on] == 0).all() and (stats.entropy[~on] == 0).all()
+    for p, ref in zip(model.parameters(), ref_grads, strict=True):
+        torch.testing.assert_close(p.grad, ref, atol=1e-5, rtol=1e-4)
+
+
+def test_prompt_junk_changes_nothing_the_mask_covers():
+    """Targets outside the mask are never read: other junk ids after the responses (in
+    padding) leave every masked value as it was."""
+    model = _model()
+    ids, attn, mask = _batch()
+    before = token_stats(model, ids, attn, mask, entropy=True)
+    junk = ids.clone()
+    junk[attn == 0] = (junk[attn == 0] + 13) % VOCAB
+    after = token_stats(model, junk, attn, mask, entropy=True)
+    torch.testing.assert_close(after.logp, before.logp)
+    torch.testing.assert_close(after.entropy, before.entropy)
+
+
+def test_a_model_without_logits_to_keep_takes_the_full_path():
+    model = _model()
+    ids, attn, mask = _batch()
+    sliced = token_stats(model, ids, attn, mask, 0.7, entropy=True)
+    whole = token_stats(NoSlicing(model), ids, attn, mask, 0.7, entropy=True)
+    torch.testing.assert_close(sliced.logp, whole.logp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sliced.entropy, whole.entropy, atol=1e-5, rtol=1e-5)
+
+
+def test_an_empty_mask_still_runs_a_pass_with_a_gradient():
+    """A placeholder micro-batch (nothing to learn from) must still run forward and
+    backward, so FSDP2 ranks stay in step: its loss is connected to the weights."""
+    model = _model()
+    ids, attn, mask = _batch()
+    empty = torch.zeros_like(mask)
+    stats = token_stats(model, ids[:1], attn[:1], empty[:1])
+    (stats.logp * empty[:1]).sum().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    assert stats.entropy is None
+
+
+def test_the_head_is_restored_after_the_call():
+    model = _model()
+    ids, attn, mask = _batch()
+    token_stats(model, ids, attn, mask)
+    assert "forward" not in vars(model.lm_head)
+    assert model(input_ids=ids, attention_mask=attn).logits.shape == (*ids.shape, VOCAB)
