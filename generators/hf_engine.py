@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from generators.interface import Sample, Sampling
+from verl_async import lora
 from verl_async.protocol import ParamSpec, WeightUpdate
 from verl_async.schema import RunConfig
 from verl_async.weight_sync import SyncGroup, join_group, receive_weights
@@ -59,6 +60,8 @@ def start_hf_engine(cfg: RunConfig, model_path: str, seed: int) -> HFEngine:
     torch.manual_seed(seed)
     dtype = getattr(torch, cfg.model.dtype)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    if lora.enabled(cfg):  # the learner's adapter, at zero until the first update
+        model = lora.apply(model, cfg.model.lora)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -140,8 +143,10 @@ class HFEngine:
     @torch.no_grad()
     def _receive(self, params: list[ParamSpec], bucket_bytes: int) -> None:
         state = self.model.state_dict(keep_vars=True)  # tied weights under each name
+        adapter = lora.enabled(self.cfg)  # a LoRA run sends the adapter alone
         for bucket in receive_weights(self.group, params, bucket_bytes, self.device):
             for name, tensor in bucket:
+                name = lora.model_name(name) if adapter else name
                 if name not in state:
                     raise KeyError(f"the learner sent '{name}', which this model does not have")
                 state[name].copy_(tensor)

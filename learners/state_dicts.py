@@ -18,7 +18,9 @@ def _options(**kw):
 
 
 def _names(model: torch.nn.Module) -> list[str]:
-    return [name for name, _ in model.named_parameters()]
+    """The optimizer's parameters by name, in its order: the trainable ones (all of them,
+    or a LoRA run's adapter)."""
+    return [name for name, p in model.named_parameters() if p.requires_grad]
 
 
 def model_state(model: torch.nn.Module, world: int) -> dict[str, torch.Tensor]:

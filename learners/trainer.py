@@ -37,6 +37,7 @@ from learners.publish import WeightSync, gathered_buckets
 from learners.state_dicts import model_state, optimizer_state
 from learners.step_metrics import GeneratorTiming, algo_metrics, multiturn_metrics, step_row
 from learners.update import StepStats, policy_update, prox_pass
+from verl_async import lora
 from verl_async import protocol as P
 from verl_async.algos.losses import explained_variance
 from verl_async.algos.masked import masked_mean
@@ -273,6 +274,8 @@ class Learner:
         t0 = time.monotonic()
         self.version += int(new_version)
         state = self.raw_model.state_dict()  # DTensors under FSDP2: global shapes
+        if lora.enabled(self.cfg):  # the adapter alone: generators hold the base
+            state = lora.adapter_state(state)
         specs = param_specs(state.items())
         bucket = self.cfg.weights.bucket_mb << 20
         buckets = gathered_buckets(state, plan_buckets(specs, bucket))

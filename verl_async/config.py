@@ -146,6 +146,7 @@ def check_consistency(cfg: RunConfig) -> None:
             "bad value for 'data.max_prompt_length': plus generators.max_new_tokens it exceeds "
             f"generators.max_model_len ({g.max_model_len})"
         )
+    check_lora(cfg)
     mt = cfg.multiturn
     check_environments(mt)
     if mt.environments and mt.max_episode_tokens > g.max_model_len:
@@ -160,6 +161,23 @@ def check_consistency(cfg: RunConfig) -> None:
         raise ConfigError(
             "bad value for 'ray.address': Ray Client (ray://) is not supported; run "
             "`verl-async train` on a node of the cluster with ray.address=auto"
+        )
+
+
+def check_lora(cfg: RunConfig) -> None:
+    """``model.lora``: a dropout in [0, 1), at least one target module, and an engine that
+    serves the adapter."""
+    lo = cfg.model.lora
+    if not lo.rank:
+        return
+    if not 0.0 <= lo.dropout < 1.0:
+        raise ConfigError("bad value for 'model.lora.dropout': must be in [0, 1)")
+    if not lo.target_modules or not all(lo.target_modules):
+        raise ConfigError("bad value for 'model.lora.target_modules': name at least one module")
+    if cfg.generators.engine == "vllm":
+        raise ConfigError(
+            "bad value for 'model.lora.rank': LoRA runs need generators.engine=hf for now "
+            "(the vLLM engine does not load adapters yet)"
         )
 
 

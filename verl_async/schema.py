@@ -43,6 +43,22 @@ class TinyModelConfig(_Section):
     extra words build the same model."""
 
 
+class LoraConfig(_Section):
+    rank: NonNegInt = 0
+    """LoRA rank r; 0 trains every weight (full fine-tuning). vLLM serves ranks 8, 16, 32,
+    64, 128, 256, 320 and 512."""
+    alpha: PosFloat = 16.0
+    """Scale of the adapter's update: alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input while training (0: the learner's log-probs equal the
+    generators')."""
+    target_modules: list[str] = msgspec.field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
+    """Names of the linear layers that get an adapter (peft's ``target_modules``), or
+    ["all-linear"]."""
+
+
 class ModelConfig(_Section):
     path: str = ""
     """Hugging Face model directory. Empty: build the tiny model into ``<run_dir>/model``."""
@@ -50,6 +66,9 @@ class ModelConfig(_Section):
     """Weights dtype in generators and learner (float32 on CPUs without AVX-512)."""
     tiny: TinyModelConfig = msgspec.field(default_factory=TinyModelConfig)
     """Shape of the locally built tiny model."""
+    lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
+    """Train LoRA adapters on a frozen base (``rank`` > 0): the learner trains and sends
+    only the adapter, generators load each version as an adapter (docs/lora.md)."""
 
 
 class DataConfig(_Section):
