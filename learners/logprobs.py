@@ -11,10 +11,12 @@ over padding. ``token_stats`` runs the model once with
   positions' hidden states and computes, in chunks of ``chunk_tokens`` positions,
   log softmax at the target and (when asked) the entropy. Under autograd every chunk
   after the first is recomputed in backward (activation checkpointing), so the
-  [tokens, vocab] logits of the whole batch never exist at once.
+  [tokens, vocab] logits of the whole batch never exist at once. The model returns these
+  per-token values as its "logits".
 
 The replacement runs inside the model's own forward, so FSDP2 (which gathers the head's
-weight around that forward) and tied embeddings work unchanged.
+weight around that forward, and hooks the backward on the forward's outputs) and tied
+embeddings work unchanged.
 
 Values equal the full computation (``logits_of`` then ``token_logprobs`` and
 ``token_entropy``) at every masked position: the same float32 formulas, the temperature
@@ -124,9 +126,13 @@ def token_stats(
     sub_targets = targets[:, cols][sub_keep]  # [M]
     inner = _inner(model)
     head = inner.get_output_embeddings()
-    found: dict[str, list] = {}
+    calls = []
 
     def head_forward(hidden: torch.Tensor) -> torch.Tensor:  # hidden: [N, K, H]
+        """What the model returns as its "logits": [M, 1] log-probs, or [M, 2] with the
+        entropies, of the masked positions. The loss is computed from this very output,
+        so FSDP2's hooks on the root module's outputs see the backward pass."""
+        calls.append(1)
         chosen = hidden[sub_keep]  # [M, H]
         parts = []
         for start in range(0, len(chosen), chunk_tokens):
@@ -138,23 +144,21 @@ def token_stats(
                 parts.append(checkpoint(_head_stats, *args, use_reentrant=False))
             else:
                 parts.append(_head_stats(*args))
-        found["logp"] = [p[0] for p in parts]
-        found["entropy"] = [p[1] for p in parts] if entropy else []
-        return hidden[:, :0, :0]  # what the model returns as "logits": nothing
+        return torch.stack([torch.cat(column) for column in zip(*parts, strict=True)], dim=-1)
 
     head.forward = head_forward  # an instance attribute: this call only
     try:
-        model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=cols)
+        out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=cols)
     finally:
         del head.forward
-    if "logp" not in found:
-        raise RuntimeError(f"{type(inner).__name__}'s forward never called its output head")
+    values = out.logits
+    if not calls or values.shape != (len(sub_targets), 2 if entropy else 1):
+        raise RuntimeError(f"{type(inner).__name__}'s forward did not return its head's output")
 
-    def place(values: list[torch.Tensor]) -> torch.Tensor:
-        flat = torch.cat(values)
+    def place(flat: torch.Tensor) -> torch.Tensor:
         out = torch.zeros((n, len(cols)), dtype=flat.dtype, device=flat.device)
         out = out.masked_scatter(sub_keep, flat)
         full = torch.zeros((n, t - 1), dtype=flat.dtype, device=flat.device)
         return full.index_copy(1, cols, out)
 
-    return TokenStats(place(found["logp"]), place(found["entropy"]) if entropy else None)
+    return TokenStats(place(values[:, 0]), place(values[:, 1]) if entropy else None)

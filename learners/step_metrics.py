@@ -22,6 +22,7 @@ def step_row(
     sync_s: float,
     step_s: float,
     wall_s: float,
+    sync_bytes: int = 0,
 ) -> dict:
     """One metrics.jsonl line. Staleness is measured against the version trained at (= step).
 
@@ -53,6 +54,7 @@ def step_row(
         "buffer_size": batch.buffer_size,
         "learner_wait_s": round(batch.wait_s, 4),
         "weight_sync_s": round(sync_s, 4),
+        "weight_sync_mb": round(sync_bytes / 2**20, 3),
         "loss": s.loss,
         "kl": s.kl,
         "entropy": s.entropy,

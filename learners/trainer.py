@@ -85,6 +85,7 @@ class Learner:
             loss_scale_factor=self.cfg.algo.loss_scale_factor or longest_response(self.cfg),
         )
         self.version = 0
+        self.publish_bytes = 0  # what the last weight update sent (the adapter alone with LoRA)
         self.steps_done = 0
         self.curve = client_keys(self.cfg)  # CurveZMQ keys of every buffer socket (None: none)
         self.client = BufferClient(
@@ -277,6 +278,7 @@ class Learner:
         if lora.enabled(self.cfg):  # the adapter alone: generators hold the base
             state = lora.adapter_state(state)
         specs = param_specs(state.items())
+        self.publish_bytes = sum(t.numel() * t.element_size() for t in state.values())
         bucket = self.cfg.weights.bucket_mb << 20
         buckets = gathered_buckets(state, plan_buckets(specs, bucket))
         update = P.WeightUpdate(version=self.version, params=specs, bucket_bytes=bucket)
@@ -402,6 +404,7 @@ class Learner:
             sync_s,
             step_s,
             time.monotonic() - self.t_start,
+            self.publish_bytes,
         )
         row.update(algo_metrics(batch, stats, critic_stats, adv, self.kl_ctrl))
         row.update(multiturn_metrics(batch))

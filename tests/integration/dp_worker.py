@@ -31,9 +31,10 @@ from learners.logprobs import logits_of
 from learners.plan import Minibatch, plan_update
 from learners.setup import fsdp2, leave_job
 from learners.update import policy_update
+from verl_async import lora
 from verl_async import protocol as P
 from verl_async.algos import token_logprobs
-from verl_async.schema import AlgoConfig
+from verl_async.schema import AlgoConfig, LoraConfig
 
 CASES = {
     "token-mean": {},
@@ -44,6 +45,7 @@ CASES = {
     },
     "micro-batches": {"micro": 24},  # budget of 24 padded tokens: several passes per rank
     "two-minibatches": {"minibatches": 2},
+    "lora": {"lora": True, "minibatches": 2},  # adapters on a frozen base, sharded alike
 }
 
 
@@ -141,6 +143,9 @@ def run_case(name: str, spec: dict, base, batch, dp: DataParallel) -> dict:
     )  # fmt: skip
     rewards = torch.tensor([s[0] for s in batch.scores])
     adv = (rewards - rewards.mean())[:, None] * batch.loss_mask  # per token, step-wide
+    if spec.get("lora"):  # peft before sharding, as the learner does
+        torch.manual_seed(1)
+        base = lora.apply(copy.deepcopy(base), LoraConfig(rank=4, alpha=8.0))
     one = copy.deepcopy(base)
     delta_one, stats_one = sgd_step(
         one, batch, adv, algo, one_rank_plan(batch, algo, spec), sharded=False
@@ -157,9 +162,11 @@ def run_case(name: str, spec: dict, base, batch, dp: DataParallel) -> dict:
     )
     diff = max(float((delta_dp[k] - delta_one[k]).abs().max()) for k in delta_one)
     scale = max(float(d.abs().max()) for d in delta_one.values())
+    trained = [k for k in delta_one if float(delta_one[k].abs().max()) > 0]
     return {
         "max_abs_diff": diff,
         "max_abs_delta": scale,
+        "trained_all_adapter": all(lora.is_adapter(k) for k in trained),
         "grad_norm_one": stats_one.grad_norm,
         "grad_norm_dp": stats_dp.grad_norm,
         "micro_passes": [len(mb.micro) for mb in plan],

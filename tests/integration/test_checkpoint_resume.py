@@ -164,6 +164,7 @@ CRITIC_AND_REFERENCE = ["algo.adv_estimator=gae", "critic.lr=1e-3", "algo.kl.los
 TWO_GENERATORS = ["placement.generators=[cpu, cpu]"]
 TWO_LEARNERS = ["placement.learners=[cpu, cpu]"]
 ONE_LEARNER = ["placement.learners=[cpu]"]
+LORA = ["model.lora.rank=8", "model.lora.target_modules=[all-linear]"]
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +181,13 @@ def crashed_and_resumed_with_critic(tmp_path_factory) -> Path:
 def crashed_and_resumed_scaled_out(tmp_path_factory) -> Path:
     shapes = [TWO_LEARNERS, TWO_LEARNERS, ONE_LEARNER, TWO_LEARNERS]
     return _crash_and_resume(tmp_path_factory.mktemp("crash_dp"), TWO_GENERATORS, shapes)
+
+
+@pytest.fixture(scope="module")
+def crashed_and_resumed_lora(tmp_path_factory) -> Path:
+    """LoRA adapters on two FSDP2 ranks, then one, then two again."""
+    shapes = [TWO_LEARNERS, TWO_LEARNERS, ONE_LEARNER, TWO_LEARNERS]
+    return _crash_and_resume(tmp_path_factory.mktemp("crash_lora"), LORA, shapes)
 
 
 @pytest.fixture(scope="module")
@@ -284,6 +292,19 @@ def test_exactly_once_holds_with_two_learner_ranks_and_two_generators(
     assert log.count("FSDP2 over 2 ranks (gloo)") == 3
     for i in (0, 1):
         assert "loaded version" in (run_dir / "logs" / f"generator{i}.log").read_text()
+
+
+def test_exactly_once_holds_with_lora_adapters_on_two_learner_ranks(crashed_and_resumed_lora):
+    """Checkpoints hold the adapter and its optimizer state; a resume on one rank or two
+    continues them, and every weight update carried the adapter alone."""
+    run_dir = crashed_and_resumed_lora
+    _audit_exactly_once(run_dir)
+    log = (run_dir / "logs" / "learner.log").read_text()
+    assert log.count("FSDP2 over 2 ranks (gloo)") == 3
+    assert log.count("LoRA rank 8") == 4
+    rows = _rows(run_dir / "metrics.jsonl")
+    full_mb = sum(p.stat().st_size for p in (run_dir / "model").glob("*.safetensors")) / 2**20
+    assert all(0 < r["weight_sync_mb"] < full_mb / 4 for r in rows), (full_mb, rows[-1])
 
 
 def test_exactly_once_holds_with_multi_turn_episodes_in_flight(crashed_and_resumed_multiturn):

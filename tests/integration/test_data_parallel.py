@@ -34,6 +34,7 @@ def report(tmp_path_factory):
         "seq-mean-token-sum-norm",
         "micro-batches",
         "two-minibatches",
+        "lora",
     ],
 )
 def test_two_ranks_take_the_one_rank_step(report, case):
@@ -43,6 +44,8 @@ def test_two_ranks_take_the_one_rank_step(report, case):
     assert r["grad_norm_dp"] == pytest.approx(r["grad_norm_one"], rel=1e-5)
     if case == "micro-batches":
         assert r["micro_passes"] == [3]  # 6 rows of width 12 in budgets of 24 tokens
+    if case == "lora":  # only the adapter moved, on one rank as on two
+        assert r["trained_all_adapter"]
 
 
 def test_gathered_rows_equal_one_pass_over_the_step(report):

@@ -5,7 +5,7 @@
     verl-async config CONFIG [dotted.key=value ...]
     verl-async ckpt list RUN_DIR
     verl-async ckpt verify RUN_DIR [--step N]
-    verl-async export RUN_DIR [--step N] [--force] OUT_DIR
+    verl-async export RUN_DIR [--step N] [--force] [--adapter DIR] OUT_DIR
     verl-async model smollm2-135m DIR
     verl-async keys DIR [--clients NAME ...] [--force]
     verl-async plot RUN_DIR [RUN_DIR ...] [--out DIR] [--window N]
@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--step", type=int, help="checkpoint step (default: newest valid)")
     export.add_argument(
         "--force", action="store_true", help="replace OUT_DIR if it exists and is not empty"
+    )
+    export.add_argument(
+        "--adapter", metavar="DIR", help="a LoRA run: also write its adapter as a peft directory"
     )
     model = sub.add_parser(
         "model", help="build a real model as a Hugging Face directory (no model hub needed)"
@@ -281,7 +284,9 @@ def _export(args) -> int:
     from verl_async.launch.export import export
 
     try:
-        ckpt, out = export(args.run_dir, args.out_dir, args.step, force=args.force)
+        ckpt, out = export(
+            args.run_dir, args.out_dir, args.step, force=args.force, adapter_dir=args.adapter
+        )
     except CheckpointError as exc:
         print(f"verl-async: {exc}", file=sys.stderr)
         return 1

@@ -3,7 +3,10 @@
 The checkpoint holds the full weights by Hugging Face name (``learner/model.safetensors``);
 the model's config, generation config and tokenizer come from the run's initial model
 (the manifest's ``model_path``, or ``<run_dir>/model`` when that directory moved with the
-run). The result is a ``save_pretrained`` directory that transformers and vLLM load.
+run). The result is a ``save_pretrained`` directory that transformers and vLLM load. A
+LoRA run's checkpoint holds the peft model (frozen base and adapter): the export merges
+the adapter into the weights, and with ``--adapter DIR`` also writes it as a peft adapter
+directory that peft and vLLM (``LoRARequest``) load on top of the base model.
 
 An existing non-empty output directory is refused (files of another model would stay
 beside the new ones) unless ``force``; then the model is written to a temporary directory
@@ -17,14 +20,25 @@ import os
 import shutil
 from pathlib import Path
 
+from verl_async import lora
 from verl_async.checkpoint import CheckpointError, newest_valid, read_manifest, step_dir, verify
+from verl_async.config import load_config
 
 
 def export(
-    run_dir: str | Path, out_dir: str | Path, step: int | None = None, force: bool = False
+    run_dir: str | Path,
+    out_dir: str | Path,
+    step: int | None = None,
+    force: bool = False,
+    adapter_dir: str | Path | None = None,
 ) -> tuple[Path, Path]:
+    """Write checkpoint ``step`` (default: the newest that verifies) to ``out_dir``. A LoRA
+    run's adapter is merged into the base weights there; ``adapter_dir`` also gets it as a
+    peft adapter directory (adapter_config.json + adapter_model.safetensors)."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     check_out_dir(out_dir, force)
+    if adapter_dir is not None:
+        check_out_dir(Path(adapter_dir), force)
     if step is None:
         found = newest_valid(run_dir)
         if found is None:
@@ -46,7 +60,7 @@ def export(
     tmp = _beside(out_dir, "export")
     tmp.mkdir(parents=True)
     try:
-        _write_model(ckpt, base, tmp)
+        _write_model(ckpt, base, tmp, run_dir, adapter_dir)
         swap_in(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already unless the write failed
@@ -88,7 +102,9 @@ def _beside(out_dir: Path, what: str) -> Path:
     return path
 
 
-def _write_model(ckpt: Path, base: Path, out_dir: Path) -> None:
+def _write_model(
+    ckpt: Path, base: Path, out_dir: Path, run_dir: Path, adapter_dir: str | Path | None
+) -> None:
     import torch
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -97,7 +113,20 @@ def _write_model(ckpt: Path, base: Path, out_dir: Path) -> None:
     config = AutoConfig.from_pretrained(base)
     dtype = next(iter(state.values())).dtype if state else torch.float32
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.load_state_dict(state, strict=True)
+    adapter = lora.adapter_state(state)
+    if adapter:  # a LoRA run: its peft model's state, merged into plain weights
+        lora_cfg = load_config(run_dir / "config.yaml").model.lora
+        model = lora.apply(model, lora_cfg)
+        model.load_state_dict(state, strict=True)
+        if adapter_dir is not None:
+            tmp = _beside(Path(adapter_dir), "export")
+            lora.write_adapter_dir(tmp, adapter, lora_cfg, str(base))
+            swap_in(tmp, Path(adapter_dir))
+        model = model.merge_and_unload()
+    elif adapter_dir is not None:
+        raise CheckpointError(f"{ckpt.name} holds no LoRA adapter (the run trained every weight)")
+    else:
+        model.load_state_dict(state, strict=True)
     model.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(base).save_pretrained(out_dir)
     with contextlib.suppress(OSError):  # the initial model may have no generation config
