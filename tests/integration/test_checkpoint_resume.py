@@ -415,3 +415,48 @@ def test_ckpt_list_and_the_exported_model_loads_in_transformers_and_vllm(
     )
     assert "VLLM_TOKENS" in res.stdout, res.stderr[-3000:]
     assert int(res.stdout.split("VLLM_TOKENS")[1].split()[0]) > 0
+
+
+def test_a_lora_export_gives_the_learner_s_log_probs_merged_and_as_an_adapter(
+    crashed_and_resumed_lora, tmp_path
+):
+    """``export --adapter``: the merged directory (transformers) and base + the peft
+    adapter directory give the log-probs of the checkpoint's own peft model."""
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from learners.logprobs import logits_of
+    from verl_async import lora
+    from verl_async.config import load_config
+
+    run_dir = crashed_and_resumed_lora
+    merged, adapter = tmp_path / "merged", tmp_path / "adapter"
+    res = run_cli(["export", str(run_dir), str(merged), "--adapter", str(adapter)], timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert (adapter / "adapter_config.json").is_file()
+
+    def base():
+        return AutoModelForCausalLM.from_pretrained(run_dir / "model", dtype=torch.float32)
+
+    state = load_file(
+        run_dir / "checkpoints" / f"step_{STEPS:08d}" / "learner" / "model.safetensors"
+    )
+    learner = lora.apply(base(), load_config(run_dir / "config.yaml").model.lora)
+    learner.load_state_dict(state, strict=True)
+    ids = torch.tensor([[1, 5, 9, 3, 7, 2, 8, 4]])
+    attn = torch.ones_like(ids)
+
+    def logp(model):
+        with torch.no_grad():
+            return torch.log_softmax(logits_of(model.eval(), ids, attn), -1)
+
+    want = logp(learner)
+    assert (want - logp(base())).abs().max() > 1e-4  # the adapter changed the model
+    torch.testing.assert_close(
+        logp(AutoModelForCausalLM.from_pretrained(merged)), want, atol=1e-5, rtol=0
+    )
+    torch.testing.assert_close(
+        logp(PeftModel.from_pretrained(base(), adapter)), want, atol=1e-5, rtol=0
+    )
