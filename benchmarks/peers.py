@@ -1,6 +1,6 @@
 """TRL's GRPOTrainer against verl-async on the same model, prompts, reward and settings.
 
-    python benchmarks/peers.py [--preset tiny|smollm2] [--steps N] [--out DIR]
+    python benchmarks/peers.py [--preset tiny|smollm2|smollm2-short] [--steps N] [--out DIR]
                                [--window W] [--target R] [--plot PATH] [key=value ...]
 
 Two whole commands run back to back, each timed from outside, start-up included:
@@ -16,7 +16,11 @@ Two whole commands run back to back, each timed from outside, start-up included:
 Presets: ``tiny`` is configs/tiny.yaml (the tiny Llama verl-async builds locally, the
 max_digit task, reward ``exact`` on the first word); ``smollm2`` is
 configs/math_smollm2_cpu.yaml (models/smollm2-135m from ``make smollm2``, chat-templated
-sums, ``correct`` math + 0.2 x ``just_number``). TRL scores with verl-async's own rule
+sums, ``correct`` math + 0.2 x ``just_number``); ``smollm2-short`` is the same model and
+task made learner-bound (4 x 4 samples of at most 6 new tokens, two optimizer steps a
+batch, 20 steps). ``model.lora.rank=R`` (and the other ``model.lora`` keys) on
+the command line trains LoRA adapters on both sides: verl-async's ``model.lora``, TRL
+with the same peft ``LoraConfig``. TRL scores with verl-async's own rule
 scorer (``verl_async.rewards.worker.score_items``), one TRL reward function per source
 with the source's weight, and gets the same prompts, rendered the same way (it checks
 that the first ones tokenize to the ids verl-async's engine gets: ``prompt_check``).
@@ -48,6 +52,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, machine, mean, rolling, run_train, time_to_target  # noqa: E402
 
+from verl_async import lora  # noqa: E402
 from verl_async.config import load_config  # noqa: E402
 from verl_async.data import DEFAULT_SOURCE, PromptRecord, as_messages  # noqa: E402
 from verl_async.protocol import ScoreItem  # noqa: E402
@@ -65,6 +70,8 @@ class Preset:
     target: float
     needs: str = ""  # a path that must exist
     make: str = ""  # the command that makes it
+    overrides: tuple[str, ...] = ()  # given to both runs before the command line's
+    steps: int = 0  # the default of --steps (0: the config's trainer.total_steps)
 
 
 PRESETS = {
@@ -75,6 +82,23 @@ PRESETS = {
         target=0.9,
         needs="models/smollm2-135m",
         make="make smollm2",
+    ),
+    # Learner-bound: short answers, so training, not sampling, is the slow stage (4 prompts
+    # x 4 samples of at most 6 tokens, two optimizer steps a batch).
+    "smollm2-short": Preset(
+        "configs/math_smollm2_cpu.yaml",
+        window=5,
+        target=0.9,
+        needs="models/smollm2-135m",
+        make="make smollm2",
+        overrides=(
+            "generators.group_size=4",
+            "learner.groups_per_step=4",
+            "generators.max_new_tokens=6",
+            "generators.max_inflight_groups=12",
+            "algo.minibatches=2",
+        ),
+        steps=20,
     ),
 }
 # What the verl-async command leaves out, because the TRL run does none of it.
@@ -501,6 +525,8 @@ def trl_worker(args) -> None:
         train_dataset=Dataset.from_list(rows),
         processing_class=tokenizer,
         callbacks=[step_recorder(args.out / "metrics.jsonl", cfg.algo.minibatches, samples)],
+        # model.lora: the same adapter (rank, alpha, dropout, modules) through TRL's peft
+        peft_config=lora.peft_config(cfg.model.lora) if lora.enabled(cfg) else None,
     )
     check = prompt_check(trainer, rows, want)
     (args.out / "prompt_check.json").write_text(json.dumps(check, indent=1))
@@ -530,6 +556,8 @@ def parse_args(argv: list[str] | None):
     args.window = args.window or preset.window
     args.target = preset.target if args.target is None else args.target
     args.out = (args.out or ROOT / f"runs/peers-{args.preset}").resolve()
+    if not args.trl_worker:  # the worker gets them on its command line already
+        args.override = [*preset.overrides, *args.override]
     args.plot = args.plot or args.out / "peers.png"
     if preset.needs and not (ROOT / preset.needs).exists() and not args.trl_worker:
         raise SystemExit(f"{preset.needs} is missing: run `{preset.make}` first")
@@ -569,7 +597,7 @@ def main(argv: list[str] | None = None) -> None:
         trl_worker(args)
         return
     cfg = load_config(args.config, args.override)
-    steps = args.steps or cfg.trainer.total_steps
+    steps = args.steps or PRESETS[args.preset].steps or cfg.trainer.total_steps
     mapping = trl_mapping(cfg, steps)  # refuses an unmatched config before anything runs
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
