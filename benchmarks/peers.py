@@ -34,6 +34,8 @@ step and as seconds since the command started). A step is one batch of
 groups_per_step x group_size samples (``algo.minibatches`` optimizer steps on each side).
 Writes ``peers.json`` and the reward curves against wall-clock seconds and against steps
 (``peers.png``, or ``--plot``); prints the settings, a Markdown table and a summary line.
+CPU seconds (user and system) are the whole command's process tree's; for verl-async also
+each role's, as each recorded them when it ended.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -336,16 +339,27 @@ def results_table(results: list[dict], window: int, target: float) -> str:
     lines = [
         f"| system | whole command, s | first step, s | training, s | samples/s (command) | "
         f"samples/s (training) | reward first → final ({window} steps) | "
-        f"target {target} (trailing {window}) at step | at s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"target {target} (trailing {window}) at step | at s | CPU user / system, s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
             f"| {r['system']} | {r['wall_s']:.1f} | {r['first_step_s']:.1f} | "
             f"{_num(r['train_s'])} | {r['samples_per_s']:.1f} | "
             f"{_num(r['train_samples_per_s'])} | {r['reward_first']:.3f} → "
-            f"{r['reward_final']:.3f} | {_num(r['target_step'], 'd')} | {_num(r['target_s'])} |"
+            f"{r['reward_final']:.3f} | {_num(r['target_step'], 'd')} | {_num(r['target_s'])} | "
+            f"{_num(r.get('cpu_user_s'))} / {_num(r.get('cpu_sys_s'))} |"
         )
+    for r in results:
+        if r.get("learner_parts"):
+            parts = ", ".join(f"{k} {v}" for k, v in r["learner_parts"].items())
+            lines.append(f"\n{r['system']} learner, median per step: {parts}")
+        for role, cpu in (r.get("role_cpu") or {}).items():
+            lines.append(
+                f"\n{r['system']} {role}: user {cpu['user_s']:.1f} s, system {cpu['sys_s']:.1f} s"
+                f" (its ended child processes: {cpu['children_user_s']:.1f} / "
+                f"{cpu['children_sys_s']:.1f} s)"
+            )
     return "\n".join(lines)
 
 
@@ -401,6 +415,38 @@ def verl_rows(run_dir: Path, rows: list[dict], t0: float, wall_s: float) -> list
          "samples": r["samples"]}
         for r in rows
     ]  # fmt: skip
+
+
+def children_cpu() -> tuple[float, float]:
+    """(user, system) CPU seconds of this process's ended and waited-for descendants."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime, usage.ru_stime
+
+
+def role_cpu(run_dir: Path) -> dict[str, dict]:
+    """Each role's CPU seconds (its own, and its ended children's: a vLLM engine's), as
+    the roles recorded them when they ended (``mark_cpu``: startup.jsonl event "cpu")."""
+    from verl_async.launch.startup import read_marks
+
+    return {
+        m["role"]: {k: m[k] for k in ("user_s", "sys_s", "children_user_s", "children_sys_s")}
+        for m in read_marks(run_dir)
+        if m.get("event") == "cpu"
+    }
+
+
+PARTS = ("step_s", "learner_wait_s", "timing/prox_s", "timing/forward_s", "timing/backward_s",
+         "timing/optimizer_s", "weight_sync_s", "weight_sync_mb", "padding_fraction")  # fmt: skip
+
+
+def learner_parts(run_dir: Path) -> dict[str, float]:
+    """Medians over the steps after the first two (warm-up) of the learner's step and its
+    parts (metrics.jsonl: docs/metrics.md)."""
+    import statistics
+
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    rows = rows[2:] or rows
+    return {k: round(statistics.median(r[k] for r in rows), 4) for k in PARTS if k in rows[0]}
 
 
 def run_verl(config: Path, steps: int, out: Path, overrides: list[str]) -> tuple[list[dict], float]:
@@ -603,8 +649,14 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for system, run in (("verl-async", run_verl), ("trl", run_trl)):
         print(f"{system}: {steps} steps of {args.config.name} ...", flush=True)
+        user0, sys0 = children_cpu()
         rows, wall_s = run(args.config, steps, args.out, args.override)
+        user1, sys1 = children_cpu()
         res = summarize(system, rows, wall_s, args)
+        res["cpu_user_s"], res["cpu_sys_s"] = user1 - user0, sys1 - sys0
+        if system == "verl-async":
+            res["role_cpu"] = role_cpu(args.out / "verl-async")
+            res["learner_parts"] = learner_parts(args.out / "verl-async")
         results.append(res)
         print(f"{system}: {res['steps']} steps, whole command {wall_s:.1f} s, first step "
               f"{res['first_step_s']:.1f} s", flush=True)  # fmt: skip

@@ -16,7 +16,7 @@ from verl_async import protocol as P
 from verl_async.auth import server_keys
 from verl_async.config import ConfigError
 from verl_async.data import PromptRecord, load_prompts, max_prompt_tokens, render_prompts
-from verl_async.runtime import load_context, mark, start_role
+from verl_async.runtime import load_context, mark, mark_cpu, start_role
 from verl_async.schema import RunConfig
 from verl_async.staleness import Admission
 
@@ -106,7 +106,10 @@ async def serve(run_dir: str, exit_after_stop_s: float | None = None) -> None:
     asyncio.get_running_loop().add_signal_handler(
         signal.SIGTERM, lambda: setattr(server, "terminated", True)
     )
-    await server.serve()
+    try:
+        await server.serve()
+    finally:
+        mark_cpu(run_dir, "buffer")
 
 
 def exit_option(parser) -> None:

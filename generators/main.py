@@ -38,11 +38,13 @@ from verl_async import protocol as P
 from verl_async.auth import client_keys
 from verl_async.envs import EnvironmentTable
 from verl_async.rewards.scorer import GroupScores, Scorer
-from verl_async.runtime import RunContext, mark
+from verl_async.runtime import RunContext, mark, mark_cpu
 from verl_async.transport import AsyncBufferClient
 from verl_async.weight_sync import failure_line, resolve_backend
 
 log = logging.getLogger("verl_async.generator")
+ROOM_POLL_S = 0.05  # ask the buffer again this soon when it had nothing for us
+ADMISSION_POLL_S = 1.0  # ... when admission refused us: only a new version opens it
 
 
 @dataclass
@@ -167,7 +169,7 @@ class Generator:
             room = limit - len(self.inflight)
             if len(self.scoring) >= limit:
                 room = 0  # scoring lags behind sampling: take no more prompts until it catches up
-            fetched = 0
+            fetched, blocked = 0, False
             # Asked even once training prompts are exhausted: evaluation prompts may come.
             if room > 0:
                 reply, _ = await self.buffer.request(
@@ -182,8 +184,12 @@ class Generator:
                 for group in reply.eval_groups:
                     self._spawn(self.evaluate_group(reply.eval_round, group))
                 fetched = len(reply.groups) + len(reply.eval_groups)
+                blocked = reply.blocked_by_admission
             if fetched == 0:
-                await self._wait_for_room()
+                # Admission opens when this engine loads a newer version: no need to ask
+                # again before that (or a group finishing), beyond a slow poll for evaluation
+                # prompts. An idle generator then costs next to no CPU.
+                await self._wait_for_room(ADMISSION_POLL_S if blocked else ROOM_POLL_S)
 
     def _spawn(self, coro, into: set[asyncio.Task] | None = None) -> None:
         task = asyncio.create_task(coro)
@@ -198,14 +204,14 @@ class Generator:
             self.failure = self.failure or task.exception()
             self.stop = True
 
-    async def _wait_for_room(self) -> None:
-        """Sleep until a group finishes, the loaded version changes, or 50 ms pass."""
+    async def _wait_for_room(self, timeout_s: float) -> None:
+        """Sleep until a group finishes, the loaded version changes, or ``timeout_s`` pass."""
         waiters = [
             asyncio.ensure_future(self.engine.version_changed.wait()),
             *self.inflight,
             *self.scoring,
         ]
-        await asyncio.wait(waiters, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(waiters, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         waiters[0].cancel()
 
     async def sample(self, group: P.PromptGroup, n: int, how: Sampling) -> list:
@@ -363,6 +369,7 @@ async def run_generator(ctx: RunContext, index: int) -> None:
             await engine.leave_weight_sync()
         finally:
             engine.shutdown()
+            mark_cpu(ctx.path, role)
 
 
 async def start_and_join(ctx: RunContext, index: int, role: str) -> RolloutEngine:

@@ -20,7 +20,7 @@ from learners.critic import load_critic, load_reference
 from learners.trainer import Learner
 from verl_async import lora
 from verl_async.placement import sync_world_size
-from verl_async.runtime import RunContext, mark
+from verl_async.runtime import RunContext, mark, mark_cpu
 from verl_async.weight_sync import join_group, resolve_backend
 
 log = logging.getLogger("verl_async.learner")
@@ -100,6 +100,8 @@ def run_learner(ctx: RunContext) -> None:
             torch.distributed.barrier()  # no rank leaves while another is still finishing
     finally:
         learner.close()
+        rank = accelerator.process_index
+        mark_cpu(ctx.path, "learner" if rank == 0 else f"learner{rank}")
     if accelerator.num_processes > 1:
         leave_job()
 

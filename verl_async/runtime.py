@@ -211,11 +211,26 @@ def start_role(
 STARTUP_FILE = "startup.jsonl"
 
 
-def mark(run_dir: str | Path, role: str, event: str) -> None:
+def mark_cpu(run_dir: str | Path, role: str) -> None:
+    """Record the CPU seconds ``role``'s process used, user and system, and those of its
+    child processes that have ended (a vLLM engine's, once shut down): event "cpu"."""
+    import resource
+
+    me, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    mark(
+        run_dir, role, "cpu", user_s=round(me.ru_utime, 2), sys_s=round(me.ru_stime, 2),
+        children_user_s=round(kids.ru_utime, 2), children_sys_s=round(kids.ru_stime, 2),
+    )  # fmt: skip
+
+
+def mark(run_dir: str | Path, role: str, event: str, **fields: float) -> None:
     """Record that ``role`` reached ``event`` now in ``<run_dir>/startup.jsonl`` (one short
     ``O_APPEND`` write, so processes never interleave within a line; best effort: never fails
     the role). The launcher turns the lines into its start-up breakdown."""
-    line = json.dumps({"role": role, "event": event, "t": time.time()}) + "\n"
+    line = json.dumps({"role": role, "event": event, "t": time.time(), **fields}) + "\n"
     try:
         fd = os.open(Path(run_dir) / STARTUP_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
