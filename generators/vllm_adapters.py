@@ -168,7 +168,10 @@ class Adapters:
             await asyncio.wait_for(asyncio.gather(*list(self.unloading)), timeout_s)
 
     def close(self) -> None:
-        """Delete this engine's adapter directories (the engine is shutting down)."""
+        """Delete this engine's adapter directories (the engine is shutting down), and drop
+        the AsyncLLM: ``VllmEngine.shutdown`` drops it while modules are alive, which a
+        reference kept here would defeat (a traceback from its ``__del__`` at exit)."""
+        self.llm = None
         for task in list(self.unloading):
             task.cancel()
         for root in self.roots:
