@@ -147,7 +147,7 @@ class Adapters:
         goes with the engine's directories at shutdown)."""
         try:
             await asyncio.wait_for(self.llm.remove_lora(request.lora_int_id), 30)
-        except Exception as exc:  # noqa: BLE001 (logged; the next update tries no more)
+        except Exception as exc:  # noqa: BLE001 (vLLM's LRU cache evicts it in time)
             log.warning("could not unload adapter %s: %r", request.lora_name, exc)
         await self._drop_dir(Path(request.lora_path))
 
@@ -161,11 +161,6 @@ class Adapters:
         task = asyncio.get_running_loop().create_task(coro)
         self.unloading.add(task)
         task.add_done_callback(self.unloading.discard)
-
-    async def settled(self, timeout_s: float = 30.0) -> None:
-        """Wait for pending unloads (tests, shutdown)."""
-        if self.unloading:
-            await asyncio.wait_for(asyncio.gather(*list(self.unloading)), timeout_s)
 
     def close(self) -> None:
         """Delete this engine's adapter directories (the engine is shutting down), and drop

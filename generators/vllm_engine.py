@@ -259,7 +259,7 @@ class VllmEngine:
         if self.cfg.weights.mode == "abort":
             stale = self.adapters.older_requests(prefix="s")  # samples, not probes
             if stale:
-                await self.llm.abort(stale)
+                await asyncio.wait_for(self.llm.abort(stale), self.cfg.weights.timeout_s)
         self.version_changed.set()
         self.version_changed = asyncio.Event()
         return time.perf_counter() - t0
