@@ -70,6 +70,11 @@ class RolloutEngine(Protocol):
     ``resubmitted`` counts it. Requests made after ``apply_update`` returns are sampled by
     the new weights.
 
+    LoRA runs (``model.lora``): the vLLM engine serves each version as an adapter of its
+    own, bound to a request when it is submitted, so in ``keep`` mode a running request
+    finishes on the adapter it started with (all its tokens stamped old, none paused), and
+    a failed update leaves the adapters in service whole (sampling goes on with them).
+
     All methods run on the event loop that started the engine.
     """
 

@@ -2,6 +2,8 @@
 
 ``generators.engine: vllm``; implements ``generators.interface.RolloutEngine``. Weight
 updates reach each vLLM worker through the worker extension (generators/vllm_extension.py).
+A LoRA run's updates are adapters, which vLLM serves side by side, one per version
+(generators/vllm_adapters.py): no pause, no prefix-cache reset.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 import time
 
 from generators.interface import Sample, Sampling
+from generators.vllm_adapters import Adapters, lora_engine_args
 from verl_async.protocol import WeightUpdate
 from verl_async.schema import RunConfig
 
@@ -31,7 +34,9 @@ def start_async_llm(cfg: RunConfig, model_path: str, seed: int, tensor_parallel_
     """AsyncLLM with the weight-sync worker extension; logprobs after temperature/top-p.
 
     ``tensor_parallel_size``: vLLM workers the engine spans (its placement group's GPUs,
-    ``placement.tensor_parallel_size``); each of them joins the weight-sync group."""
+    ``placement.tensor_parallel_size``); each of them joins the weight-sync group. A LoRA
+    run enables vLLM's adapters, with a slot for each version in flight (which forces
+    eager mode on CPU: this engine is eager anyway)."""
     from vllm import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -53,6 +58,7 @@ def start_async_llm(cfg: RunConfig, model_path: str, seed: int, tensor_parallel_
         kv_cache_memory_bytes=g.kv_cache_mb << 20,
         gpu_memory_utilization=g.gpu_memory_utilization,
         enable_prefix_caching=True,
+        **lora_engine_args(cfg),
     )
     return AsyncLLM.from_engine_args(args)
 
@@ -72,6 +78,7 @@ class VllmEngine:
         self.resubmitted = 0  # requests aborted by a swap and continued from their prefix
         self.sync_epoch = 0  # the weight-sync group's epoch the workers are members of
         self.weights_lost = False  # an update failed midway: paused until a whole one arrives
+        self.adapters = Adapters(llm, cfg) if cfg.model.lora.rank else None  # LoRA runs
 
     async def join_weight_sync(
         self,
@@ -111,7 +118,9 @@ class VllmEngine:
             log.info("left the weight-sync group")
 
     async def sample(self, prompt_ids: list[int], how: Sampling) -> Sample:
-        """Stream one completion, stamping each token with the version loaded when it arrived.
+        """Stream one completion, stamping each token with the version loaded when it arrived
+        (LoRA: with the version of the adapter the request was submitted with, which
+        sampled every one of its tokens).
 
         A token computed just before a swap but read just after would be stamped new and
         understate staleness; ``apply_update`` only bumps the version after the swap's RPC
@@ -140,16 +149,23 @@ class VllmEngine:
             )
             prompt = TokensPrompt(prompt_token_ids=prompt_ids + out.token_ids)
             finish_reason = None
-            async for chunk in self.llm.generate(prompt, params, f"s{next(self.ids)}"):
-                if out.prompt_ids is None:
-                    out.prompt_ids = chunk.prompt_token_ids
-                comp = chunk.outputs[0]
-                version = self.loaded_version
-                for tok, lp in zip(comp.token_ids, comp.logprobs or [], strict=True):
-                    out.token_ids.append(tok)
-                    out.logprobs.append(lp[tok].logprob)
-                    out.versions.append(version)
-                finish_reason = comp.finish_reason
+            request_id = f"s{next(self.ids)}"
+            bound, adapter = self._bind(request_id)
+            try:
+                async for chunk in self.llm.generate(
+                    prompt, params, request_id, lora_request=adapter
+                ):
+                    if out.prompt_ids is None:
+                        out.prompt_ids = chunk.prompt_token_ids
+                    comp = chunk.outputs[0]
+                    version = self.loaded_version if bound is None else bound
+                    for tok, lp in zip(comp.token_ids, comp.logprobs or [], strict=True):
+                        out.token_ids.append(tok)
+                        out.logprobs.append(lp[tok].logprob)
+                        out.versions.append(version)
+                    finish_reason = comp.finish_reason
+            finally:
+                self._release(bound, request_id)
             if finish_reason != "abort" or len(out.token_ids) >= how.max_tokens:
                 return out
             # Aborted by a swap: continue once the new weights are in.
@@ -165,18 +181,38 @@ class VllmEngine:
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
         final = None
-        async for out in self.llm.generate(
-            TokensPrompt(prompt_token_ids=ids), params, f"probe{next(self.ids)}"
-        ):
-            final = out
+        request_id = f"probe{next(self.ids)}"
+        bound, adapter = self._bind(request_id)
+        try:
+            async for out in self.llm.generate(
+                TokensPrompt(prompt_token_ids=ids), params, request_id, lora_request=adapter
+            ):
+                final = out
+        finally:
+            self._release(bound, request_id)
         return [d[ids[i]].logprob for i, d in enumerate(final.prompt_logprobs) if d is not None]
+
+    def _bind(self, request_id: str) -> tuple[int | None, object | None]:
+        """LoRA: the version and adapter a request submitted now runs on (it holds the
+        adapter until ``_release``). Else (None, None): the weights are the engine's own."""
+        if self.adapters is None:
+            return None, None
+        return self.adapters.bind(request_id)
+
+    def _release(self, bound: int | None, request_id: str) -> None:
+        if self.adapters is not None:
+            self.adapters.release(bound, request_id)
 
     async def apply_update(self, update: WeightUpdate) -> float:
         """Pause (``weights.mode``: keep or abort in-flight requests), receive, reset, resume.
 
         If the broadcast fails midway (a member of the group died), the weights are a mix
         of two versions: the engine stays paused, ``weights_lost`` is set, and the error
-        propagates; the next whole update (over the rebuilt group) resumes it."""
+        propagates; the next whole update (over the rebuilt group) resumes it.
+
+        A LoRA update goes to ``_apply_adapter`` instead: no pause at all."""
+        if self.adapters is not None:
+            return await self._apply_adapter(update)
         t0 = time.perf_counter()
         self.running.clear()
         if not self.weights_lost:  # else still paused since the failed one
@@ -198,6 +234,32 @@ class VllmEngine:
             await self.llm.resume_generation()
             self.running.set()
         self.loaded_version = update.version
+        self.version_changed.set()
+        self.version_changed = asyncio.Event()
+        return time.perf_counter() - t0
+
+    async def _apply_adapter(self, update: WeightUpdate) -> float:
+        """Receive the adapter of ``update`` and submit new requests with it.
+
+        Nothing pauses: a request keeps the adapter it was submitted with to its end, so in
+        ``keep`` mode running requests finish on the old version, stamped with it. In
+        ``abort`` mode the requests on older adapters are aborted once the new one is
+        loaded, and ``sample`` resubmits each one's continuation on it. A broadcast that
+        fails midway leaves the adapters in service whole: sampling goes on with them,
+        ``weights_lost`` waits for the next whole update. No prefix-cache reset: vLLM keys
+        cached blocks by adapter (name and path), so no version reads another's KV."""
+        t0 = time.perf_counter()
+        try:
+            await self.adapters.receive(update)
+        except Exception:
+            self.weights_lost = True
+            raise
+        self.weights_lost = False
+        self.loaded_version = update.version
+        if self.cfg.weights.mode == "abort":
+            stale = self.adapters.older_requests(prefix="s")  # samples, not probes
+            if stale:
+                await asyncio.wait_for(self.llm.abort(stale), self.cfg.weights.timeout_s)
         self.version_changed.set()
         self.version_changed = asyncio.Event()
         return time.perf_counter() - t0
@@ -224,6 +286,8 @@ class VllmEngine:
         """Shut the AsyncLLM and its engine processes down."""
         if self.llm is not None:
             self.llm.shutdown()
+            if self.adapters is not None:
+                self.adapters.close()
             # Drop it while modules are alive: AsyncLLM.__del__ at interpreter exit would
             # otherwise call into half-torn-down modules and print a traceback.
             self.llm = None

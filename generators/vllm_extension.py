@@ -7,13 +7,23 @@ clash with the worker's own attributes.
 Weights are loaded inside vLLM's layerwise reload (initialize before, finalize after):
 on CPU vLLM repacks weights after loading, and a bare ``model.load_weights`` there either
 fails or silently leaves the packed copy stale.
+
+A LoRA run's update is an adapter instead (``verl_receive_adapter``): it is written as a
+peft adapter directory, which vLLM then loads by path (``LoRARequest``); the model's own
+weights are never touched.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+from pathlib import Path
+
 import torch
 
+from verl_async import lora
 from verl_async.protocol import ParamSpec
+from verl_async.schema import LoraConfig
 from verl_async.weight_sync import join_group, receive_weights
 
 
@@ -62,9 +72,47 @@ class WeightSyncExtension:
             torch.cuda.synchronize(self.device)
         return received
 
+    def verl_receive_adapter(
+        self, specs: list[list], bucket_bytes: int, path: str, lora_cfg: dict
+    ) -> int:
+        """Receive one adapter update and write it as a peft adapter directory at ``path``;
+        returns bytes received.
+
+        Every worker takes part in the broadcast (it is a collective), but one worker per
+        machine (local rank 0) keeps the tensors and writes: vLLM's workers all load the
+        adapter from the same path, so each machine needs one copy. The directory appears
+        whole or not at all (written beside it, then renamed), so a broadcast that fails
+        midway leaves nothing a later load could pick up half-written."""
+        param_specs = [ParamSpec(name, dtype, tuple(shape)) for name, dtype, shape in specs]
+        writer = self.local_rank == 0
+        tensors: dict[str, torch.Tensor] = {}
+        received = 0
+        for bucket in receive_weights(self.verl_group, param_specs, bucket_bytes, self.device):
+            received += sum(t.numel() * t.element_size() for _, t in bucket)
+            if writer:
+                tensors.update((name, t.cpu()) for name, t in bucket)
+        if writer:
+            _write_atomically(Path(path), tensors, LoraConfig(**lora_cfg), self.model_config.model)
+        return received
+
+    def verl_drop_adapter(self, path: str) -> None:
+        """Delete an adapter directory that vLLM no longer uses (the worker that wrote it)."""
+        if self.local_rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+
     def verl_leave_weight_sync(self) -> None:
         """Shut the group down while the worker's interpreter is fully alive."""
         group = getattr(self, "verl_group", None)
         if group is not None:
             self.verl_group = None
             group.close()
+
+
+def _write_atomically(path: Path, tensors: dict[str, torch.Tensor], cfg: LoraConfig, base: str):
+    """``lora.write_adapter_dir`` into a sibling, then renamed to ``path``: a reader sees
+    the whole adapter or none (a directory left by an earlier try is replaced)."""
+    part = path.with_name(f"{path.name}.part{os.getpid()}")
+    shutil.rmtree(part, ignore_errors=True)
+    lora.write_adapter_dir(part, tensors, cfg, base)
+    shutil.rmtree(path, ignore_errors=True)
+    os.rename(part, path)

@@ -8,6 +8,9 @@ nor vLLM so that ``verl-async --help`` stays instant.
 
 from __future__ import annotations
 
+import ast
+import functools
+import importlib.util
 import re
 from pathlib import Path
 from types import UnionType
@@ -164,9 +167,13 @@ def check_consistency(cfg: RunConfig) -> None:
         )
 
 
+# vLLM's LoRA ranks (vllm/config/lora.py: MaxLoRARanks) when its source cannot be read.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
 def check_lora(cfg: RunConfig) -> None:
-    """``model.lora``: a dropout in [0, 1), at least one target module, and an engine that
-    serves the adapter."""
+    """``model.lora``: a dropout in [0, 1), at least one target module, and with the vLLM
+    engine a rank vLLM serves (its ``max_lora_rank`` takes a fixed set of values)."""
     lo = cfg.model.lora
     if not lo.rank:
         return
@@ -174,11 +181,32 @@ def check_lora(cfg: RunConfig) -> None:
         raise ConfigError("bad value for 'model.lora.dropout': must be in [0, 1)")
     if not lo.target_modules or not all(lo.target_modules):
         raise ConfigError("bad value for 'model.lora.target_modules': name at least one module")
-    if cfg.generators.engine == "vllm":
+    if cfg.generators.engine == "vllm" and lo.rank not in vllm_lora_ranks():
+        listed = ", ".join(str(r) for r in vllm_lora_ranks())
         raise ConfigError(
-            "bad value for 'model.lora.rank': LoRA runs need generators.engine=hf for now "
-            "(the vLLM engine does not load adapters yet)"
+            f"bad value for 'model.lora.rank': generators.engine=vllm serves ranks {listed} "
+            f"(got {lo.rank}; or use generators.engine=hf)"
         )
+
+
+@functools.cache
+def vllm_lora_ranks() -> tuple[int, ...]:
+    """The ranks the installed vLLM serves, read from its source: importing vLLM takes
+    seconds (15 on a small CPU machine) and this module must stay instant. Without vLLM,
+    or if the source has changed shape, ``VLLM_LORA_RANKS``."""
+    try:
+        spec = importlib.util.find_spec("vllm")  # locates the package, imports nothing
+        source = Path(spec.origin).parent / "config" / "lora.py"
+        for node in ast.parse(source.read_text()).body:
+            if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == (
+                "MaxLoRARanks"
+            ):
+                ranks = tuple(ast.literal_eval(e) for e in node.value.slice.elts)
+                if ranks and all(isinstance(r, int) for r in ranks):
+                    return ranks
+    except (AttributeError, OSError, SyntaxError, TypeError, ValueError):
+        pass
+    return VLLM_LORA_RANKS
 
 
 def check_endpoints(buffer: BufferConfig) -> None:

@@ -78,6 +78,30 @@ def test_train_runs_and_respects_the_staleness_bound(tmp_path, eta, mode, engine
     _assert_run_can_be_watched(run_dir)
 
 
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_a_lora_run_samples_with_the_learner_s_adapter(tmp_path, engine):
+    """``model.lora``: the learner sends only the adapter and the engine serves it (copied
+    into the transformers engine's peft model; one vLLM adapter per version). Synchronous,
+    so every token is of the learner's version and the engine's log-probs are compared
+    with the learner's on all of them (``rollout_logp_diff_max``)."""
+    run_dir = tmp_path / engine
+    steps = 10
+    res = run_cli(
+        [
+            "train", "configs/tiny.yaml", "--run-dir", str(run_dir),
+            f"trainer.total_steps={steps}", "staleness.max=0", "model.lora.rank=8",
+            f"generators.engine={engine}",
+        ],
+        timeout=400,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = _rows(run_dir)
+    assert [r["version"] for r in rows] == list(range(1, steps + 1))
+    assert all(r["rollout_fresh_fraction"] == 1.0 for r in rows)
+    assert max(r["rollout_logp_diff_max"] for r in rows) < 1e-3
+    assert not processes_mentioning(str(run_dir)), "processes outlived the run"
+
+
 def _assert_run_can_be_watched(run_dir):
     """The finished run of the test above (no run of its own: a training run is the slow
     part): TensorBoard event files by default, and ``verl-async plot`` draws every figure

@@ -158,3 +158,31 @@ def test_a_remote_weight_sync_host_needs_its_port():
         load_config(None, ["weights.host=10.0.0.7"])
     assert load_config(None, ["weights.host=10.0.0.7", "weights.port=29600"]).weights.port == 29600
     assert load_config(None, ["weights.host=127.0.0.1"]).weights.host == "127.0.0.1"
+
+
+def test_lora_with_vllm_needs_a_rank_vllm_serves(monkeypatch):
+    from verl_async import config
+
+    vllm = ["generators.engine=vllm"]
+    assert load_config(None, [*vllm, "model.lora.rank=8"]).model.lora.rank == 8
+    with pytest.raises(ConfigError, match=r"'model.lora.rank'.* 8, 16, .*got 12"):
+        load_config(None, [*vllm, "model.lora.rank=12"])
+    assert load_config(None, ["generators.engine=hf", "model.lora.rank=12"]).model.lora.rank == 12
+    # Without vLLM's source to read, the ranks vLLM has always served.
+    config.vllm_lora_ranks.cache_clear()
+    monkeypatch.setattr(config.importlib.util, "find_spec", lambda name: None)
+    try:
+        assert config.vllm_lora_ranks() == config.VLLM_LORA_RANKS
+    finally:
+        config.vllm_lora_ranks.cache_clear()
+
+
+def test_the_lora_ranks_read_from_vllm_s_source_are_vllm_s_own():
+    pytest.importorskip("vllm")
+    import typing
+
+    from vllm.config.lora import MaxLoRARanks
+
+    from verl_async.config import vllm_lora_ranks
+
+    assert vllm_lora_ranks() == typing.get_args(MaxLoRARanks)
