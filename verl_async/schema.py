@@ -45,8 +45,8 @@ class TinyModelConfig(_Section):
 
 class LoraConfig(_Section):
     rank: NonNegInt = 0
-    """LoRA rank r; 0 trains every weight (full fine-tuning). vLLM serves ranks 8, 16, 32,
-    64, 128, 256, 320 and 512."""
+    """LoRA rank r; 0 trains every weight (full fine-tuning). With generators.engine=vllm it
+    must be a rank vLLM serves (1, 8, 16, 32, 64, 128, 256, 320 or 512 in vLLM 0.32)."""
     alpha: PosFloat = 16.0
     """Scale of the adapter's update: alpha / rank."""
     dropout: float = 0.0
