@@ -46,7 +46,7 @@ from verl_async.metrics import MetricsWriter
 from verl_async.rewards.aggregate import RunningStats, combine, summarize
 from verl_async.runtime import RunContext, mark
 from verl_async.transport import BufferClient
-from verl_async.weight_sync import SyncGroup, param_specs, plan_buckets
+from verl_async.weight_sync import SyncGroup, param_specs, plan_buckets, without_tied
 
 log = logging.getLogger("verl_async.learner")
 
@@ -274,7 +274,7 @@ class Learner:
         """
         t0 = time.monotonic()
         self.version += int(new_version)
-        state = self.raw_model.state_dict()  # DTensors under FSDP2: global shapes
+        state = without_tied(self.raw_model, self.raw_model.state_dict())  # DTensors: FSDP2
         if lora.enabled(self.cfg):  # the adapter alone: generators hold the base
             state = lora.adapter_state(state)
         specs = param_specs(state.items())

@@ -132,6 +132,17 @@ def dtype_of(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
+def without_tied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``model``'s ``state`` with each tensor once, under its first name: tied weights (an
+    output head sharing the input embedding, as SmolLM2's does) are one parameter under two
+    names, and every receiver ties them again on load (vLLM skips ``lm_head`` when the
+    config ties it; a transformers model's two names hold one parameter). Decided by the
+    module tree, not by memory, so every FSDP2 rank leaves out the same names."""
+    unique = {name for name, _ in model.named_parameters()}  # duplicates removed
+    unique |= {name for name, _ in model.named_buffers()}
+    return {name: t for name, t in state.items() if name in unique}
+
+
 def param_specs(named: Iterable[tuple[str, torch.Tensor]]) -> list[ParamSpec]:
     return [ParamSpec(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in named]
 

@@ -1,6 +1,8 @@
+import asyncio
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import msgspec
@@ -27,6 +29,30 @@ def start_test_engine(kind: str, cfg, model_path: Path, seed: int) -> RolloutEng
     (``generators.engines.start_engine``); call it inside a running event loop."""
     generators = msgspec.structs.replace(cfg.generators, engine=kind)
     return start_engine(msgspec.structs.replace(cfg, generators=generators), str(model_path), seed)
+
+
+def start_engine_in_group(kind: str, cfg, model_path: Path, seed: int = 0):
+    """(event loop, engine, learner's end): a test engine of ``kind`` on an event loop of
+    its own, joined as rank 1 to a real two-member gloo weight-sync group whose rank 0 is
+    this process (what a test pushes weights through)."""
+    from verl_async.runtime import free_port
+    from verl_async.weight_sync import join_group
+
+    loop = asyncio.new_event_loop()
+    port = free_port()
+
+    async def start():
+        return start_test_engine(kind, cfg, model_path, seed)
+
+    engine = loop.run_until_complete(start())
+    holder = {}
+    joiner = threading.Thread(
+        target=lambda: holder.setdefault("g", join_group("127.0.0.1", port, 0, 2, "gloo", 60))
+    )
+    joiner.start()
+    loop.run_until_complete(engine.join_weight_sync("127.0.0.1", port, 2, 1, "gloo"))
+    joiner.join(60)
+    return loop, engine, holder["g"]
 
 
 @pytest.fixture(scope="session")

@@ -25,10 +25,9 @@ from tests.weight_sync_helpers import send_weights
 from verl_async import protocol as P
 from verl_async.algos import token_logprobs
 from verl_async.config import load_config
-from verl_async.runtime import free_port
-from verl_async.weight_sync import join_group, param_specs
+from verl_async.weight_sync import param_specs
 
-from .conftest import ENGINES, ROOT, start_test_engine
+from .conftest import ENGINES, ROOT, start_engine_in_group
 
 TEMPERATURE = 0.7
 PROMPTS = [[1, 3, 5], [1, 3, 5, 9, 7, 4, 13], [1, 8, 2, 6, 4]]  # lengths 3, 7, 5
@@ -59,21 +58,8 @@ def _model(path):
 @pytest.fixture(scope="module", params=ENGINES)
 def rig(request, tiny_model):
     cfg = load_config(ROOT / "configs/tiny.yaml", [])
-    loop = asyncio.new_event_loop()
-    port = free_port()
-
-    async def start():
-        return start_test_engine(request.param, cfg, tiny_model, seed=0)
-
-    engine = loop.run_until_complete(start())
-    holder = {}
-    joiner = threading.Thread(
-        target=lambda: holder.setdefault("g", join_group("127.0.0.1", port, 0, 2, "gloo", 60))
-    )
-    joiner.start()
-    loop.run_until_complete(engine.join_weight_sync("127.0.0.1", port, 2, 1, "gloo"))
-    joiner.join(60)
-    rig = Rig(request.param, cfg, loop, engine, holder["g"], {0: _model(tiny_model)})
+    loop, engine, group = start_engine_in_group(request.param, cfg, tiny_model)
+    rig = Rig(request.param, cfg, loop, engine, group, {0: _model(tiny_model)})
     yield rig
     if not rig.closed:
         rig.run(engine.leave_weight_sync())

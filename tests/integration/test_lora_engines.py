@@ -24,10 +24,9 @@ from tests.weight_sync_helpers import send_weights
 from verl_async import lora
 from verl_async import protocol as P
 from verl_async.config import load_config
-from verl_async.runtime import free_port
-from verl_async.weight_sync import join_group, param_specs
+from verl_async.weight_sync import param_specs
 
-from .conftest import ENGINES, ROOT, start_test_engine
+from .conftest import ENGINES, ROOT, start_engine_in_group
 from .test_engine_contract import (
     BUCKET,
     PROMPTS,
@@ -73,21 +72,8 @@ def rig(request, tiny_model):
         ROOT / "configs/tiny.yaml",
         [f"model.lora.rank={RANK}", f"generators.engine={request.param}"],
     )
-    loop = asyncio.new_event_loop()
-    port = free_port()
-
-    async def start():
-        return start_test_engine(request.param, cfg, tiny_model, seed=0)
-
-    engine = loop.run_until_complete(start())
-    holder = {}
-    joiner = threading.Thread(
-        target=lambda: holder.setdefault("g", join_group("127.0.0.1", port, 0, 2, "gloo", 60))
-    )
-    joiner.start()
-    loop.run_until_complete(engine.join_weight_sync("127.0.0.1", port, 2, 1, "gloo"))
-    joiner.join(60)
-    rig = LoraRig(request.param, cfg, loop, engine, holder["g"], {0: _base(tiny_model)})
+    loop, engine, group = start_engine_in_group(request.param, cfg, tiny_model)
+    rig = LoraRig(request.param, cfg, loop, engine, group, {0: _base(tiny_model)})
     rig.path = tiny_model
     yield rig
     rig.run(engine.leave_weight_sync())

@@ -111,3 +111,23 @@ def test_the_adapter_directory_loads_in_peft_with_the_same_logits(tmp_path):
     loaded = PeftModel.from_pretrained(_base(), out)
     ids = _ids()
     torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_a_weight_update_leaves_out_the_tied_head(tie):
+    """A tied output head is the embedding under a second name: sent once."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from verl_async.weight_sync import without_tied
+
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    state = model.state_dict()
+    sent = without_tied(model, state)
+    assert set(state) - set(sent) == ({"lm_head.weight"} if tie else set())
+    peft_model = lora.apply(model, LoraConfig(rank=4))
+    dropped = set(peft_model.state_dict()) - set(without_tied(peft_model, peft_model.state_dict()))
+    assert dropped == ({"base_model.model.lm_head.weight"} if tie else set())
