@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -354,6 +355,10 @@ async def run_generator(ctx: RunContext, index: int) -> None:
     """Start the engine, join the weight-sync group, generate until told to stop."""
     role = f"generator{index}"
     mark(ctx.path, role, "started")
+    nice = ctx.cfg.placement.generator_nice
+    if nice and placement.shares_cores_with_learner(ctx.cfg, index):
+        os.nice(nice)  # before the engine starts: its processes inherit it
+        log.info("sharing CPU cores with the learner: niceness %d", nice)
     engine = await start_and_join(ctx, index, role)
     try:
         from transformers import AutoTokenizer

@@ -78,6 +78,23 @@ def sync_rank_offset(cfg: RunConfig, index: int) -> int:
     return 1 + sum(tensor_parallel_size(g) for g in generator_groups(cfg)[:index])
 
 
+def shares_cores_with_learner(cfg: RunConfig, index: int) -> bool:
+    """Whether generator ``index`` runs on a CPU core that a learner rank may also use
+    ('cpu' is every core; 'cpu:N' is core N)."""
+
+    def cores(device: str) -> set[int] | None:  # None: every core
+        return None if device_index(device) is None else {device_index(device)}
+
+    mine = [d for d in generator_groups(cfg)[index] if not is_cuda(d)]
+    theirs = [d for d in learner_devices(cfg) if not is_cuda(d)]
+    for a in mine:
+        for b in theirs:
+            ca, cb = cores(a), cores(b)
+            if ca is None or cb is None or ca & cb:
+                return True
+    return False
+
+
 def learner_devices(cfg: RunConfig) -> list[str]:
     """The device of each learner rank, rank order."""
     return list(cfg.placement.learners)

@@ -349,6 +349,12 @@ class PlacementConfig(_Section):
     """One learner rank per device; several ranks must be all CPU or all CUDA."""
     reward_models: list[str] = msgspec.field(default_factory=lambda: ["cpu"])
     """Device of each ``model`` reward source's process, reused round-robin."""
+    generator_nice: Annotated[int, msgspec.Meta(ge=0, le=19)] = 10
+    """Scheduling niceness (0-19) of a generator whose CPU cores a learner rank may also
+    use ('cpu' placements): the learner's threads then take a shared core first, so a
+    generator working between updates cannot make every parallel region of the learner
+    wait for its thread there. 0 leaves the priority alone; GPU and separate cores are
+    never changed."""
 
 
 class TrainerConfig(_Section):

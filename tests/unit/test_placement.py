@@ -6,11 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from verl_async import placement, runtime
 from verl_async.config import ConfigError, load_config, to_yaml
 from verl_async.launch import local, plan
+from verl_async.schema import PlacementConfig
 
 SHARED = "(a pinned core or a GPU serves one process; only 'cpu' may be shared)"
 
@@ -395,3 +397,24 @@ def test_every_learner_rank_needs_a_sample():
         "bad value for 'placement.learners': 3 learner ranks but a step has only 2 samples "
         "(learner.groups_per_step x generators.group_size); every rank needs at least one"
     )
+
+
+@pytest.mark.parametrize(
+    ("generators", "learners", "shared"),
+    [
+        ("[cpu:0]", "[cpu:1]", False),  # the tiny default: a core each
+        ("[cpu:0]", "[cpu]", True),  # an unpinned learner may use core 0 too
+        ("[cpu]", "[cpu:1]", True),
+        ("[[cpu:0, cpu:1]]", "[cpu:1]", True),
+        ("[cuda:0]", "[cpu]", False),
+    ],
+)
+def test_a_generator_sharing_cores_with_the_learner_is_found(generators, learners, shared):
+    """Such a generator lowers its scheduling priority (placement.generator_nice). The
+    placement is built without load_config, which would refuse cuda:0 on a CPU machine."""
+    import yaml
+
+    cfg = load_config(None, [])
+    where = {"generators": yaml.safe_load(generators), "learners": yaml.safe_load(learners)}
+    cfg = msgspec.structs.replace(cfg, placement=msgspec.convert(where, PlacementConfig))
+    assert placement.shares_cores_with_learner(cfg, 0) is shared
