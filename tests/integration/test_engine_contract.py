@@ -105,7 +105,12 @@ def _next_weights(rig: Rig) -> tuple[int, torch.nn.Module]:
 
 async def _push(rig: Rig, version: int, model: torch.nn.Module) -> float:
     """Broadcast ``model`` from the learner's end while the engine applies the update."""
-    tensors = {k: v.detach() for k, v in model.state_dict().items()}
+    return await push_tensors(rig, version, {k: v.detach() for k, v in model.state_dict().items()})
+
+
+async def push_tensors(rig: Rig, version: int, tensors: dict[str, torch.Tensor]) -> float:
+    """Broadcast ``tensors`` as version ``version`` while the engine applies the update;
+    the seconds ``apply_update`` took."""
     specs = param_specs(tensors.items())
     sender = threading.Thread(target=send_weights, args=(rig.learner_group, tensors, specs, BUCKET))
     sender.start()

@@ -12,7 +12,6 @@ vLLM engine writes it as an adapter directory and serves one adapter per version
 from __future__ import annotations
 
 import asyncio
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,15 +19,11 @@ import pytest
 import torch
 
 from generators.interface import Sampling
-from tests.weight_sync_helpers import send_weights
 from verl_async import lora
-from verl_async import protocol as P
 from verl_async.config import load_config
-from verl_async.weight_sync import param_specs
 
 from .conftest import ENGINES, ROOT, start_engine_in_group
 from .test_engine_contract import (
-    BUCKET,
     PROMPTS,
     SEQUENCE,
     TEMPERATURE,
@@ -37,6 +32,7 @@ from .test_engine_contract import (
     _sampling_started,
     _sequence_logprobs,
     _set_mode,
+    push_tensors,
 )
 
 RANK = 8
@@ -85,15 +81,7 @@ def rig(request, tiny_model):
 
 async def _push(rig: Rig, version: int) -> float:
     """Broadcast the adapter of ``rig.models[version]`` while the engine applies it."""
-    tensors = lora.adapter_state(rig.models[version].state_dict())
-    specs = param_specs(tensors.items())
-    sender = threading.Thread(target=send_weights, args=(rig.learner_group, tensors, specs, BUCKET))
-    sender.start()
-    seconds = await rig.engine.apply_update(
-        P.WeightUpdate(version=version, params=specs, bucket_bytes=BUCKET)
-    )
-    await asyncio.to_thread(sender.join, 60)
-    return seconds
+    return await push_tensors(rig, version, lora.adapter_state(rig.models[version].state_dict()))
 
 
 def _engine_logprobs(rig: Rig) -> torch.Tensor:
