@@ -4,7 +4,7 @@ One run of one epoch (96 prompts = 24 steps of 4 groups), checkpoint every 3 ste
 
 1. killed between checkpoints (step 6 committed, step 7 or 8 trained);
 2. resumed, and killed while the step-9 checkpoint is being written (the writer is slowed
-   down by tests/slow_checkpoint.py, so the kill lands inside the write);
+   down by tests/slow_learner.py, so the kill lands inside the write);
 3. resumed, and killed right after a generator loaded a version no checkpoint holds;
 4. the newest checkpoint is damaged on purpose: ``ckpt verify`` reports it and the last
    resume falls back to the one before, with a log line, and finishes the epoch.
@@ -34,6 +34,7 @@ from verl_async.checkpoint import MANIFEST, list_checkpoints
 from .conftest import ROOT, processes_mentioning, run_cli
 
 B, STEPS, EVERY, ETA = 4, 24, 3, 2
+UPDATE_DELAY_S = 0.3
 
 
 def _overrides(data: Path) -> list[str]:
@@ -44,23 +45,23 @@ def _overrides(data: Path) -> list[str]:
         "generators.group_size=4",
         f"generators.max_inflight_groups={(ETA + 1) * B}",
         f"staleness.max={ETA}",
-        # 16 optimizer steps per batch make the learner the slower stage, so snapshots hold
-        # rollouts the prefetcher had already taken, not only groups still in flight.
-        "algo.minibatches=16",
+        # Several optimizer steps per batch: the optimizer's state and the later
+        # minibatches' proximal log-probs go through every resume.
+        "algo.minibatches=4",
         f"checkpoint.every_steps={EVERY}",
         "checkpoint.keep_last=3",
     ]
 
 
-def _launch(args: list[str], write_delay_s: float | None = None) -> subprocess.Popen:
-    """``verl-async ARGS``; with ``write_delay_s`` the learner's checkpoint writes are slowed
-    down by that much (tests/slow_checkpoint.py), so a kill can land inside one."""
+def _launch(args: list[str], write_delay_s: float = 0.0) -> subprocess.Popen:
+    """``verl-async ARGS`` with the learner slowed down (tests/slow_learner.py): each update
+    by ``UPDATE_DELAY_S``, so the generator stays ahead of it on any machine and the
+    snapshots hold finished rollouts; with ``write_delay_s`` each checkpoint write by that
+    much, so a kill can land inside one."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    slow = ["--write-delay-s", str(write_delay_s)]
+    slow = ["--update-delay-s", str(UPDATE_DELAY_S), "--write-delay-s", str(write_delay_s)]
     return subprocess.Popen(
-        command("tests.slow_checkpoint", slow, args)
-        if write_delay_s is not None
-        else [sys.executable, "-m", "verl_async.launch.cli", *args],
+        command("tests.slow_learner", slow, args),
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,

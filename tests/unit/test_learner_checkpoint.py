@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from learners import checkpointing
-from tests.slow_checkpoint import SlowCheckpointer
+from tests.slow_learner import SlowCheckpointer
 from verl_async.checkpoint import list_checkpoints, read_manifest, step_dir, verify
 
 
