@@ -95,14 +95,15 @@ def critic_update(
         agg = mb.agg_kwargs(algo.loss_scale_factor)
         mb_loss = 0.0
         for idx in mb.micro:
-            rows, rows_mask = micro_rows(idx, mask)
-            values = critic_values(critic, batch.input_ids[rows], batch.attention_mask[rows])
+            rows = micro_rows(idx, batch.attention_mask)
+            rows_mask = rows.mask(mask)
+            values = critic_values(critic, *rows.inputs(batch.input_ids, batch.attention_mask))
             loss, clipfrac = value_loss(
-                values, old_values[rows], returns[rows], rows_mask, cliprange_value,
+                values, rows.take(old_values), rows.take(returns), rows_mask, cliprange_value,
                 algo.loss_agg_mode, **agg,
             )  # fmt: skip
             backward(loss)
-            if len(idx):
+            if not rows.placeholder:
                 mb_loss += float(loss.detach())
                 clips.append((float(clipfrac), float(rows_mask.sum())))
         grads.append(float(clip_grad()))

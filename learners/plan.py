@@ -7,11 +7,15 @@ whose), so each rank computes the same plan for everybody without talking to the
 - Minibatch k (``algo.minibatches`` optimizer steps) is the union over ranks of chunk k
   of each shard (``np.array_split``: always exactly that many chunks, some maybe empty).
 - Each chunk is cut into micro-batches of at most ``max_tokens_per_microbatch`` padded
-  tokens (rows x the shard's width); gradients accumulate over them, one optimizer step
-  per minibatch. Every rank runs the same number of forward/backward passes, the most
-  any rank needs (FSDP2 gathers parameters inside each pass, so a rank that skipped one
-  would hang the others); a rank with nothing left runs a placeholder row whose loss
-  mask is zero.
+  tokens: its rows longest first, each micro-batch filled while (rows x its longest
+  row's tokens) fits, so rows of like length share one (verl's dynamic batching).
+  Gradients accumulate over them, one optimizer step per minibatch. Every rank runs the
+  same number of forward/backward passes, the most any rank needs (FSDP2 gathers
+  parameters inside each pass, so a rank that skipped one would hang the others); a rank
+  with fewer runs placeholder rows whose loss mask is zero.
+- A pass computes its rows' columns up to their longest row only (``MicroRows``): the
+  batch is right-padded to the step's longest sequence, and the padding beyond a pass's
+  own longest row is never computed.
 - The loss of a micro-batch is its masked sum divided by a denominator of the *global*
   minibatch: its response tokens (token-mean) or sequences (seq-mean modes), divided by
   the number of ranks because the gradient is averaged over ranks. Summed over
@@ -20,7 +24,6 @@ whose), so each rank computes the same plan for everybody without talking to the
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,8 +55,18 @@ def shard_bounds(shard_sizes: list[int], rank: int) -> tuple[int, int]:
     return start, start + shard_sizes[rank]
 
 
-def _shard_width(attention_mask: torch.Tensor, start: int, stop: int) -> int:
-    return int(attention_mask[start:stop].sum(dim=1).max()) if stop > start else 1
+def length_bins(rows: np.ndarray, lengths: np.ndarray, budget: int) -> list[np.ndarray]:
+    """``rows`` (indices into ``lengths``) longest first, cut into consecutive micro-batches
+    of at most ``budget`` padded tokens (rows x the first, longest row's length); a row
+    longer than the budget goes alone."""
+    order = rows[np.argsort(-lengths[rows], kind="stable")]
+    bins: list[list[int]] = []
+    for r in order:
+        if bins and (len(bins[-1]) + 1) * lengths[bins[-1][0]] <= budget:
+            bins[-1].append(int(r))
+        else:
+            bins.append([int(r)])
+    return [np.asarray(b, dtype=np.int64) for b in bins]
 
 
 def plan_update(
@@ -72,31 +85,55 @@ def plan_update(
     bounds = [shard_bounds(shard_sizes, r) for r in range(world)]
     chunks = [np.array_split(np.arange(stop - start), minibatches) for start, stop in bounds]
     has_tokens = loss_mask.sum(dim=1) > 0
+    lengths = attention_mask.sum(dim=1).cpu().numpy()
     plan = []
     for k in range(minibatches):
         rows = [torch.as_tensor(bounds[r][0] + chunks[r][k]) for r in range(world)]
         tokens = sum(float(loss_mask[idx].sum()) for idx in rows)
         seqs = sum(int(has_tokens[idx].sum()) for idx in rows)
-        count = 1
         if max_tokens_per_microbatch:
-            per_rank = []
-            for r, (start, stop) in enumerate(bounds):
-                fit = max(1, max_tokens_per_microbatch // _shard_width(attention_mask, start, stop))
-                per_rank.append(math.ceil(len(chunks[r][k]) / fit))
-            count = max(1, *per_rank)
-        micro = [
-            torch.as_tensor(m, dtype=torch.long) for m in np.array_split(chunks[rank][k], count)
-        ]
+            bins = [
+                length_bins(chunks[r][k], lengths[start:stop], max_tokens_per_microbatch)
+                for r, (start, stop) in enumerate(bounds)
+            ]
+            count = max(1, *(len(b) for b in bins))
+            mine = bins[rank] + [np.zeros(0, np.int64)] * (count - len(bins[rank]))
+        else:
+            mine = [chunks[rank][k]]
+        micro = [torch.as_tensor(m, dtype=torch.long) for m in mine]
         plan.append(Minibatch(micro, tokens / world, seqs / world, world))
     return plan
 
 
-def micro_rows(idx: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row indices, loss mask) of one micro-batch; an empty one becomes a placeholder:
-    the first local row, with nothing to learn from (its forward pass keeps the ranks'
-    collectives in step)."""
-    if len(idx):
-        idx = idx.to(loss_mask.device)
-        return idx, loss_mask[idx]
-    idx = torch.zeros(1, dtype=torch.long, device=loss_mask.device)
-    return idx, torch.zeros_like(loss_mask[idx])
+@dataclass
+class MicroRows:
+    """The rows of one forward/backward pass and the columns they need: ``width`` tokens of
+    the (right-padded) input, ``width - 1`` target positions. ``take`` cuts a per-token
+    tensor of the batch ([N, T-1], or [N, 1] broadcast) to them."""
+
+    idx: torch.Tensor
+    width: int
+    placeholder: bool
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        t = t[self.idx]
+        return t[:, : self.width - 1] if t.dim() == 2 and t.shape[1] > 1 else t
+
+    def inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        return input_ids[self.idx, : self.width], attention_mask[self.idx, : self.width]
+
+    def mask(self, loss_mask: torch.Tensor) -> torch.Tensor:
+        """The loss mask of the pass (zero for a placeholder)."""
+        m = self.take(loss_mask)
+        return torch.zeros_like(m) if self.placeholder else m
+
+
+def micro_rows(idx: torch.Tensor, attention_mask: torch.Tensor) -> MicroRows:
+    """The pass over rows ``idx``, as wide as their longest row; an empty micro-batch
+    becomes a placeholder: the first local row, with nothing to learn from (its forward
+    pass keeps the ranks' collectives in step)."""
+    placeholder = not len(idx)
+    idx = torch.zeros(1, dtype=torch.long) if placeholder else idx
+    idx = idx.to(attention_mask.device)
+    width = max(2, int(attention_mask[idx].sum(dim=1).max()))
+    return MicroRows(idx, min(width, attention_mask.shape[1]), placeholder)

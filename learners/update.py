@@ -109,29 +109,31 @@ def policy_update(
         sums = {"loss": 0.0, "pg_loss": 0.0, "kl_loss": 0.0}  # over the minibatch's micro-batches
         at_prox = k == 0 and not given  # this pass's log-probs are pi_prox's
         for idx in mb.micro:
-            rows, rows_mask = micro_rows(idx, mask)
-            clock.count_padding(batch.attention_mask[rows])
+            rows = micro_rows(idx, batch.attention_mask)
+            rows_mask = rows.mask(mask)
+            ids, attn = rows.inputs(batch.input_ids, batch.attention_mask)
+            clock.count_padding(attn)
             with torch.enable_grad() if step else torch.no_grad():
                 stats = token_stats(
-                    model, batch.input_ids[rows], batch.attention_mask[rows], rows_mask,
-                    temperature, entropy=bonus or at_prox or given,
-                )  # fmt: skip
+                    model, ids, attn, rows_mask, temperature, entropy=bonus or at_prox or given
+                )
                 logp = stats.logp
-                prox = logp.detach() if at_prox else logp_prox[rows]
+                prox = logp.detach() if at_prox else rows.take(logp_prox)
                 out, pg_loss, kl_loss = actor_loss(
-                    logp, prox, batch.behav_logprobs[rows], adv[rows], rows_mask, algo,
+                    logp, prox, rows.take(batch.behav_logprobs), rows.take(adv), rows_mask, algo,
                     stats.entropy if bonus else None,
-                    None if logp_ref is None else logp_ref[rows], agg,
+                    None if logp_ref is None else rows.take(logp_ref), agg,
                 )  # fmt: skip
             clock.lap("forward_s")
             if step:
                 backward(out.loss)
             clock.lap("backward_s")
-            if len(idx):  # a placeholder row counts for nothing
+            if not rows.placeholder:  # a placeholder row counts for nothing
+                cols = slice(0, rows.width - 1)
                 if at_prox:
-                    logp_prox[rows] = prox
+                    logp_prox[rows.idx, cols] = prox
                 if at_prox or given:
-                    entropy[rows] = stats.entropy.detach()
+                    entropy[rows.idx, cols] = stats.entropy.detach()
                 sums["loss"] += float(out.loss.detach())
                 sums["pg_loss"] += float(pg_loss.detach())
                 sums["kl_loss"] += 0.0 if kl_loss is None else float(kl_loss.detach())
@@ -252,16 +254,12 @@ def prox_pass(
     (an empty set still runs the pass, on a placeholder row, for FSDP2's collectives)."""
     mask = batch.loss_mask
     logp, entropy = torch.zeros_like(mask), torch.zeros_like(mask)
-    idx, idx_mask = (
-        micro_rows(rows, mask)
-        if rows is not None
-        else (torch.arange(len(mask), device=mask.device), mask)
-    )
+    every = torch.arange(len(mask), device=mask.device)
+    part = micro_rows(every if rows is None else rows, batch.attention_mask)
+    ids, attn = part.inputs(batch.input_ids, batch.attention_mask)
     with torch.no_grad():
-        stats = token_stats(
-            model, batch.input_ids[idx], batch.attention_mask[idx], idx_mask, temperature,
-            entropy=True,
-        )  # fmt: skip
-    if rows is None or len(rows):
-        logp[idx], entropy[idx] = stats.logp, stats.entropy
+        stats = token_stats(model, ids, attn, part.mask(mask), temperature, entropy=True)
+    if not part.placeholder:
+        cols = slice(0, part.width - 1)
+        logp[part.idx, cols], entropy[part.idx, cols] = stats.logp, stats.entropy
     return logp, entropy

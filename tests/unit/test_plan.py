@@ -42,12 +42,34 @@ def test_every_rank_runs_as_many_passes_as_the_busiest_one():
     assert [m.tolist() for m in plans[1][0].micro] == [[0], [], []]
 
 
+def test_micro_batches_bucket_rows_of_like_length():
+    loss, attn = _masks([1, 6, 2, 5])  # 4, 9, 5 and 8 tokens
+    plan = plan_update(loss, attn, [4], 0, 1, max_tokens_per_microbatch=18)
+    # Longest first, filled while rows x the first row's length fits: 2 x 9, then 2 x 5
+    # (array_split in row order would pad [0, 1] and [2, 3] to 9 and 8: 34 cells, not 28).
+    assert [m.tolist() for m in plan[0].micro] == [[1, 3], [2, 0]]
+    assert plan_update(loss, attn, [4], 0, 1, max_tokens_per_microbatch=5)[0].micro[0].tolist() == [
+        1
+    ]
+
+
+def test_a_pass_computes_its_rows_up_to_their_longest():
+    loss, attn = _masks([2, 3, 1])  # 5, 6 and 4 tokens, padded to 10
+    rows = micro_rows(torch.tensor([0, 2]), attn)
+    assert rows.width == 5 and not rows.placeholder
+    ids, mask = rows.inputs(torch.arange(30).view(3, 10), attn)
+    assert ids.tolist() == [[0, 1, 2, 3, 4], [20, 21, 22, 23, 24]] and mask.shape == (2, 5)
+    assert torch.equal(rows.mask(loss), loss[[0, 2], :4])
+    assert rows.take(torch.ones(3, 1)).shape == (2, 1)  # a per-sample column is kept
+
+
 def test_an_empty_micro_batch_is_a_placeholder_with_nothing_to_learn():
-    loss, _ = _masks([2, 3])
-    rows, mask = micro_rows(torch.tensor([], dtype=torch.long), loss)
-    assert rows.tolist() == [0] and mask.sum() == 0 and mask.shape == (1, loss.shape[1])
-    rows, mask = micro_rows(torch.tensor([1]), loss)
-    assert rows.tolist() == [1] and mask.sum() == 3
+    loss, attn = _masks([2, 3])
+    rows = micro_rows(torch.tensor([], dtype=torch.long), attn)
+    assert rows.placeholder and rows.idx.tolist() == [0]
+    assert rows.mask(loss).sum() == 0 and rows.mask(loss).shape == (1, rows.width - 1)
+    rows = micro_rows(torch.tensor([1]), attn)
+    assert rows.idx.tolist() == [1] and rows.mask(loss).sum() == 3 and rows.width == 6
 
 
 def test_one_rank_without_a_budget_is_the_plain_minibatch_split():

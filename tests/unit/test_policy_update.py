@@ -16,21 +16,21 @@ from verl_async.launch.tiny_model import build_tiny_model
 from verl_async.schema import AlgoConfig, KLConfig, TinyModelConfig
 
 
-def _batch():
+def _batch(prompts=(5, 5, 5, 5), responses=(3, 3, 3, 3)):
     rng = np.random.default_rng(0)
-    n, p, r = 4, 5, 3
+    n, p, r = len(prompts), sum(prompts), sum(responses)
     frames = P.Frames()
     body = P.Batch(
         step=0,
         group_ids=[0],
         sample_group=[0] * n,
-        prompt_lengths=[p] * n,
-        response_lengths=[r] * n,
-        prompt_ids=frames.add(rng.integers(3, 14, n * p, dtype=np.int32)),
-        response_ids=frames.add(rng.integers(3, 14, n * r, dtype=np.int32)),
-        behav_logprobs=frames.add(rng.uniform(-3, -1, n * r).astype(np.float32)),
-        token_versions=frames.add(np.zeros(n * r, np.int32)),
-        scores=[[1.0], [0.0], [1.0], [0.0]],
+        prompt_lengths=list(prompts),
+        response_lengths=list(responses),
+        prompt_ids=frames.add(rng.integers(3, 14, p, dtype=np.int32)),
+        response_ids=frames.add(rng.integers(3, 14, r, dtype=np.int32)),
+        behav_logprobs=frames.add(rng.uniform(-3, -1, r).astype(np.float32)),
+        token_versions=frames.add(np.zeros(r, np.int32)),
+        scores=[[float(i % 2 == 0)] for i in range(n)],
         failed=[0],
         data_sources=["default"],
         dropped_stale=0,
@@ -237,3 +237,34 @@ def test_later_minibatches_read_pi_prox_from_before_the_first_step(tmp_path, min
         / mask.sum()
     )
     assert stats.kl == pytest.approx(expected_kl, rel=1e-4)
+
+
+def test_length_bucketed_micro_batches_take_the_full_width_step(tmp_path):
+    """Rows of unlike lengths in micro-batches of at most 24 padded tokens, each pass cut
+    to its longest row: the same weights as one full-width pass per minibatch."""
+    from transformers import AutoModelForCausalLM
+
+    from learners.plan import plan_update
+
+    path = build_tiny_model(tmp_path / "m", TinyModelConfig())
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    reference = copy.deepcopy(model)
+    batch = _batch(prompts=(3, 6, 2, 5, 4, 3), responses=(2, 7, 1, 4, 6, 3))
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.25, -2.0])
+    algo = msgspec.structs.replace(AlgoConfig(), minibatches=2, correction="decoupled")
+
+    def run(m, plan):
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        return policy_update(
+            m, opt, batch, adv, algo, lambda x: x.backward(), lambda: 0.0, plan=plan
+        )
+
+    mask, attn = batch.loss_mask, batch.attention_mask
+    bucketed = plan_update(mask, attn, [6], 0, 2, max_tokens_per_microbatch=24)
+    assert [len(mb.micro) for mb in bucketed] == [2, 2]
+    whole = run(reference, plan_update(mask, attn, [6], 0, 2))
+    cut = run(model, bucketed)
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    assert cut.loss == pytest.approx(whole.loss, abs=1e-6)
+    assert cut.padding_fraction < whole.padding_fraction
