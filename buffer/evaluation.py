@@ -1,10 +1,14 @@
 """Evaluation rounds: validation prompts handed to generators beside training work.
 
-The learner starts round r at a step barrier (``StartEval``); generators take its prompts
-with their next ``GetPrompts`` (at most half of the room they ask for, at least one, so
-training keeps flowing), sample them with the eval settings and return scores
-(``PushEval``). Evaluation never trains and is outside the exactly-once ledger: a round
-that a crash interrupts is simply not reported.
+The learner starts round r at a step barrier (``StartEval``) and goes on training; generators
+take its prompts with their next ``GetPrompts`` (at most half of the room they ask for, at
+least one, so training keeps flowing), sample them with the eval settings and return
+scores (``PushEval``). A round is scored by the weights it was started at: its prompts go
+only to generators that have loaded that version, and a generator holding it keeps it
+loaded until its part of the round is sampled (``Generator.finish_eval_first``; bounded,
+and a round that outlasts the bound reports the versions it mixed). Evaluation never
+trains and is outside the exactly-once ledger: a round that a crash interrupts is simply
+not reported.
 """
 
 from __future__ import annotations
@@ -47,14 +51,23 @@ class EvalRounds:
                 return r, rnd
         return -1, None
 
-    def wanted(self, room: int) -> int:
-        """How many of ``room`` slots evaluation takes: half, at least one, if it has work."""
+    def pending_version(self) -> int:
+        """The version of the oldest round with prompts to hand out; -1 if none."""
         _, rnd = self._oldest_pending()
-        return 0 if rnd is None or room <= 0 else min(max(1, room // 2), len(rnd.pending))
+        return -1 if rnd is None else rnd.version
 
-    def take(self, room: int) -> tuple[int, list[P.PromptGroup]]:
+    def wanted(self, room: int, loaded_version: int) -> int:
+        """How many of ``room`` slots evaluation takes from a generator at
+        ``loaded_version``: half, at least one, if the oldest round with work left was
+        started at a version it has loaded."""
+        _, rnd = self._oldest_pending()
+        if rnd is None or room <= 0 or loaded_version < rnd.version:
+            return 0
+        return min(max(1, room // 2), len(rnd.pending))
+
+    def take(self, room: int, loaded_version: int) -> tuple[int, list[P.PromptGroup]]:
         """Prompts of the oldest round with work left: (round, groups); (-1, []) if none."""
-        n = self.wanted(room)
+        n = self.wanted(room, loaded_version)
         r, rnd = self._oldest_pending()
         if n == 0:
             return -1, []

@@ -272,7 +272,8 @@ class BufferServer:
     def _get_prompts(self, identity: bytes, req: P.GetPrompts) -> P.Prompts:
         if self.stopping:
             return P.Prompts(groups=[], blocked_by_admission=False, exhausted=True)
-        room = max(req.max_groups - self.evals.wanted(req.max_groups), 0)
+        evals = self.evals.wanted(req.max_groups, req.loaded_version)
+        room = max(req.max_groups - evals, 0)
         groups, blocked = self.ledger.issue(
             req.generator_id, req.loaded_version, room, client=identity
         )
@@ -283,13 +284,14 @@ class BufferServer:
         self.clock.observe(
             req.generator_id, refused, self.ledger.in_flight_of(req.generator_id), time.monotonic()
         )
-        eval_round, eval_groups = self.evals.take(req.max_groups)
+        eval_round, eval_groups = self.evals.take(req.max_groups, req.loaded_version)
         return P.Prompts(
             groups=groups,
             blocked_by_admission=blocked,
             exhausted=self.ledger.exhausted,
             eval_groups=eval_groups,
             eval_round=eval_round,
+            eval_version=self.evals.pending_version(),
         )
 
     def _push_rollouts(
@@ -352,9 +354,7 @@ class BufferServer:
         if isinstance(body, P.PollVersion):
             regrouped = self.sync.current > body.sync_epoch and self.update is not None
             if self.target_version > body.loaded_version or self.stopping or regrouped:
-                return P.VersionStatus(
-                    target_version=self.target_version, update=self.update, stop=self.stopping
-                ), None
+                return self._version_status(), None
             return None
         return self._batch_shard(body)
 
@@ -416,11 +416,17 @@ class BufferServer:
             if self.router.readable():
                 self._drain()
 
+    def _version_status(self) -> P.VersionStatus:
+        return P.VersionStatus(
+            target_version=self.target_version,
+            update=self.update,
+            stop=self.stopping,
+            eval_version=self.evals.pending_version(),
+        )
+
     def _timeout_reply(self, body: P.PollVersion | P.GetBatch) -> P.Body:
         if isinstance(body, P.PollVersion):
-            return P.VersionStatus(
-                target_version=self.target_version, update=self.update, stop=self.stopping
-            )
+            return self._version_status()
         if self.stopping:
             return P.Error(code="stopping", message="the buffer is shutting down")
         return P.NotReady(step=body.step, missing_groups=self.ledger.missing_for(body.step))

@@ -4,7 +4,8 @@
         sample_loop:    GetPrompts -> generate_group -> sample -> score_and_push
                                                                   (score, RolloutPusher.push)
                                    -> evaluate_group -> sample -> score -> PushEval
-        follow_weights: PollVersion -> load -> engine.apply_update (pause, receive, resume)
+        follow_weights: PollVersion -> finish_eval_first -> load -> engine.apply_update
+                        (pause, receive, resume)
 
 The engine is a ``RolloutEngine`` (generators/interface.py): vLLM or transformers, as
 ``generators.engine`` says (generators/engines.py); this module knows neither.
@@ -26,6 +27,7 @@ import asyncio
 import logging
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -141,6 +143,12 @@ class Generator:
         self.inflight: set[asyncio.Task] = set()  # groups being sampled
         self.scoring: set[asyncio.Task] = set()  # groups sampled, being scored and pushed
         self.pusher = RolloutPusher(self.buffer, index, on_error=self._finished)
+        # Evaluation prompts in flight per loaded version, and the version of the oldest
+        # round the buffer still has prompts of (its last reply): while either is the
+        # loaded version, newer weights wait (finish_eval_first).
+        self.eval_inflight: Counter[int] = Counter()
+        self.eval_version = -1
+        self.nudge = asyncio.Event()  # ask the buffer for prompts now, whatever the wait
         # Multi-turn: the environments (classes loaded now, so a bad one fails at start)
         # and the runner of their episodes on this engine (generators/episodes.py).
         self.environments = EnvironmentTable(self.cfg.multiturn)
@@ -184,6 +192,7 @@ class Generator:
                     self._spawn(self.generate_group(group))
                 for group in reply.eval_groups:
                     self._spawn(self.evaluate_group(reply.eval_round, group))
+                self.eval_version = reply.eval_version
                 fetched = len(reply.groups) + len(reply.eval_groups)
                 blocked = reply.blocked_by_admission
             if fetched == 0:
@@ -209,11 +218,14 @@ class Generator:
         """Sleep until a group finishes, the loaded version changes, or ``timeout_s`` pass."""
         waiters = [
             asyncio.ensure_future(self.engine.version_changed.wait()),
+            asyncio.ensure_future(self.nudge.wait()),
             *self.inflight,
             *self.scoring,
         ]
         await asyncio.wait(waiters, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         waiters[0].cancel()
+        waiters[1].cancel()
+        self.nudge.clear()
 
     async def sample(self, group: P.PromptGroup, n: int, how: Sampling) -> list:
         """``n`` samples of the group's prompt (the token ids the buffer rendered): one
@@ -250,6 +262,14 @@ class Generator:
 
     async def evaluate_group(self, round_: int, group: P.PromptGroup) -> None:
         """An evaluation prompt: sampled with the eval settings, only its scores go back."""
+        version = self.engine.loaded_version
+        self.eval_inflight[version] += 1
+        try:
+            await self._evaluate(round_, group)
+        finally:
+            self.eval_inflight[version] -= 1
+
+    async def _evaluate(self, round_: int, group: P.PromptGroup) -> None:
         samples = await self.sample(group, self.cfg.eval.samples, self.eval_sampling)
         texts, scored = await self.score(group, samples)
         episodes = samples if samples and isinstance(samples[0], Episode) else []
@@ -298,7 +318,43 @@ class Generator:
                 # Nothing new; or this epoch's group failed us: wait for the next one.
                 await asyncio.sleep(0.2 if engine.weights_lost else 0)
                 continue
+            self.eval_version = status.eval_version
+            await self.finish_eval_first(update.version)
             await self.load(update)
+
+    def holds_eval(self) -> bool:
+        """Whether an evaluation round started at the loaded version is still being sampled
+        here, or still has prompts at the buffer."""
+        v = self.engine.loaded_version
+        return self.eval_inflight[v] > 0 or self.eval_version == v
+
+    async def finish_eval_first(self, version: int) -> None:
+        """Keep the loaded weights until the evaluation round started at them is sampled,
+        so that a round scores one version (the first one the initial weights, while the
+        learner trains its first steps). Training goes on meanwhile, within the staleness
+        bound. The learner's broadcast of ``version`` waits for this generator, so the wait
+        is bounded by half of ``weights.timeout_s``; after that the round mixes versions
+        (``eval/version_max`` in eval.jsonl says so)."""
+        if not self.holds_eval():
+            return
+        self.nudge.set()  # the round's prompts may still be at the buffer: fetch them now
+        t0 = time.monotonic()
+        limit_s = self.cfg.weights.timeout_s / 2
+        while self.holds_eval() and not self.stop and time.monotonic() - t0 < limit_s:
+            await asyncio.sleep(0.05)
+        waited = time.monotonic() - t0
+        if self.holds_eval() and not self.stop:
+            log.warning(
+                "the evaluation round at version %d is still running after %.0fs "
+                "(weights.timeout_s / 2): loading version %d; the round mixes versions",
+                self.engine.loaded_version,
+                waited,
+                version,
+            )
+        else:
+            log.info(
+                "held version %d %.1fs for its evaluation round", self.engine.loaded_version, waited
+            )
 
     async def load(self, update: P.WeightUpdate) -> None:
         """Receive and load one update; one that fails midway leaves the engine paused

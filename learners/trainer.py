@@ -117,9 +117,10 @@ class Learner:
             self.publish_weights(new_version=False)  # before anyone waits for a rollout
         steps = range(self.steps_done, self.cfg.trainer.total_steps)
         batches = self.open_prefetcher(steps)
-        self.maybe_evaluate()  # the weights before any (further) training, all of it at
-        if self.evals is not None:  # this version: the baseline every later round is read against
-            self.evals.finish(self.cfg.eval.timeout_s)
+        # The weights before any (further) training: the baseline every later round is read
+        # against. Training starts at once; generators keep this version loaded until they
+        # have sampled the round (Generator.finish_eval_first).
+        self.maybe_evaluate()
         try:
             for step in steps:
                 t0 = time.monotonic()

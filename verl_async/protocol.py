@@ -284,6 +284,9 @@ class Prompts(_Msg):
     exhausted: bool
     eval_groups: list[PromptGroup] = []  # evaluation prompts of round ``eval_round``
     eval_round: int = -1
+    # The version of the oldest evaluation round that still has prompts to hand out (-1:
+    # none). A generator at that version keeps it loaded until the round is sampled.
+    eval_version: int = -1
 
 
 class Ack(_Msg):
@@ -311,6 +314,7 @@ class VersionStatus(_Msg):
     target_version: int
     update: WeightUpdate | None
     stop: bool
+    eval_version: int = -1  # as in ``Prompts``
 
 
 class Batch(_Msg):

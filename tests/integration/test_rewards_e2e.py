@@ -91,6 +91,9 @@ def test_model_and_rule_rewards_score_real_rollouts(tmp_path, reward_model_dir):
     evals = _rows(run_dir / "eval.jsonl")
     assert [e["step"] for e in evals] == [0, 3, 6]
     assert all(e["eval/prompts"] == 16 and np.isfinite(e["eval/reward/rm"]) for e in evals)
+    # Each round is scored by the weights it was started at, the first by the initial ones
+    # although training did not wait for it.
+    assert all(e["eval/version_min"] == e["eval/version_max"] == e["version"] for e in evals)
 
     # The stored rollouts carry each source's raw score: re-score them here.
     groups = _stored_rollouts(run_dir)

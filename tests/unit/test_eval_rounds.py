@@ -1,4 +1,4 @@
-"""Evaluation rounds in the buffer: hand-out share, completion, bad input."""
+"""Evaluation rounds in the buffer: hand-out share, versions, completion, bad input."""
 
 import pytest
 
@@ -26,14 +26,15 @@ def _rounds(n=5):
 
 def test_a_round_takes_half_the_room_and_reports_when_complete():
     ev = _rounds()
-    assert ev.take(8) == (-1, [])  # nothing started
+    assert ev.take(8, 4) == (-1, []) and ev.pending_version() == -1  # nothing started
     ev.start(P.StartEval(round=0, step=4, version=4))
-    assert ev.wanted(8) == 4 and ev.wanted(1) == 1
-    r, groups = ev.take(8)
+    assert ev.wanted(8, 4) == 4 and ev.wanted(1, 4) == 1 and ev.pending_version() == 4
+    r, groups = ev.take(8, 4)
     assert r == 0 and [g.group_id for g in groups] == [0, 1, 2, 3]
     assert groups[2].prompt_ids == [1, 2] and groups[2].ground_truth == "2"
-    _, rest = ev.take(8)
-    assert [g.group_id for g in rest] == [4] and ev.wanted(8) == 0
+    _, rest = ev.take(8, 5)
+    assert [g.group_id for g in rest] == [4] and ev.wanted(8, 4) == 0
+    assert ev.pending_version() == -1  # all handed out (not all returned)
     ev.record(P.PushEval(round=0, results=[_result(i) for i in range(4)]))
     assert ev.report(0) == P.NotReady(step=0, missing_groups=1)
     ev.record(P.PushEval(round=0, results=[_result(4)]))
@@ -48,7 +49,16 @@ def test_the_oldest_round_is_served_first():
     ev = _rounds(2)
     ev.start(P.StartEval(round=1, step=2, version=2))
     ev.start(P.StartEval(round=0, step=0, version=0))
-    assert [ev.take(2)[0] for _ in range(4)] == [0, 0, 1, 1]
+    assert [ev.take(2, 2)[0] for _ in range(4)] == [0, 0, 1, 1]
+
+
+def test_a_round_goes_only_to_generators_that_loaded_its_version():
+    ev = _rounds(2)
+    ev.start(P.StartEval(round=0, step=3, version=3))
+    assert ev.wanted(4, 2) == 0 and ev.take(4, 2) == (-1, [])  # still on version 2
+    assert ev.pending_version() == 3
+    r, groups = ev.take(4, 3)
+    assert r == 0 and len(groups) == 2 and ev.pending_version() == -1
 
 
 def test_unknown_and_repeated_results_are_rejected_whole():
