@@ -193,8 +193,8 @@ class LearnerConfig(_Section):
     host memory on CUDA); false: fetch each batch when the step needs it."""
     max_tokens_per_microbatch: NonNegInt = 0
     """Gradient accumulation by token budget: each minibatch runs in micro-batches of at
-    most this many padded tokens (rows x width), one optimizer step per minibatch; 0: one
-    pass per minibatch."""
+    most this many padded tokens (rows x the longest row's tokens; rows of like length
+    go together), one optimizer step per minibatch; 0: one pass per minibatch."""
     seed: int = 0
     """Torch seed of the learner."""
     warmup_steps: NonNegInt = 0
