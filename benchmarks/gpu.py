@@ -154,11 +154,11 @@ def main(argv: list[str] | None = None) -> int:
     from verl_async.runtime import free_port
     from verl_async.schema import AlgoConfig
     from verl_async.weight_sync import (
-        broadcast_bucket,
         join_group,
         pack_bucket,
         param_specs,
         plan_buckets,
+        send_update,
     )
 
     rank, world, dev = init_distributed(args.device)
@@ -212,18 +212,21 @@ def main(argv: list[str] | None = None) -> int:
     group = None
     if rank == 0:
         backend = "nccl" if dev.type == "cuda" else "gloo"
-        group = join_group("127.0.0.1", free_port("127.0.0.1"), 0, 1, backend, 60)
+        group = join_group(
+            "127.0.0.1", free_port("127.0.0.1"), 0, 1, backend, 60, shared_memory=False
+        )
     publish_times, nbytes = [], 0
     for _ in range(1 + args.steps):
         sync(dev)
         t0 = time.perf_counter()
         state = model.state_dict()
         buckets = plan_buckets(param_specs(state.items()), args.bucket_mb << 20)
-        nbytes = 0
-        for bucket, tensors in gathered_buckets(state, buckets):
-            if group is not None:
-                broadcast_bucket(group, pack_bucket(bucket, tensors))
-                nbytes += bucket.nbytes
+        packed = (pack_bucket(b, tensors) for b, tensors in gathered_buckets(state, buckets))
+        if group is not None:
+            send_update(group, packed)
+        for _ in packed:  # the other ranks take part in every gather
+            pass
+        nbytes = sum(b.nbytes for b in buckets)
         sync(dev)
         publish_times.append(time.perf_counter() - t0)
     publish_times = publish_times[1:]  # the first one allocates the buckets

@@ -1,7 +1,7 @@
 """Weight push into a running vLLM engine, against a raw broadcast of the same bytes.
 
     python benchmarks/weight_sync.py [--layers 11] [--hidden 768] [--repeats 3]
-                                     [--bucket-mb 64] [--out runs/weight_sync]
+                                     [--bucket-mb 64] [--no-shared-memory] [--out runs/weight_sync]
 
 Builds a ~100M-parameter Llama locally (float32), starts a vLLM engine on it with the
 weight-sync worker extension, and loads the same checkpoint as the "learner" in this
@@ -40,11 +40,10 @@ PROBE = [1, 3, 5, 9, 7, 4, 13, 8, 2]
 
 def send_weights(group, tensors: dict, specs: list, bucket_bytes: int) -> None:
     """The learner's side of both arms: ``tensors`` packed bucket by bucket in the plan of
-    ``specs`` and broadcast from rank 0 (memory: one bucket)."""
-    from verl_async.weight_sync import broadcast_bucket, pack_bucket, plan_buckets
+    ``specs`` and sent from rank 0 (memory: one bucket)."""
+    from verl_async.weight_sync import pack_bucket, plan_buckets, send_update
 
-    for bucket in plan_buckets(specs, bucket_bytes):
-        broadcast_bucket(group, pack_bucket(bucket, tensors))
+    send_update(group, (pack_bucket(b, tensors) for b in plan_buckets(specs, bucket_bytes)))
 
 
 def raw_receiver(port: int, specs: list, bucket_bytes: int, repeats: int, backend: str) -> None:
@@ -58,7 +57,9 @@ def raw_receiver(port: int, specs: list, bucket_bytes: int, repeats: int, backen
             pass
 
 
-def raw_broadcast(tensors, specs, bucket_bytes: int, repeats: int, backend: str) -> list[float]:
+def raw_broadcast(
+    tensors, specs, bucket_bytes: int, repeats: int, backend: str, shared_memory: bool
+) -> list[float]:
     from verl_async.runtime import free_port
     from verl_async.weight_sync import join_group
 
@@ -68,7 +69,7 @@ def raw_broadcast(tensors, specs, bucket_bytes: int, repeats: int, backend: str)
     child = ctx.Process(target=raw_receiver, args=(port, wire, bucket_bytes, repeats, backend))
     child.start()
     try:
-        group = join_group("127.0.0.1", port, 0, 2, backend, 120)
+        group = join_group("127.0.0.1", port, 0, 2, backend, 120, shared_memory=shared_memory)
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -107,7 +108,10 @@ async def ours(model_path: Path, args, bucket_bytes: int) -> tuple[list[float], 
         holder: dict = {}
         joiner = threading.Thread(
             target=lambda: holder.setdefault(
-                "g", join_group("127.0.0.1", port, 0, 2, args.backend, 120)
+                "g",
+                join_group(
+                    "127.0.0.1", port, 0, 2, args.backend, 120, shared_memory=args.shared_memory
+                ),
             )
         )
         joiner.start()
@@ -152,6 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bucket-mb", type=int, default=64)
     ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    ap.add_argument(
+        "--shared-memory",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="same-host updates through shared memory (weights.shared_memory); "
+        "--no-shared-memory sends them over the network",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "runs/weight_sync")
     args = ap.parse_args(argv)
 
@@ -179,8 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     tensors = {k: v.detach() for k, v in model.state_dict().items()}
     del model
     raw_times = raw_broadcast(
-        tensors, param_specs(tensors.items()), bucket_bytes, args.repeats, args.backend
-    )
+        tensors, param_specs(tensors.items()), bucket_bytes, args.repeats, args.backend,
+        args.shared_memory,
+    )  # fmt: skip
 
     params = nbytes // 4
     ours_s, raw_s = statistics.median(ours_times), statistics.median(raw_times)
@@ -189,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         "bytes": nbytes,
         "bucket_mb": args.bucket_mb,
         "backend": args.backend,
+        "route": "memory" if args.shared_memory and args.backend == "gloo" else "network",
         "ours_s": ours_times,
         "raw_s": raw_times,
         "logprob_gap_after_push": gap,

@@ -24,14 +24,7 @@ import torch
 
 from verl_async import protocol as P
 from verl_async.transport import BufferClient
-from verl_async.weight_sync import (
-    Bucket,
-    SyncGroup,
-    broadcast_bucket,
-    broadcast_packed,
-    failure_line,
-    pack_bucket,
-)
+from verl_async.weight_sync import Bucket, SyncGroup, failure_line, pack_bucket, send_update
 
 log = logging.getLogger("verl_async.learner")
 
@@ -49,6 +42,7 @@ class BackgroundBroadcast:
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.seconds = 0.0  # duration of the last finished broadcast
+        self.route = ""  # how it went: 'memory' or 'network' (weight_sync.send_update)
 
     def start(self, group: SyncGroup, buffers: list[torch.Tensor]) -> None:
         self.wait()
@@ -60,7 +54,7 @@ class BackgroundBroadcast:
     def _run(self, group: SyncGroup, buffers: list[torch.Tensor]) -> None:
         t0 = time.monotonic()
         try:
-            broadcast_packed(group, buffers)
+            self.route = send_update(group, buffers)
         except BaseException as exc:  # re-raised in the training thread by wait()
             self.error = exc
         self.seconds = time.monotonic() - t0
@@ -92,6 +86,7 @@ class WeightSync:
         self.timeout_s = cfg.weights.timeout_s
         self.broadcast = BackgroundBroadcast(self.timeout_s) if cfg.weights.overlap else None
         self.failed = False  # the last broadcast did not reach every member
+        self.packed: list[torch.Tensor] = []  # the background broadcast's buffers, reused
         self.client.request(P.SyncStatus(formed=group.epoch))
 
     @property
@@ -105,18 +100,23 @@ class WeightSync:
         the other ranks gather them with this one), in the background with
         ``weights.overlap``; the group is rebuilt first when a new epoch is wanted."""
         self._finish_previous()
-        if self.broadcast is not None:
-            buffers = [pack_bucket(b, tensors) for b, tensors in buckets]
+        if self.broadcast is not None:  # the last update's buffers: it has been sent
+            old = self.packed
+            self.packed = buffers = [
+                pack_bucket(b, tensors, old[i] if i < len(old) else None)
+                for i, (b, tensors) in enumerate(buckets)
+            ]
             self._announce(update)
             self.broadcast.start(self.group, buffers)
             return
         self._announce(update)
-        for b, tensors in buckets:
-            if not self.failed:
-                try:
-                    broadcast_bucket(self.group, pack_bucket(b, tensors))
-                except RuntimeError as exc:
-                    self._broadcast_failed(exc)
+        packed = (pack_bucket(b, tensors) for b, tensors in buckets)
+        try:
+            send_update(self.group, packed)
+        except RuntimeError as exc:
+            self._broadcast_failed(exc)
+        for _ in packed:  # the other ranks' gathers go on to the last bucket
+            pass
 
     def rebuild_wanted(self) -> bool:
         """Whether the group should be rebuilt now (asked while waiting for a batch)."""

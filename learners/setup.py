@@ -84,8 +84,10 @@ def run_learner(ctx: RunContext) -> None:
             world,
             resolve_backend(cfg.weights.backend),
             cfg.weights.join_timeout_s,
+            shared_memory=cfg.weights.shared_memory,
         )
-        log.info("weight-sync group ready")
+        route = "shared memory" if group.memory is not None else "the network"
+        log.info("weight-sync group ready: updates go through %s", route)
         mark(ctx.path, "learner", "joined weight sync")
     # SIGTERM (the launcher's stop, e.g. on Ctrl-C) unwinds the loop like Ctrl-C would, so
     # an in-progress checkpoint write is finished (or abandoned uncommitted) before exit.

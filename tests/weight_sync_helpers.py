@@ -11,16 +11,14 @@ from __future__ import annotations
 import torch
 
 from verl_async.protocol import ParamSpec
-from verl_async.weight_sync import SyncGroup, broadcast_bucket, pack_bucket, plan_buckets
+from verl_async.weight_sync import SyncGroup, pack_bucket, plan_buckets, send_update
 
 
 def send_weights(
     group: SyncGroup, tensors: dict[str, torch.Tensor], specs: list[ParamSpec], bucket_bytes: int
 ) -> int:
-    """Rank 0: broadcast ``tensors`` (full, unsharded) in the packed order of ``specs``,
-    one bucket at a time (memory: one bucket); returns the bytes sent."""
-    sent = 0
-    for bucket in plan_buckets(specs, bucket_bytes):
-        broadcast_bucket(group, pack_bucket(bucket, tensors))
-        sent += bucket.nbytes
-    return sent
+    """Rank 0: send ``tensors`` (full, unsharded) in the packed order of ``specs``, one
+    bucket at a time (memory: one bucket); returns the bytes sent."""
+    buckets = plan_buckets(specs, bucket_bytes)
+    send_update(group, (pack_bucket(b, tensors) for b in buckets))
+    return sum(b.nbytes for b in buckets)

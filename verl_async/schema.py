@@ -325,6 +325,10 @@ class WeightsConfig(_Section):
     overlap: bool = True
     """Broadcast in a background thread while the next step trains (holds one packed copy
     of the weights); false broadcasts bucket by bucket inside the step (one bucket)."""
+    shared_memory: bool = True
+    """When every generator worker runs on learner rank 0's host (checked when the group
+    forms), updates go through shared memory instead of the loopback network (gloo only;
+    docs/scaling.md); false always uses the network."""
     timeout_s: PosFloat = 120.0
     """No side waits longer than this for one weight update."""
     join_timeout_s: PosFloat = 600.0

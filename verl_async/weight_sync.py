@@ -7,8 +7,24 @@ with rank ``1 + rank_offset``. The group never touches torch.distributed's defau
 so it lives beside vLLM's own and the learner's Accelerate/FSDP group.
 
 One update = one control message over ZeroMQ (``WeightUpdate``: names, dtypes, shapes,
-bucket size), then ``len(plan_buckets(...))`` broadcasts of uint8 buckets. Both sides
-derive the same bucket plan from the control message, so no sizes travel in-band.
+bucket size), then a header broadcast saying how the bytes travel, then the bytes. Both
+sides derive the same bucket plan from the control message, so no sizes travel in-band.
+The bytes go one of two ways (``send_update``, ``receive_weights``):
+
+- network: ``len(plan_buckets(...))`` broadcasts of uint8 buckets;
+- shared memory, when every member runs on learner rank 0's host (a gloo group only):
+  rank 0 writes the buckets into a memory file of its own (``memfd``), members read them
+  from it through ``/proc/<pid>/fd/<n>``, and a one-number all-reduce tells rank 0 that
+  every member has read them. No byte crosses the loopback's TCP stack, which cost both
+  sides system CPU on the cores training uses.
+
+Both ends reuse their memory from one update to the next (rank 0's memory file, each
+member's receive buffers, ``SyncGroup.buffers``): fresh pages would be zeroed by the
+kernel at every update, which on a CPU costs more than copying the bytes.
+  Whether the group can do this is decided once per epoch, when it is built: rank 0
+  writes a random token into the file and each member must read it back through the
+  path (same host, same process namespace, permission to open it). The group's
+  membership, failures and epochs are the same either way.
 
 Membership changes by epochs. The group of epoch e is built under the store prefix
 ``verl_async/weights/e`` (epoch 0: every member at start). When a generator dies and is
@@ -20,15 +36,19 @@ broadcast at once, and everyone builds epoch e + 1 over the same TCPStore
 from __future__ import annotations
 
 import datetime as dt
+import os
+import secrets
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch._C._distributed_c10d import (
+    AllreduceOptions,
     BroadcastOptions,
     PrefixStore,
     ProcessGroup,
     ProcessGroupGloo,
+    ReduceOp,
     TCPStore,
 )
 
@@ -43,6 +63,63 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
+class SharedMemory:
+    """The same-host channel of a gloo group: a memory file of rank 0's (``fd``, rank 0
+    only) that members open by ``path``. It keeps the size of the largest update sent (its
+    pages are written over, not allocated again) and goes away with rank 0's process, so
+    a crash leaves nothing behind."""
+
+    def __init__(self, path: str, fd: int | None = None) -> None:
+        self.path = path
+        self.fd = fd
+
+    @classmethod
+    def offer(cls) -> tuple[SharedMemory, str] | None:
+        """Rank 0: a new memory file holding a random token; None where Linux's
+        ``memfd_create`` is missing."""
+        if not hasattr(os, "memfd_create"):
+            return None
+        fd = os.memfd_create("verl-async-weights", os.MFD_CLOEXEC)
+        token = secrets.token_hex(16)
+        os.pwrite(fd, token.encode(), 0)
+        return cls(f"/proc/{os.getpid()}/fd/{fd}", fd), token
+
+    @staticmethod
+    def readable(path: str, token: str) -> bool:
+        """Member: whether ``path`` opens here and holds ``token``."""
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return False
+        try:
+            return os.pread(fd, len(token), 0) == token.encode()
+        finally:
+            os.close(fd)
+
+    def write(self, buffers: Iterable[torch.Tensor]) -> int:
+        """Rank 0: the packed buckets one after another from offset 0; returns bytes."""
+        offset = 0
+        for buf in buffers:
+            view = memoryview(buf.detach().cpu().numpy()).cast("B")
+            while view:
+                n = os.pwrite(self.fd, view, offset)
+                view, offset = view[n:], offset + n
+        return offset
+
+    def read_into(self, fd: int, buf: torch.Tensor, offset: int) -> None:
+        view = memoryview(buf.numpy()).cast("B")
+        while view:
+            n = os.preadv(fd, [view], offset)
+            if n <= 0:
+                raise RuntimeError(f"the weight update in shared memory ended at byte {offset}")
+            view, offset = view[n:], offset + n
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
 @dataclass
 class SyncGroup:
     """The process group plus the store it was built over (which must outlive it)."""
@@ -54,6 +131,19 @@ class SyncGroup:
     backend: str
     timeout_s: float  # of its rendezvous and of each collective
     epoch: int = 0
+    memory: SharedMemory | None = None  # every member on rank 0's host: updates go through it
+    offers_memory: bool = True  # rank 0: offer shared memory again when rebuilt
+    buffers: list[torch.Tensor] = field(default_factory=list)  # a member's, one per bucket
+
+    def buffer(self, index: int, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A member's receive buffer for bucket ``index`` of an update, the one of the last
+        update when it fits (a consumer lets go of an update's tensors before the next)."""
+        while len(self.buffers) <= index:
+            self.buffers.append(torch.empty(0, dtype=torch.uint8))
+        buf = self.buffers[index]
+        if buf.numel() != nbytes or buf.device != torch.device(device):
+            buf = self.buffers[index] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return buf
 
     def close(self) -> None:
         """Shut the group down while the interpreter is fully alive. Left to interpreter
@@ -62,6 +152,8 @@ class SyncGroup:
         finished run into exit code -6."""
         if self.group is not None:
             self.group.shutdown()
+        if self.memory is not None:
+            self.memory.close()
 
     def drop(self) -> None:
         """Destroy the process group, keeping the store for the next epoch. Destroying
@@ -76,12 +168,18 @@ class SyncGroup:
         ):
             group.abort()
         del group
+        if self.memory is not None:
+            self.memory.close()
+            self.memory = None
 
     def rebuild(self, epoch: int) -> SyncGroup:
         """Drop this group and build the group of ``epoch`` with the same rank and members
         over the same store (rank 0 is its server). Blocks until every member has joined."""
+        offer = self.offers_memory
         self.drop()
-        return _build(self.store, self.rank, self.world_size, self.backend, self.timeout_s, epoch)
+        return _build(
+            self.store, self.rank, self.world_size, self.backend, self.timeout_s, epoch, offer
+        )
 
 
 def join_group(
@@ -92,21 +190,31 @@ def join_group(
     backend: str,
     timeout_s: float,
     epoch: int = 0,
+    shared_memory: bool = True,
 ) -> SyncGroup:
     """Create (rank 0) or join the weight-sync group of ``epoch`` over a new store
     connection (a restarted generator joins a later epoch this way; members of an earlier
-    epoch use ``SyncGroup.rebuild``). Blocks until all ranks have joined."""
+    epoch use ``SyncGroup.rebuild``). Blocks until all ranks have joined.
+    ``shared_memory`` (rank 0's say; ``weights.shared_memory``): offer the same-host
+    channel."""
     store = TCPStore(
         host, port, world_size, is_master=(rank == 0), timeout=dt.timedelta(seconds=timeout_s),
         wait_for_workers=epoch == 0,
     )  # fmt: skip
-    return _build(store, rank, world_size, backend, timeout_s, epoch)
+    return _build(store, rank, world_size, backend, timeout_s, epoch, shared_memory)
 
 
 def _build(
-    store: TCPStore, rank: int, world_size: int, backend: str, timeout_s: float, epoch: int
+    store: TCPStore,
+    rank: int,
+    world_size: int,
+    backend: str,
+    timeout_s: float,
+    epoch: int,
+    shared_memory: bool = True,
 ) -> SyncGroup:
-    """The process group of ``epoch`` over ``store`` (its keys under an epoch's prefix)."""
+    """The process group of ``epoch`` over ``store`` (its keys under an epoch's prefix),
+    with its same-host channel when every member can use it (gloo only)."""
     timeout = dt.timedelta(seconds=timeout_s)
     prefixed = PrefixStore(f"verl_async/weights/{epoch}", store)
     if backend == "nccl":
@@ -119,7 +227,35 @@ def _build(
         group = ProcessGroupGloo(prefixed, rank, world_size, timeout)
     else:
         raise ValueError(f"unknown weight-sync backend '{backend}'")
-    return SyncGroup(group, store, rank, world_size, backend, timeout_s, epoch)
+    out = SyncGroup(group, store, rank, world_size, backend, timeout_s, epoch)
+    out.offers_memory = shared_memory
+    if backend == "gloo":
+        out.memory = _probe_memory(out, prefixed, shared_memory)
+    return out
+
+
+def _probe_memory(group: SyncGroup, store: PrefixStore, offer: bool) -> SharedMemory | None:
+    """Rank 0 offers a memory file (its path and a token in the store); every member says
+    whether it reads the token there; one all-reduce (minimum) makes them agree."""
+    mine = None
+    if group.rank == 0:
+        offered = SharedMemory.offer() if offer else None
+        mine = offered[0] if offered else None
+        store.set("memory", f"{mine.path} {offered[1]}" if mine else "")
+        ok = mine is not None
+    else:
+        found = store.get("memory").decode().split()
+        ok = bool(found) and SharedMemory.readable(*found)
+        mine = SharedMemory(found[0]) if ok else None
+    flag = torch.tensor([int(ok)], dtype=torch.int32)
+    opts = AllreduceOptions()
+    opts.reduceOp = ReduceOp.MIN
+    group.group.allreduce([flag], opts).wait()
+    if int(flag) == 1:
+        return mine
+    if mine is not None:
+        mine.close()
+    return None
 
 
 def failure_line(exc: BaseException) -> str:
@@ -190,21 +326,50 @@ def broadcast_bucket(group: SyncGroup, buf: torch.Tensor) -> None:
     group.group.broadcast([buf], opts).wait()
 
 
-def pack_bucket(bucket: Bucket, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The bucket's tensors (by name, at least those of the bucket) copied into one uint8 buffer."""
+def _header(group: SyncGroup, values: list[int] | None = None) -> list[int]:
+    """Rank 0 sends ``values`` (how this update travels: [1 = shared memory, bytes]), the
+    others receive them."""
+    device = torch.device("cuda", torch.cuda.current_device()) if group.backend == "nccl" else "cpu"
+    buf = torch.tensor(values or [0, 0], dtype=torch.int64, device=device)
+    broadcast_bucket(group, buf)
+    return buf.tolist()
+
+
+def _all_read(group: SyncGroup) -> None:
+    """Every member has read the update from shared memory (rank 0 may free it)."""
+    group.group.allreduce([torch.ones(1, dtype=torch.int32)]).wait()
+
+
+def pack_bucket(
+    bucket: Bucket, tensors: dict[str, torch.Tensor], out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The bucket's tensors (by name, at least those of the bucket) copied into one uint8
+    buffer: ``out`` when it has the bucket's size and device, else a new one."""
     first = tensors[bucket.specs[0].name]
-    buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=first.device)
+    fits = out is not None and out.numel() == bucket.nbytes and out.device == first.device
+    buf = out if fits else torch.empty(bucket.nbytes, dtype=torch.uint8, device=first.device)
     for spec, offset in zip(bucket.specs, bucket.offsets, strict=True):
         flat = tensors[spec.name].detach().contiguous().view(-1).view(torch.uint8)
         buf[offset : offset + flat.numel()].copy_(flat)
     return buf
 
 
-def broadcast_packed(group: SyncGroup, buffers: list[torch.Tensor]) -> int:
-    """Rank 0: broadcast buckets made by ``pack_bucket``, in plan order; returns bytes sent."""
+def send_update(group: SyncGroup, buffers: Iterable[torch.Tensor]) -> str:
+    """Rank 0: one update's buckets made by ``pack_bucket``, in plan order (consumed one at
+    a time), to every member; returns the way they went ('memory' or 'network').
+
+    Through shared memory the buckets are written first, then announced, and the call
+    returns once every member has read them; over the network each is broadcast as it
+    comes. A member that fails either way fails the call (RuntimeError with gloo)."""
+    if group.memory is not None:
+        nbytes = group.memory.write(buffers)
+        _header(group, [1, nbytes])
+        _all_read(group)
+        return "memory"
+    _header(group, [0, 0])
     for buf in buffers:
         broadcast_bucket(group, buf)
-    return sum(b.numel() for b in buffers)
+    return "network"
 
 
 def receive_weights(
@@ -212,14 +377,36 @@ def receive_weights(
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Rank > 0: yield each received bucket as (name, tensor) views, in send order.
 
-    A fresh buffer per bucket: the consumer may keep references until its layer is complete.
+    Each bucket has a buffer of its own (the consumer may keep references until its layer
+    is complete), reused by the next update (``SyncGroup.buffer``): the consumer must be
+    done with one update's tensors before it receives the next.
     """
-    for bucket in plan_buckets(specs, bucket_bytes):
-        buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
-        broadcast_bucket(group, buf)
-        out = []
-        for spec, offset in zip(bucket.specs, bucket.offsets, strict=True):
-            n = _nbytes(spec)
-            t = buf[offset : offset + n].view(dtype_of(spec.dtype)).view(spec.shape)
-            out.append((spec.name, t))
-        yield out
+    buckets = plan_buckets(specs, bucket_bytes)
+    memory, nbytes = _header(group)
+    if memory:
+        expected = sum(b.nbytes for b in buckets)
+        if nbytes != expected:
+            raise RuntimeError(f"a weight update of {nbytes} bytes, where its plan says {expected}")
+    fd = os.open(group.memory.path, os.O_RDONLY) if memory else None
+    try:
+        offset = 0
+        for i, bucket in enumerate(buckets):
+            if memory:  # gloo: a CPU buffer, moved where the consumer wants it
+                buf = group.buffer(i, bucket.nbytes, torch.device("cpu"))
+                group.memory.read_into(fd, buf, offset)
+                buf = buf.to(device)
+            else:
+                buf = group.buffer(i, bucket.nbytes, device)
+                broadcast_bucket(group, buf)
+            offset += bucket.nbytes
+            out = []
+            for spec, offset_in in zip(bucket.specs, bucket.offsets, strict=True):
+                n = _nbytes(spec)
+                t = buf[offset_in : offset_in + n].view(dtype_of(spec.dtype)).view(spec.shape)
+                out.append((spec.name, t))
+            yield out
+    finally:
+        if fd is not None:
+            os.close(fd)
+    if memory:
+        _all_read(group)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import inspect
+import os
 import threading
 from dataclasses import dataclass, field
 
@@ -189,6 +190,10 @@ def test_an_update_moves_the_version_and_the_logprobs_to_the_pushed_weights(rig)
         return before, changed.is_set(), seconds, after, sample
 
     before, changed, seconds, after, sample = rig.run(scenario())
+    # Engine and test share this host: the update went through shared memory, and the
+    # log-probs show it arrived whole.
+    memory = rig.learner_group.memory
+    assert memory is not None and os.fstat(memory.fd).st_size > 0
     torch.testing.assert_close(before, old, atol=1e-4, rtol=0)
     assert changed and rig.engine.loaded_version == version
     assert isinstance(seconds, float) and seconds > 0

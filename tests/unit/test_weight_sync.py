@@ -1,5 +1,6 @@
 """The packing plan, and a real gloo group (two threads over a TCPStore) moving weights."""
 
+import os
 import threading
 
 import torch
@@ -7,6 +8,8 @@ import torch
 from tests.weight_sync_helpers import send_weights
 from verl_async.protocol import ParamSpec
 from verl_async.weight_sync import (
+    SharedMemory,
+    SyncGroup,
     join_group,
     param_specs,
     plan_buckets,
@@ -26,24 +29,65 @@ def test_plan_packs_in_order_aligned_and_splits_large():
     assert buckets[1].nbytes == 400  # larger than a bucket: alone
 
 
-def test_gloo_broadcast_roundtrip(free_port):
-    port = free_port()
-    torch.manual_seed(0)
-    tensors = {"w": torch.randn(5, 7), "b": torch.randn(7), "h": torch.randn(3).to(torch.bfloat16)}
+def _roundtrip(port, tensors, shared_memory=True, bucket_bytes=64):
+    """Rank 0 sends ``tensors`` twice to rank 1 (a thread); returns both groups and what
+    rank 1 received the second time."""
     specs = param_specs(tensors.items())
-    got = {}
+    got, groups = {}, {}
 
     def receiver():
-        group = join_group("127.0.0.1", port, 1, 2, "gloo", 30)
-        for bucket in receive_weights(group, specs, 64, torch.device("cpu")):
-            got.update({n: t.clone() for n, t in bucket})
+        group = groups[1] = join_group("127.0.0.1", port, 1, 2, "gloo", 30)
+        for _ in range(2):
+            got.clear()
+            for bucket in receive_weights(group, specs, bucket_bytes, torch.device("cpu")):
+                got.update({n: t.clone() for n, t in bucket})
 
     thread = threading.Thread(target=receiver)
     thread.start()
-    group = join_group("127.0.0.1", port, 0, 2, "gloo", 30)
-    sent = send_weights(group, tensors, specs, 64)
+    group = groups[0] = join_group("127.0.0.1", port, 0, 2, "gloo", 30, shared_memory=shared_memory)
+    sent = [send_weights(group, tensors, specs, bucket_bytes) for _ in range(2)]
     thread.join(timeout=30)
-    assert sent > 0 and set(got) == set(tensors)
+    assert sent[0] > 0 and set(got) == set(tensors)
     for name, t in tensors.items():
         assert got[name].dtype == t.dtype
         assert torch.equal(got[name], t)
+    return groups
+
+
+def _tensors():
+    torch.manual_seed(0)
+    return {"w": torch.randn(5, 7), "b": torch.randn(7), "h": torch.randn(3).to(torch.bfloat16)}
+
+
+def test_gloo_roundtrip_over_the_network(free_port):
+    groups = _roundtrip(free_port(), _tensors(), shared_memory=False)
+    assert groups[0].memory is None and groups[1].memory is None
+
+
+def test_same_host_updates_go_through_shared_memory_into_reused_buffers(free_port):
+    tensors = _tensors()
+    groups = _roundtrip(free_port(), tensors)
+    sender, member = groups[0].memory, groups[1].memory
+    assert sender is not None and member is not None and member.path == sender.path
+    buckets = plan_buckets(param_specs(tensors.items()), 64)
+    assert os.fstat(sender.fd).st_size == sum(b.nbytes for b in buckets)  # written over
+    # The member's buffers are the ones the first update was received into.
+    assert [b.numel() for b in groups[1].buffers] == [b.nbytes for b in buckets]
+    for g in groups.values():
+        g.close()
+
+
+def test_a_receive_buffer_is_reused_when_it_fits():
+    group = SyncGroup(None, None, 1, 2, "gloo", 1.0)
+    a = group.buffer(1, 64, torch.device("cpu"))
+    assert group.buffer(1, 64, torch.device("cpu")) is a
+    assert group.buffer(1, 32, torch.device("cpu")).numel() == 32  # another plan: a new one
+    assert len(group.buffers) == 2
+
+
+def test_a_member_that_cannot_read_the_memory_file_makes_the_group_use_the_network(
+    free_port, monkeypatch
+):
+    monkeypatch.setattr(SharedMemory, "readable", staticmethod(lambda path, token: False))
+    groups = _roundtrip(free_port(), _tensors())
+    assert groups[0].memory is None and groups[1].memory is None
