@@ -357,7 +357,7 @@ def results_table(results: list[dict], window: int, target: float) -> str:
         for role, cpu in (r.get("role_cpu") or {}).items():
             lines.append(
                 f"\n{r['system']} {role}: user {cpu['user_s']:.1f} s, system {cpu['sys_s']:.1f} s"
-                f" (its ended child processes: {cpu['children_user_s']:.1f} / "
+                f" (its child processes: {cpu['children_user_s']:.1f} / "
                 f"{cpu['children_sys_s']:.1f} s)"
             )
     return "\n".join(lines)

@@ -272,7 +272,7 @@ class BufferServer:
     def _get_prompts(self, identity: bytes, req: P.GetPrompts) -> P.Prompts:
         if self.stopping:
             return P.Prompts(groups=[], blocked_by_admission=False, exhausted=True)
-        evals = self.evals.wanted(req.max_groups, req.loaded_version)
+        evals = self.evals.wanted(req.max_groups, req.loaded_version) if req.evaluate else 0
         room = max(req.max_groups - evals, 0)
         groups, blocked = self.ledger.issue(
             req.generator_id, req.loaded_version, room, client=identity
@@ -284,7 +284,9 @@ class BufferServer:
         self.clock.observe(
             req.generator_id, refused, self.ledger.in_flight_of(req.generator_id), time.monotonic()
         )
-        eval_round, eval_groups = self.evals.take(req.max_groups, req.loaded_version)
+        eval_round, eval_groups = (
+            self.evals.take(req.max_groups, req.loaded_version) if req.evaluate else (-1, [])
+        )
         return P.Prompts(
             groups=groups,
             blocked_by_admission=blocked,

@@ -41,7 +41,7 @@ from verl_async import protocol as P
 from verl_async.auth import client_keys
 from verl_async.envs import EnvironmentTable
 from verl_async.rewards.scorer import GroupScores, Scorer
-from verl_async.runtime import RunContext, mark, mark_cpu
+from verl_async.runtime import RunContext, descendants_cpu, mark, mark_cpu
 from verl_async.transport import AsyncBufferClient
 from verl_async.weight_sync import failure_line, resolve_backend
 
@@ -149,6 +149,8 @@ class Generator:
         self.eval_inflight: Counter[int] = Counter()
         self.eval_version = -1
         self.nudge = asyncio.Event()  # ask the buffer for prompts now, whatever the wait
+        self.sampled = 0  # training groups sampled by this process
+        self.ramping = True  # see sample_loop
         # Multi-turn: the environments (classes loaded now, so a bad one fails at start)
         # and the runner of their episodes on this engine (generators/episodes.py).
         self.environments = EnvironmentTable(self.cfg.multiturn)
@@ -174,8 +176,15 @@ class Generator:
 
     async def sample_loop(self) -> None:
         limit = self.cfg.generators.max_inflight_groups
+        first = self.cfg.learner.groups_per_step
         while not self.stop:
             room = limit - len(self.inflight)
+            # Ramp-up: until one step's groups are sampled, those go through the engine
+            # alone (no other prompt's prefill slows them down), so the learner gets its
+            # first batch as early as this engine can make it.
+            ramping = self.ramping and self.sampled < first
+            if ramping:
+                room = min(room, first - self.sampled - len(self.inflight))
             if len(self.scoring) >= limit:
                 room = 0  # scoring lags behind sampling: take no more prompts until it catches up
             fetched, blocked = 0, False
@@ -186,6 +195,7 @@ class Generator:
                         generator_id=self.index,
                         loaded_version=self.engine.loaded_version,
                         max_groups=room,
+                        evaluate=not ramping,
                     )
                 )
                 for group in reply.groups:
@@ -195,6 +205,8 @@ class Generator:
                 self.eval_version = reply.eval_version
                 fetched = len(reply.groups) + len(reply.eval_groups)
                 blocked = reply.blocked_by_admission
+                if reply.exhausted or (blocked and not reply.groups):
+                    self.ramping = False  # no more training work now: evaluation may come
             if fetched == 0:
                 # Admission opens when this engine loads a newer version: no need to ask
                 # again before that (or a group finishing), beyond a slow poll for evaluation
@@ -253,6 +265,7 @@ class Generator:
         own scores and pushes it (a slow reward model does not idle the engine)."""
         t0 = time.perf_counter()
         samples = await self.sample(group, self.cfg.generators.group_size, self.train_sampling)
+        self.sampled += 1
         self._spawn(self.score_and_push(group, samples, t0), into=self.scoring)
 
     async def score_and_push(self, group: P.PromptGroup, samples: list, t0: float) -> None:
@@ -426,11 +439,12 @@ async def run_generator(ctx: RunContext, index: int) -> None:
         finally:
             scorer.close()
     finally:
+        live = descendants_cpu()  # the engine's processes, which shutdown does not wait for
         try:
             await engine.leave_weight_sync()
         finally:
             engine.shutdown()
-            mark_cpu(ctx.path, role)
+            mark_cpu(ctx.path, role, live)
 
 
 async def start_and_join(ctx: RunContext, index: int, role: str) -> RolloutEngine:

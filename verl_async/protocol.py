@@ -150,6 +150,7 @@ class GetPrompts(_Msg):
     generator_id: int
     loaded_version: int
     max_groups: int
+    evaluate: bool = True  # false: training prompts only (a generator's first batch)
 
 
 class PushRollouts(_Msg):

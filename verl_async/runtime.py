@@ -211,9 +211,11 @@ def start_role(
 STARTUP_FILE = "startup.jsonl"
 
 
-def mark_cpu(run_dir: str | Path, role: str) -> None:
+def mark_cpu(run_dir: str | Path, role: str, live: tuple[float, float] = (0.0, 0.0)) -> None:
     """Record the CPU seconds ``role``'s process used, user and system, and those of its
-    child processes that have ended (a vLLM engine's, once shut down): event "cpu"."""
+    child processes that have ended and been waited for: event "cpu". ``live``: what
+    descendants that the role could not wait for used (``descendants_cpu`` read before
+    they were stopped: a vLLM engine's processes), added to the children's."""
     import resource
 
     me, kids = (
@@ -222,8 +224,34 @@ def mark_cpu(run_dir: str | Path, role: str) -> None:
     )
     mark(
         run_dir, role, "cpu", user_s=round(me.ru_utime, 2), sys_s=round(me.ru_stime, 2),
-        children_user_s=round(kids.ru_utime, 2), children_sys_s=round(kids.ru_stime, 2),
+        children_user_s=round(kids.ru_utime + live[0], 2),
+        children_sys_s=round(kids.ru_stime + live[1], 2),
     )  # fmt: skip
+
+
+def descendants_cpu() -> tuple[float, float]:
+    """User and system CPU seconds used so far by this process's live descendants (from
+    /proc; (0, 0) where there is none)."""
+    children: dict[int, list[int]] = {}
+    times: dict[int, tuple[int, int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry.name))
+        times[int(entry.name)] = (int(fields[11]), int(fields[12]))  # utime, stime (ticks)
+    user = system = 0
+    todo = list(children.get(os.getpid(), []))
+    while todo:
+        pid = todo.pop()
+        u, s_ = times.get(pid, (0, 0))
+        user, system = user + u, system + s_
+        todo += children.get(pid, [])
+    tick = os.sysconf("SC_CLK_TCK")
+    return user / tick, system / tick
 
 
 def mark(run_dir: str | Path, role: str, event: str, **fields: float) -> None:

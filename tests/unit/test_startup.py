@@ -45,3 +45,24 @@ def test_marking_an_unwritable_run_dir_is_harmless(tmp_path):
     mark(tmp_path / "missing", "buffer", "serving")
     assert read_marks(tmp_path / "missing") == []
     assert json.loads(json.dumps(read_marks(tmp_path))) == []
+
+
+def test_cpu_marks_count_live_descendants_passed_in(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from verl_async.runtime import descendants_cpu, mark_cpu
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time\nt=time.time()\nwhile time.time()-t<1.5: pass"]
+    )
+    try:
+        time.sleep(1.2)
+        user, _ = descendants_cpu()  # the busy child, still running (a grandchild would count too)
+    finally:
+        child.wait()
+    assert user > 0.5
+    mark_cpu(tmp_path, "generator0", (user, 0.25))
+    (line,) = [m for m in read_marks(tmp_path) if m["event"] == "cpu"]
+    assert line["children_user_s"] >= round(user, 2) and line["children_sys_s"] >= 0.25
