@@ -374,6 +374,11 @@ class TrainerConfig(_Section):
     'verl-async[wandb]'``; ``WANDB_MODE=offline`` without network). See docs/watching.md."""
     project: str = "verl-async"
     """W&B project of the run (with wandb in ``loggers``); the W&B run is named ``name``."""
+    max_restarts: NonNegInt = 2
+    """Times the run resumes by itself after its learner (any rank) or its buffer died: the
+    launcher stops the other roles and resumes from the newest checkpoint that verifies (the
+    run starts over if it has none yet), exactly once as with ``--resume``. 0: such a death
+    ends the run (docs/faults.md)."""
 
 
 class CheckpointConfig(_Section):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -31,7 +32,7 @@ import pytest
 from benchmarks.custom_learner import command
 from verl_async.checkpoint import MANIFEST, list_checkpoints
 
-from .conftest import ROOT, processes_mentioning, run_cli
+from .conftest import ROOT, cmdline, processes_mentioning, run_cli
 
 B, STEPS, EVERY, ETA = 4, 24, 3, 2
 UPDATE_DELAY_S = 0.3
@@ -265,6 +266,8 @@ def _crash_and_resume(
     assert f"step_{newest:08d} fails verification" in final.stderr
     assert "falling back" in final.stderr
     _settle(run_dir)
+    log = (run_dir / "logs" / "learner.log").read_text()
+    assert "resumed from step_00000006" in log  # after the kill during the step-9 write
     return run_dir
 
 
@@ -318,7 +321,7 @@ def test_exactly_once_holds_with_multi_turn_episodes_in_flight(crashed_and_resum
     assert any(r["multiturn/turns_max"] > 1 for r in rows)
 
 
-def _audit_exactly_once(run_dir: Path) -> None:
+def _audit_exactly_once(run_dir: Path, resumes: int = 3) -> None:
     trail = _rows(run_dir / "trained.jsonl")
     rows = _rows(run_dir / "metrics.jsonl")
     assert [t["step"] for t in trail] == [r["step"] for r in rows] == list(range(STEPS))
@@ -332,17 +335,66 @@ def _audit_exactly_once(run_dir: Path) -> None:
     for row in rows:
         assert row["staleness_max"] <= ETA and row["dropped_stale"] == 0, row
     log = (run_dir / "logs" / "learner.log").read_text()
-    assert log.count("resumed from step_") == 3
-    assert "resumed from step_00000006" in log  # after the kill during the step-9 write
+    assert log.count("resumed from step_") == resumes
     restored = [
         line
         for line in (run_dir / "logs" / "buffer.log").read_text().splitlines()
         if "restored step" in line
     ]
-    assert len(restored) == 3
+    assert len(restored) == resumes
     assert any(" 0 groups stored" not in line for line in restored), (
         "no stored rollout was restored"
     )
+
+
+def _kill_role(run_dir: Path, module: str) -> None:
+    """SIGKILL this run's process started as ``python -m MODULE``."""
+    victims = [p for p in processes_mentioning(str(run_dir)) if f" -m {module} " in cmdline(p)]
+    assert len(victims) == 1, (module, victims)
+    os.kill(victims[0], signal.SIGKILL)
+
+
+def _wait_for(proc: subprocess.Popen, done, what: str, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended before {what}:\n{proc.stderr.read()[-3000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def test_a_run_resumes_by_itself_after_its_learner_and_then_its_buffer_die(tmp_path):
+    """trainer.max_restarts: SIGKILL of the learner at a random step, then of the buffer at a
+    later random step; the one command ends with exit code 0, every step trained, and the
+    exactly-once audit passing across both restarts."""
+    data = tmp_path / "prompts.jsonl"
+    lines = (ROOT / "configs/data/max_digit.jsonl").read_text().splitlines()[: B * STEPS]
+    data.write_text("\n".join(lines) + "\n")
+    run_dir = tmp_path / "run"
+    rng = random.Random()
+    first, second = rng.randint(4, 10), rng.randint(14, 20)
+    args = ["train", "configs/tiny.yaml", "--run-dir", str(run_dir), *_overrides(data)]
+    proc = _launch([*args, "trainer.max_restarts=2"])
+    try:
+        _wait_for(proc, lambda: _steps_done(run_dir) >= first, f"step {first}")
+        _kill_role(run_dir, "tests.slow_learner")  # the learner role (_launch)
+        # Resumed at a checkpoint before ``first`` (<= 10), it trains on to ``second`` (>= 14).
+        _wait_for(proc, lambda: _steps_done(run_dir) >= second, f"step {second} after a restart")
+        _kill_role(run_dir, "buffer")
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    where = f"(killed at steps {first} and {second})"
+    assert proc.returncode == 0, (where, err[-3000:])
+    assert "restart 1/2: the learner process exited with code -9" in err, where
+    assert "restart 2/2: the buffer process exited with code -9" in err, where
+    _settle(run_dir)
+    _audit_exactly_once(run_dir, resumes=2)
+    log = (run_dir / "logs" / "generator0.log").read_text()
+    assert "verl-async: restart 2/2: the buffer process exited with code -9" in log
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])

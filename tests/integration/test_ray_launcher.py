@@ -1,16 +1,22 @@
 """``launcher: ray``: the tiny task with two vLLM generators and a learner, each role a
-Ray actor in its placement group on a local Ray instance (CPU), run through the CLI; and
-the GPUs a multi-GPU role is handed, on a local instance told of GPUs it does not have.
+Ray actor in its placement group on a local Ray instance (CPU), run through the CLI, with
+the learner killed once mid-run (the run resumes by itself in a new Ray instance); and the
+GPUs a multi-GPU role is handed, on a local instance told of GPUs it does not have.
 
 Short on purpose (a Ray start costs seconds on a 2-core machine): what it checks is the
-launcher (every role placed, watched and stopped, Ray gone afterwards), not learning,
-which test_scale_out.py checks in the same shape."""
+launcher (every role placed, watched, stopped and started again, Ray gone afterwards), not
+learning, which test_scale_out.py checks in the same shape."""
 
 from __future__ import annotations
 
 import io
 import json
+import os
+import random
 import re
+import shutil
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,7 +27,7 @@ from verl_async.config import load_config
 from verl_async.launch import ray_roles
 from verl_async.launch.plan import RolePlan
 
-from .conftest import processes_mentioning, run_cli
+from .conftest import ROOT, cmdline, processes_mentioning
 
 STEPS = 12
 ROLES = ("buffer", "learner", "generator0", "generator1")
@@ -29,26 +35,44 @@ ROLES = ("buffer", "learner", "generator0", "generator1")
 
 def test_two_generators_and_a_learner_train_as_ray_actors(tmp_path):
     run_dir = tmp_path / "run"
-    res = run_cli(
+    kill_at = random.randint(4, 8)  # a step after the first checkpoint (3)
+    proc = subprocess.Popen(
         [
+            sys.executable, "-m", "verl_async.launch.cli",
             "train", "configs/tiny.yaml", "--run-dir", str(run_dir), "launcher=ray",
-            f"trainer.total_steps={STEPS}", "checkpoint.every_steps=0",
+            f"trainer.total_steps={STEPS}", "checkpoint.every_steps=3",
+            "trainer.max_restarts=1",
             "placement.generators=[cpu, cpu]", "placement.learners=[cpu]",
         ],
-        timeout=400,
+        cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-3000:]
-    session = re.search(r"local instance \(4 CPU, 0 GPU; session files in (\S+)\)", res.stderr)
-    assert session, res.stderr[-3000:]  # sized to the 4 bundles, not to this machine
+    try:
+        deadline = time.monotonic() + 300
+        while _steps(run_dir) < kill_at:
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "the run never reached the kill point"
+            time.sleep(0.05)
+        learner = [p for p in processes_mentioning(str(run_dir)) if " -m learners " in cmdline(p)]
+        assert len(learner) == 1, learner
+        os.kill(learner[0], signal.SIGKILL)
+        _, err = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, (kill_at, err[-3000:])
+    assert "restart 1/1: the learner process exited with code -9" in err
+    sessions = re.findall(r"local instance \(4 CPU, 0 GPU; session files in (\S+)\)", err)
+    assert len(sessions) == 2, err[-3000:]  # sized to the 4 bundles, not to this machine
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(STEPS))
     trail = [json.loads(line) for line in (run_dir / "trained.jsonl").read_text().splitlines()]
     groups = [g for t in trail for g, _ in t["groups"]]
-    assert len(groups) == len(set(groups)) == STEPS * 8  # every group trained exactly once
-    for role in ROLES:  # placed by the launcher, and started from inside its actor
-        assert re.search(
-            rf"^ray: {role} in actor \w+ on \S+ \(placement group \w+", res.stderr, re.M
-        )
+    assert sorted(groups) == list(range(STEPS * 8))  # every group trained exactly once
+    assert "resumed from step_" in (run_dir / "logs" / "learner.log").read_text()
+    for role in ROLES:  # placed by the launcher, and started from inside its actor, twice
+        assert len(re.findall(rf"^ray: {role} in actor \w+ on \S+ \(placement group \w+",
+                              err, re.M)) == 2  # fmt: skip
         log = (run_dir / "logs" / f"{role}.log").read_text()
         assert re.search(
             rf"verl-async: {role} in Ray actor \w+ on node \S+ \(placement group \w+", log
@@ -57,7 +81,16 @@ def test_two_generators_and_a_learner_train_as_ray_actors(tmp_path):
         gen = (run_dir / "logs" / f"generator{i}.log").read_text()
         loaded = [int(v) for v in re.findall(r"loaded version (\d+)", gen)]
         assert loaded and max(loaded) >= STEPS // 2, (i, loaded[-5:])
-    _assert_ray_is_gone(Path(session.group(1)))
+    # The launch that lost its learner keeps Ray's logs (docs/ray.md), the last one does not.
+    assert f"Ray's own logs: {sessions[0]}" in err
+    assert processes_mentioning(sessions[0]) == []
+    shutil.rmtree(sessions[0])
+    _assert_ray_is_gone(Path(sessions[1]))
+
+
+def _steps(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.is_file() else 0
 
 
 def _assert_ray_is_gone(session: Path) -> None:

@@ -268,6 +268,56 @@ def test_the_resume_hint_names_no_placeholder(tmp_path, repo_root, monkeypatch):
     assert f"resume with: verl-async train --resume {run_dir}\n" in console.file.getvalue()
 
 
+def test_a_dead_learner_or_buffer_resumes_the_run_up_to_max_restarts(
+    tmp_path, repo_root, monkeypatch
+):
+    """trainer.max_restarts: each death of the learner or the buffer resumes the run from its
+    newest committed checkpoint (or starts it over without one); a generator's death that
+    reaches the launcher, or one death too many, ends it."""
+    data = f"data.path={repo_root / 'configs/data/max_digit.jsonl'}"
+    deaths: list[str] = []
+    resumed_from: list = []
+
+    def run_roles(cfg, run_dir, console, t0):
+        if deaths:
+            role = deaths.pop(0)
+            raise RoleFailed(f"the {role} process exited with code -9 before the run finished; "
+                             "last lines of ...", role=role)  # fmt: skip
+
+    def prepare(cfg, run_dir, ckpt, data_checked=False):
+        resumed_from.append(ckpt and ckpt.name)
+
+    monkeypatch.setattr(train, "run_roles", run_roles)
+    monkeypatch.setattr(train, "prepare", prepare)
+    monkeypatch.setattr(train, "summarize", lambda run_dir, console: None)
+
+    def run(name: str, roles: list[str], *overrides: str) -> str:
+        cfg = load_config(None, [data, *overrides])
+        deaths[:] = roles
+        run_dir = tmp_path / name
+        _stopped_run(run_dir, cfg)
+        (step_dir(run_dir, 3) / "model.bin").write_bytes(b"w")
+        commit(step_dir(run_dir, 3), step=3, version=3)
+        console = _plain_console()
+        resumed_from.clear()
+        train.train(cfg, str(run_dir), console, resume=True)
+        return console.file.getvalue()
+
+    out = run("healed", ["learner", "buffer"])  # the default, 2
+    assert resumed_from == ["step_00000003"] * 3
+    assert "restart 1/2: the learner process exited with code -9" in out
+    assert "restart 2/2: the buffer process exited with code -9" in out
+    log = (tmp_path / "healed" / "logs" / "learner.log").read_text()
+    assert "restart 2/2: the buffer process exited with code -9 before the run finished ---" in log
+    with pytest.raises(RoleFailed, match="the learner process"):
+        run("too_many", ["learner", "learner"], "trainer.max_restarts=1")
+    with pytest.raises(RoleFailed, match="the buffer process"):
+        run("off", ["buffer"], "trainer.max_restarts=0")
+    with pytest.raises(RoleFailed, match="the generator0 process"):
+        run("generator", ["generator0"])  # restarted on its own until its limit, not the run
+    assert resumed_from == ["step_00000003"]  # started once, never resumed
+
+
 # ---------------------------------------------------------------- 7: generation rate
 
 

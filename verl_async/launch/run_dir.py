@@ -25,7 +25,11 @@ from verl_async.schema import DataConfig, RunConfig
 
 
 class RoleFailed(RuntimeError):
-    pass
+    """The run cannot go on; ``role``: the role whose process died, when one did."""
+
+    def __init__(self, message: str, role: str | None = None) -> None:
+        super().__init__(message)
+        self.role = role
 
 
 def make_run_dir(cfg: RunConfig, run_dir: str | None) -> Path:
@@ -90,6 +94,16 @@ def open_run_dir(
         run_dir = Path(run_dir_arg).resolve()
         return run_dir, choose_checkpoint(cfg, run_dir, console)
     return make_run_dir(cfg, run_dir_arg), None
+
+
+def reopen_after_failure(cfg: RunConfig, run_dir: Path, console) -> Path | None:
+    """What a run restarted by the launcher (``trainer.max_restarts``) resumes from: its
+    newest checkpoint that verifies, as ``--resume`` would choose it, or None when it has
+    none yet (the run then starts over in place, as with ``checkpoint.resume``)."""
+    if resumable(run_dir):
+        return choose_checkpoint(cfg, run_dir, console)
+    start_over(run_dir, console)
+    return None
 
 
 def choose_checkpoint(cfg: RunConfig, run_dir: Path, console) -> Path:

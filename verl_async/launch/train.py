@@ -10,6 +10,12 @@ verifies is chosen (each one skipped is reported with why); newer checkpoint dir
 are set aside (uncommitted ones deleted, damaged ones renamed ``damaged_step_*``);
 ``metrics.jsonl`` and ``trained.jsonl`` lose the lines of steps after the checkpoint,
 which will be trained again; and buffer and learner restore from it.
+
+Automatic resume (``trainer.max_restarts``): when the learner (any of its ranks) or the
+buffer dies, the launcher stops the other roles, resumes the run from its newest checkpoint
+that verifies (or starts it over when it has none yet) and goes on, up to that many times.
+Each restart is printed and noted in every role's log with its cause. A generator or reward
+model that dies is restarted on its own (``restarted``), without stopping the run.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from verl_async.launch.local import local_roles
 from verl_async.launch.plan import Role, stop_roles
 from verl_async.launch.prepare import check_data, prepare
 from verl_async.launch.progress import ProgressReport, summarize
-from verl_async.launch.run_dir import RoleFailed, open_run_dir
+from verl_async.launch.run_dir import RoleFailed, open_run_dir, reopen_after_failure
 from verl_async.launch.startup import report_start_up
 from verl_async.metrics import read_metrics
 from verl_async.runtime import mark
@@ -71,7 +77,8 @@ def watch(
                 if code is not None and (code != 0 or not done and learner.proc.poll() is None):
                     raise RoleFailed(
                         f"the {role.name} process exited with code {code} before the run finished; "
-                        f"last lines of {role.log_path}:\n{_tail(role.log_path)}"
+                        f"last lines of {role.log_path}:\n{_tail(role.log_path)}",
+                        role=role.name,
                     )
             finished = learner.proc.poll() == 0  # before reading: its last row is then in
             rows = read_metrics(run_dir / "metrics.jsonl")
@@ -112,8 +119,12 @@ def wait_for_exit(roles: list[Role], timeout_s: float) -> None:
             role.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
 
 
+RUN_ROLES = ("learner", "buffer")  # their death stops the run; it may then resume
+
+
 def train(cfg: RunConfig, run_dir_arg: str | None, console, resume: bool = False) -> Path:
-    """Start (or with ``resume``, continue) the run in ``run_dir_arg``; return its directory."""
+    """Start (or with ``resume``, continue) the run in ``run_dir_arg``; return its directory.
+    A run whose learner or buffer dies resumes by itself, up to ``trainer.max_restarts``."""
     t0 = time.time()  # the start-up breakdown counts from here
     if cfg.launcher == "ray":
         from verl_async.launch.ray_roles import check_installed
@@ -124,7 +135,25 @@ def train(cfg: RunConfig, run_dir_arg: str | None, console, resume: bool = False
     check_data(cfg)
     run_dir, ckpt = open_run_dir(cfg, run_dir_arg, console, resume)
     console.print(f"run directory: [bold]{escape(str(run_dir))}[/]", soft_wrap=True)
-    prepare(cfg, run_dir, ckpt, data_checked=True)
+    restarts = 0
+    while True:
+        prepare(cfg, run_dir, ckpt, data_checked=True)
+        try:
+            run_roles(cfg, run_dir, console, t0)
+            break
+        except RoleFailed as failure:
+            if failure.role not in RUN_ROLES or restarts >= cfg.trainer.max_restarts:
+                raise
+            restarts += 1
+            note_restart(run_dir, console, failure, restarts, cfg.trainer.max_restarts)
+            ckpt = reopen_after_failure(cfg, run_dir, console)
+            t0 = None  # the start-up breakdown is the first start's
+    summarize(run_dir, console)
+    return run_dir
+
+
+def run_roles(cfg: RunConfig, run_dir: Path, console, t0: float | None) -> None:
+    """Start the roles, watch them until the learner finishes, and stop them."""
     with launch(cfg, run_dir, console) as roles:
         mark(run_dir, "launcher", "roles started")
         try:
@@ -142,5 +171,20 @@ def train(cfg: RunConfig, run_dir_arg: str | None, console, resume: bool = False
                     soft_wrap=True,
                 )
             raise
-    summarize(run_dir, console)
-    return run_dir
+
+
+def note_restart(run_dir: Path, console, failure: RoleFailed, n: int, limit: int) -> None:
+    """Say why the run restarts: on the console (with the dead role's last log lines), in
+    ``startup.jsonl`` (event ``restart``) and at the end of every role's log."""
+    cause = str(failure).split(";", 1)[0]  # "the learner process exited with code -9 ..."
+    console.print(
+        f"restart {n}/{limit}: {failure}\nresuming the run from its newest checkpoint",
+        style="yellow",
+        markup=False,
+        soft_wrap=True,
+    )
+    mark(run_dir, "launcher", "restart", n=n)
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    for log in sorted((run_dir / "logs").glob("*.log")):
+        with open(log, "a") as f:
+            f.write(f"\n--- {stamp} verl-async: restart {n}/{limit}: {cause} ---\n\n")
