@@ -4,7 +4,9 @@ One group per run: a TCPStore whose master lives on learner rank 0, and a proces
 built directly over it (ProcessGroupNCCL with CUDA, ProcessGroupGloo otherwise, same code).
 Each vLLM worker joins through the worker extension in ``generators/vllm_extension.py``
 with rank ``1 + rank_offset``. The group never touches torch.distributed's default group,
-so it lives beside vLLM's own and the learner's Accelerate/FSDP group.
+so it lives beside vLLM's own and the learner's Accelerate/FSDP group. A gloo member
+listens on its address on the route to the store's host (``gloo_device``), so members on
+other hosts reach it whatever the machine's host name resolves to.
 
 One update = one control message over ZeroMQ (``WeightUpdate``: names, dtypes, shapes,
 bucket size), then a header broadcast saying how the bytes travel, then the bytes. Both
@@ -38,6 +40,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import secrets
+import socket
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -224,7 +227,10 @@ def _build(
         options._timeout = timeout
         group = ProcessGroupNCCL(prefixed, rank, world_size, options)
     elif backend == "gloo":
-        group = ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        options = ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [gloo_device(store.host)]
+        group = ProcessGroupGloo(prefixed, rank, world_size, options)
     else:
         raise ValueError(f"unknown weight-sync backend '{backend}'")
     out = SyncGroup(group, store, rank, world_size, backend, timeout_s, epoch)
@@ -232,6 +238,26 @@ def _build(
     if backend == "gloo":
         out.memory = _probe_memory(out, prefixed, shared_memory)
     return out
+
+
+def gloo_device(store_host: str):
+    """The gloo device of this process: ``GLOO_SOCKET_IFNAME``'s interface when set, else
+    the local address of the route to the store's host (the one the other members reach
+    this host by). Gloo's own default resolves the machine's host name, which on a host
+    with several interfaces (or in a network namespace) may name an address the other
+    hosts cannot reach, or none at all."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return ProcessGroupGloo.create_default_device()
+    return ProcessGroupGloo.create_device(hostname=route_source(store_host))
+
+
+def route_source(host: str) -> str:
+    """This host's address on the route to ``host`` (no packet is sent: a UDP socket's
+    connect only picks the route)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return s.getsockname()[0]
 
 
 def _probe_memory(group: SyncGroup, store: PrefixStore, offer: bool) -> SharedMemory | None:
