@@ -326,6 +326,7 @@ def test_a_rank_really_pins_itself_to_its_core():
 
 
 def test_learner_command_for_two_ranks(monkeypatch, tmp_path):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     cfg = load_config(None, ["placement.generators=[cpu]", "placement.learners=[cpu:0, cpu:1]"])
     argv, env = plan.learner_launch(cfg, tmp_path)
     assert argv == [
@@ -336,6 +337,7 @@ def test_learner_command_for_two_ranks(monkeypatch, tmp_path):
         "CUDA_VISIBLE_DEVICES": "",
         "VERL_ASYNC_RANK_DEVICES": "cpu:0,cpu:1",
         "OMP_NUM_THREADS": "1",
+        "OMP_WAIT_POLICY": "PASSIVE",  # waiting threads sleep: the cores are shared
     }
     # torch.distributed.run reads it as: 2 ranks of `python -m learners --run-dir DIR`.
     from torch.distributed.run import get_args_parser
@@ -346,13 +348,14 @@ def test_learner_command_for_two_ranks(monkeypatch, tmp_path):
     assert args.training_script_args == ["--run-dir", str(tmp_path)]
 
 
-def test_learner_command_for_cuda_ranks_and_for_one_rank(tmp_path):
+def test_learner_command_for_cuda_ranks_and_for_one_rank(tmp_path, monkeypatch):
     argv, env = plan.learner_launch(load_config(None, GPU_NODE), tmp_path)
     assert argv[argv.index("--nproc-per-node") + 1] == "4"
-    assert env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+    assert env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7" and "OMP_WAIT_POLICY" not in env
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's choice is kept
     argv, env = plan.learner_launch(load_config(None, []), tmp_path)  # learners: [cpu:1]
     assert argv == [sys.executable, "-m", "learners", "--run-dir", str(tmp_path)]
-    assert env == runtime.device_env("cpu:1")
+    assert env == {**runtime.device_env("cpu:1"), "OMP_WAIT_POLICY": "ACTIVE"}
 
 
 def test_start_roles_starts_one_generator_per_group(monkeypatch, tmp_path):

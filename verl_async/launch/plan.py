@@ -8,6 +8,7 @@ actors; ``train.py`` watches either through the same ``RoleProcess`` surface.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -56,15 +57,25 @@ def learner_launch(cfg: RunConfig, run_dir: Path) -> tuple[list[str], dict[str, 
     One learner device: ``python -m learners`` placed on it, as any role. L > 1 devices:
     ``torch.distributed.run`` starts the L ranks on this node (rank r on the r-th device,
     see ``runtime.ranks_env``) and stands in for them as one role: it exits 0 when every
-    rank did, and a rank that fails ends the job and so the run."""
+    rank did, and a rank that fails ends the job and so the run.
+
+    On CPUs the learner's OpenMP threads sleep while they wait at a barrier instead of
+    spinning (``OMP_WAIT_POLICY=PASSIVE``, unless the environment sets it): they share
+    cores with the generators, and a thread that spins waiting for one that was
+    descheduled burns the core the generator needs (BENCHMARKS.md section 13: 5.4 s to
+    4.5 s a step on the learner-bound SmolLM2 preset)."""
     devices = placement.learner_devices(cfg)
     if len(devices) == 1:
-        return role_argv("learners", run_dir), device_env(devices[0])
-    argv = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-        "--nproc-per-node", str(len(devices)), "-m", "learners", "--run-dir", str(run_dir),
-    ]  # fmt: skip
-    return argv, ranks_env(devices)
+        argv, env = role_argv("learners", run_dir), device_env(devices[0])
+    else:
+        argv = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+            "--nproc-per-node", str(len(devices)), "-m", "learners", "--run-dir", str(run_dir),
+        ]  # fmt: skip
+        env = ranks_env(devices)
+    if not placement.is_cuda(devices[0]):
+        env["OMP_WAIT_POLICY"] = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
+    return argv, env
 
 
 @dataclass(frozen=True)
