@@ -4,7 +4,8 @@ learner, host B a generator, each started with its role command; the buffer list
 A's link address with CurveZMQ keys, and the weight-sync group (gloo, its store on A)
 crosses the link. A client on B without the run's keys is refused. The same run is then
 repeated over a slow link, on both ends: 20 ms of delay and 1 % loss (``tc netem``), and
-20 Mbit/s (``tc tbf``).
+20 Mbit/s (``tc tbf``). Last, a two-node Ray cluster (head on A, worker on B, token
+authentication) runs ``launcher: ray`` with the generator placed on B.
 
 Each test builds its namespaces and removes them, veth pair included, whatever happens.
 Where namespaces cannot be made (not root, no ``ip``, a container without the
@@ -15,19 +16,24 @@ capability), or a kernel lacks a queueing discipline, the tests skip, saying why
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import re
+import secrets
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, run_cli
+from .conftest import ROOT, processes_mentioning, run_cli
 
 STEPS = 60
 
@@ -174,6 +180,97 @@ def keys(tmp_path) -> Path:
 
 def test_roles_on_two_hosts_train_over_curve_and_refuse_a_keyless_client(hosts, keys, tmp_path):
     print(f"two hosts: {_train_across(hosts, tmp_path, keys)}")
+
+
+def _tree(pids: list[int]) -> list[int]:
+    """``pids`` and all their descendants (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], list(pids)
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+@pytest.fixture
+def ray_cluster(hosts) -> Iterator[str]:
+    """A Ray cluster of two nodes: the head on host A with 2 CPUs (the buffer's and the
+    learner's bundles), a worker on host B with 1 (the generator's). Every process of it
+    is stopped afterwards (those of its session folders and their children; ``ray stop``
+    would stop every Ray process on the machine)."""
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": secrets.token_hex(32),
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
+    ray = str(Path(sys.executable).with_name("ray"))
+    port = 20000 + random.randrange(20000)
+    top = tempfile.mkdtemp(prefix="vray-")  # short: Ray's socket paths must fit 107 bytes
+    dirs = [f"{top}/a", f"{top}/b"]
+    starts = [
+        (hosts.a, ["--head", "--port", str(port), "--num-cpus", "2", "--include-dashboard",
+                   "false", "--node-ip-address", hosts.addr_a, "--temp-dir", dirs[0]]),
+        (hosts.b, ["--address", f"{hosts.addr_a}:{port}", "--num-cpus", "1",
+                   "--node-ip-address", hosts.addr_b, "--temp-dir", dirs[1]]),
+    ]  # fmt: skip
+    try:
+        for ns, args in starts:
+            started = subprocess.run(
+                ["ip", "netns", "exec", ns, ray, "start", "--num-gpus", "0", *args],
+                env=env, capture_output=True, text=True, timeout=180,
+            )  # fmt: skip
+            assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
+        os.environ.update({k: env[k] for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")})
+        yield f"{hosts.addr_a}:{port}"
+    finally:
+        for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
+            os.environ.pop(key, None)
+        ours = [pid for d in dirs for pid in processes_mentioning(d)]
+        for pid in _tree(ours):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def test_launcher_ray_on_a_two_node_cluster_places_the_generator_on_the_other_host(
+    hosts, keys, ray_cluster, tmp_path
+):
+    run_dir = tmp_path / "run"
+    steps = 20
+    res = subprocess.run(
+        ["ip", "netns", "exec", hosts.a, sys.executable, "-m", "verl_async.launch.cli",
+         "train", "configs/tiny.yaml", "--run-dir", str(run_dir), "launcher=ray",
+         f"ray.address={ray_cluster}", f"buffer.host={hosts.addr_a}", f"buffer.keys_dir={keys}",
+         "weights.shared_memory=false", f"trainer.total_steps={steps}",
+         "checkpoint.every_steps=0"],
+        cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    for role, host in (("buffer", hosts.addr_a), ("learner", hosts.addr_a),
+                       ("generator0", hosts.addr_b)):  # fmt: skip
+        assert re.search(rf"^ray: {role} in actor \w+ on {re.escape(host)} ", res.stderr, re.M), (
+            role,
+            res.stderr[-3000:],
+        )
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(steps))
+    trail = [json.loads(line) for line in (run_dir / "trained.jsonl").read_text().splitlines()]
+    groups = [g for t in trail for g, _ in t["groups"]]
+    assert sorted(groups) == list(range(steps * 8)), "a group was lost or trained twice"
+    log = (run_dir / "logs" / "learner.log").read_text()
+    assert "weight-sync group ready: updates go through the network" in log
+    loaded = re.findall(r"loaded version (\d+)", (run_dir / "logs" / "generator0.log").read_text())
+    assert loaded and max(map(int, loaded)) >= steps // 2, loaded[-5:]
 
 
 SLOW_LINKS = {
