@@ -13,10 +13,12 @@ from verl_async.runtime import free_port
 STEPS = 12
 
 
-def start(args: list[str], log: Path) -> subprocess.Popen:
+def start(args: list[str], log: Path, prefix: list[str] = ()) -> subprocess.Popen:
+    """``verl-async ARGS`` in a session of its own, its output in ``log``; ``prefix``: what
+    runs the command (``ip netns exec NS`` for a process of another host)."""
     with open(log, "wb") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "verl_async.launch.cli", *args],
+            [*prefix, sys.executable, "-m", "verl_async.launch.cli", *args],
             cwd=ROOT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
             stdout=out,

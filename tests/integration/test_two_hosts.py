@@ -34,6 +34,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import ROOT, processes_mentioning, run_cli
+from .test_role_commands import start, wait_all
 
 STEPS = 60
 
@@ -83,16 +84,7 @@ def hosts() -> Iterator[Hosts]:
 
 def _start(ns: str, args: list[str], log: Path) -> subprocess.Popen:
     """``verl-async ARGS`` as a process of host ``ns``."""
-    with open(log, "wb") as out:
-        return subprocess.Popen(
-            ["ip", "netns", "exec", ns, sys.executable, "-m", "verl_async.launch.cli", *args],
-            cwd=ROOT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+    return start(args, log, prefix=["ip", "netns", "exec", ns])
 
 
 def _train_across(h: Hosts, tmp: Path, keys: Path) -> str:
@@ -129,22 +121,16 @@ def _train_across(h: Hosts, tmp: Path, keys: Path) -> str:
             logs["generator"],
         ),
     }
-    try:
-        # A client on B without the run's keys: refused, and the run goes on.
+    try:  # a client on B without the run's keys: refused, and the run goes on
         keyless = _start(
             h.b,
             ["generator", "--buffer", address, "--timeout-s", "8", "--run-dir", str(tmp / "x")],
             logs["keyless"],
         )
-        assert keyless.wait(timeout=120) == 1, logs["keyless"].read_text()[-2000:]
-        for name, proc in procs.items():
-            code = proc.wait(timeout=420)
-            assert code == 0, f"{name} exited {code}:\n{logs[name].read_text()[-3000:]}"
+        refused = keyless.wait(timeout=120)
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, 9)
-                proc.wait()
+        wait_all(procs, logs, timeout=420)
+    assert refused == 1, logs["keyless"].read_text()[-2000:]
     assert f"cannot join the run at {address}" in logs["keyless"].read_text()
     buffer_log = logs["buffer"].read_text()
     if (run_dir / "logs" / "buffer.log").is_file():
