@@ -347,11 +347,16 @@ def _audit_exactly_once(run_dir: Path, resumes: int = 3) -> None:
     )
 
 
-def _kill_role(run_dir: Path, module: str) -> None:
-    """SIGKILL this run's process started as ``python -m MODULE``."""
-    victims = [p for p in processes_mentioning(str(run_dir)) if f" -m {module} " in cmdline(p)]
-    assert len(victims) == 1, (module, victims)
-    os.kill(victims[0], signal.SIGKILL)
+def _kill_role(run_dir: Path, module: str, rng: random.Random = random) -> None:
+    """SIGKILL this run's process started as ``python -m MODULE`` (one of them at random when
+    there are several: learner ranks; never ``torch.distributed.run``, which starts them)."""
+    victims = [
+        p
+        for p in processes_mentioning(str(run_dir))
+        if f" -m {module} " in cmdline(p) and "torch.distributed.run" not in cmdline(p)
+    ]
+    assert victims, module
+    os.kill(rng.choice(victims), signal.SIGKILL)
 
 
 def _wait_for(proc: subprocess.Popen, done, what: str, timeout_s: float = 300) -> None:
@@ -365,10 +370,12 @@ def _wait_for(proc: subprocess.Popen, done, what: str, timeout_s: float = 300) -
         time.sleep(0.05)
 
 
-def test_a_run_resumes_by_itself_after_its_learner_and_then_its_buffer_die(tmp_path):
-    """trainer.max_restarts: SIGKILL of the learner at a random step, then of the buffer at a
-    later random step; the one command ends with exit code 0, every step trained, and the
-    exactly-once audit passing across both restarts."""
+@pytest.mark.parametrize("ranks", [1, 2], ids=["one-rank", "two-ranks"])
+def test_a_run_resumes_by_itself_after_its_learner_and_then_its_buffer_die(tmp_path, ranks):
+    """trainer.max_restarts: SIGKILL of a learner rank at a random step, then of the buffer
+    at a later random step; the one command ends with exit code 0, every step trained, and
+    the exactly-once audit passing across both restarts. With two ranks
+    (``torch.distributed.run``), killing one ends the job, and the run resumes as a whole."""
     data = tmp_path / "prompts.jsonl"
     lines = (ROOT / "configs/data/max_digit.jsonl").read_text().splitlines()[: B * STEPS]
     data.write_text("\n".join(lines) + "\n")
@@ -376,10 +383,11 @@ def test_a_run_resumes_by_itself_after_its_learner_and_then_its_buffer_die(tmp_p
     rng = random.Random()
     first, second = rng.randint(4, 10), rng.randint(14, 20)
     args = ["train", "configs/tiny.yaml", "--run-dir", str(run_dir), *_overrides(data)]
-    proc = _launch([*args, "trainer.max_restarts=2"])
+    shape = TWO_LEARNERS if ranks == 2 else []
+    proc = _launch([*args, *shape, "trainer.max_restarts=2"])
     try:
         _wait_for(proc, lambda: _steps_done(run_dir) >= first, f"step {first}")
-        _kill_role(run_dir, "tests.slow_learner")  # the learner role (_launch)
+        _kill_role(run_dir, "tests.slow_learner", rng)  # a learner rank (_launch)
         # Resumed at a checkpoint before ``first`` (<= 10), it trains on to ``second`` (>= 14).
         _wait_for(proc, lambda: _steps_done(run_dir) >= second, f"step {second} after a restart")
         _kill_role(run_dir, "buffer")
@@ -389,12 +397,17 @@ def test_a_run_resumes_by_itself_after_its_learner_and_then_its_buffer_die(tmp_p
             proc.kill()
     where = f"(killed at steps {first} and {second})"
     assert proc.returncode == 0, (where, err[-3000:])
-    assert "restart 1/2: the learner process exited with code -9" in err, where
+    # One rank: the learner process itself died (-9); two: torch.distributed.run ended
+    # the job when one of its ranks did.
+    assert "restart 1/2: the learner process exited with code " in err, where
     assert "restart 2/2: the buffer process exited with code -9" in err, where
     _settle(run_dir)
     _audit_exactly_once(run_dir, resumes=2)
     log = (run_dir / "logs" / "generator0.log").read_text()
     assert "verl-async: restart 2/2: the buffer process exited with code -9" in log
+    if ranks == 2:
+        learner = (run_dir / "logs" / "learner.log").read_text()
+        assert learner.count("FSDP2 over 2 ranks (gloo)") == 3
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
