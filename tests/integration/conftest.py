@@ -87,6 +87,32 @@ def processes_mentioning(text: str) -> list[int]:
     return pids
 
 
+def steps_done(run_dir: Path) -> int:
+    """Steps of the run in ``run_dir`` logged so far (lines of its metrics.jsonl)."""
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+def process_tree(*roots: int) -> list[int]:
+    """``roots`` and all their descendants (from /proc), parents first."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], list(roots)
+    while todo:
+        pid = todo.pop(0)
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
 def cmdline(pid: int) -> str:
     """The command line of process ``pid`` ('' once it is gone)."""
     try:

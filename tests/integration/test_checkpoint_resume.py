@@ -32,7 +32,14 @@ import pytest
 from benchmarks.custom_learner import command
 from verl_async.checkpoint import MANIFEST, list_checkpoints
 
-from .conftest import ROOT, cmdline, processes_mentioning, run_cli
+from .conftest import (
+    ROOT,
+    cmdline,
+    process_tree,
+    processes_mentioning,
+    run_cli,
+    steps_done,
+)
 
 B, STEPS, EVERY, ETA = 4, 24, 3, 2
 UPDATE_DELAY_S = 0.3
@@ -71,26 +78,6 @@ def _launch(args: list[str], write_delay_s: float = 0.0) -> subprocess.Popen:
     )
 
 
-def _tree(root: int) -> list[int]:
-    """``root`` and all its descendants (from /proc), parents first."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop(0)
-        out.append(pid)
-        todo.extend(children.get(pid, []))
-    return out
-
-
 def _signal_all(pids: list[int], sig: int) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
@@ -101,7 +88,7 @@ def _freeze(proc: subprocess.Popen) -> list[int]:
     """SIGSTOP the whole tree (repeat until no new process appears); returns its pids."""
     stopped: list[int] = []
     while True:
-        new = [p for p in _tree(proc.pid) if p not in stopped]
+        new = [p for p in process_tree(proc.pid) if p not in stopped]
         if not new:
             return stopped
         _signal_all(new, signal.SIGSTOP)
@@ -128,11 +115,6 @@ def _kill_when(proc: subprocess.Popen, moment, timeout_s: float = 300) -> None:
 
 def _committed(run_dir: Path) -> list[int]:
     return [int(d.name[5:]) for d in list_checkpoints(run_dir) if (d / MANIFEST).is_file()]
-
-
-def _steps_done(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.is_file() else 0
 
 
 def _rows(path: Path) -> list[dict]:
@@ -228,7 +210,7 @@ def _crash_and_resume(
 
     # 1. Between checkpoints: step 6 committed, steps 7..8 trained, step 9 not reached.
     proc = _launch([*train, "--run-dir", str(run_dir)])
-    _kill_when(proc, lambda: 6 in _committed(run_dir) and 7 <= _steps_done(run_dir) < 9)
+    _kill_when(proc, lambda: 6 in _committed(run_dir) and 7 <= steps_done(run_dir) < 9)
     _settle(run_dir)
 
     # 2. During a checkpoint write: step_00000009 exists, its manifest does not.
@@ -386,10 +368,10 @@ def test_a_run_resumes_by_itself_after_its_learner_and_then_its_buffer_die(tmp_p
     shape = TWO_LEARNERS if ranks == 2 else []
     proc = _launch([*args, *shape, "trainer.max_restarts=2"])
     try:
-        _wait_for(proc, lambda: _steps_done(run_dir) >= first, f"step {first}")
+        _wait_for(proc, lambda: steps_done(run_dir) >= first, f"step {first}")
         _kill_role(run_dir, "tests.slow_learner", rng)  # a learner rank (_launch)
         # Resumed at a checkpoint before ``first`` (<= 10), it trains on to ``second`` (>= 14).
-        _wait_for(proc, lambda: _steps_done(run_dir) >= second, f"step {second} after a restart")
+        _wait_for(proc, lambda: steps_done(run_dir) >= second, f"step {second} after a restart")
         _kill_role(run_dir, "buffer")
         _, err = proc.communicate(timeout=300)
     finally:

@@ -27,7 +27,7 @@ from verl_async.config import load_config
 from verl_async.launch import ray_roles
 from verl_async.launch.plan import RolePlan
 
-from .conftest import ROOT, cmdline, processes_mentioning
+from .conftest import ROOT, cmdline, processes_mentioning, steps_done
 
 STEPS = 12
 ROLES = ("buffer", "learner", "generator0", "generator1")
@@ -49,7 +49,7 @@ def test_two_generators_and_a_learner_train_as_ray_actors(tmp_path):
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 300
-        while _steps(run_dir) < kill_at:
+        while steps_done(run_dir) < kill_at:
             assert proc.poll() is None, proc.stderr.read()[-3000:]
             assert time.monotonic() < deadline, "the run never reached the kill point"
             time.sleep(0.05)
@@ -86,11 +86,6 @@ def test_two_generators_and_a_learner_train_as_ray_actors(tmp_path):
     assert processes_mentioning(sessions[0]) == []
     shutil.rmtree(sessions[0])
     _assert_ray_is_gone(Path(sessions[1]))
-
-
-def _steps(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.is_file() else 0
 
 
 def _assert_ray_is_gone(session: Path) -> None:

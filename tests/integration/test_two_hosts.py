@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, processes_mentioning, run_cli
+from .conftest import ROOT, process_tree, processes_mentioning, run_cli
 from .test_role_commands import start, wait_all
 
 STEPS = 60
@@ -168,24 +168,6 @@ def test_roles_on_two_hosts_train_over_curve_and_refuse_a_keyless_client(hosts, 
     print(f"two hosts: {_train_across(hosts, tmp_path, keys)}")
 
 
-def _tree(pids: list[int]) -> list[int]:
-    """``pids`` and all their descendants (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], list(pids)
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(children.get(pid, []))
-    return out
-
-
 @pytest.fixture
 def ray_cluster(hosts) -> Iterator[str]:
     """A Ray cluster of two nodes: the head on host A with 2 CPUs (the buffer's and the
@@ -221,7 +203,7 @@ def ray_cluster(hosts) -> Iterator[str]:
         for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
             os.environ.pop(key, None)
         ours = [pid for d in dirs for pid in processes_mentioning(d)]
-        for pid in _tree(ours):
+        for pid in process_tree(*ours):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         shutil.rmtree(top, ignore_errors=True)
