@@ -10,6 +10,7 @@ import pytest
 
 from generators.engines import start_engine
 from generators.interface import RolloutEngine
+from verl_async.checkpoint import MANIFEST, list_checkpoints
 from verl_async.launch.tiny_model import build_tiny_model
 from verl_async.schema import TinyModelConfig
 
@@ -91,6 +92,11 @@ def steps_done(run_dir: Path) -> int:
     """Steps of the run in ``run_dir`` logged so far (lines of its metrics.jsonl)."""
     path = run_dir / "metrics.jsonl"
     return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+def committed_steps(run_dir: Path) -> list[int]:
+    """Steps of the checkpoints in ``run_dir`` whose manifest is written (committed ones)."""
+    return [int(d.name[5:]) for d in list_checkpoints(run_dir) if (d / MANIFEST).is_file()]
 
 
 def process_tree(*roots: int) -> list[int]:

@@ -35,6 +35,7 @@ from verl_async.checkpoint import MANIFEST, list_checkpoints
 from .conftest import (
     ROOT,
     cmdline,
+    committed_steps,
     process_tree,
     processes_mentioning,
     run_cli,
@@ -111,10 +112,6 @@ def _kill_when(proc: subprocess.Popen, moment, timeout_s: float = 300) -> None:
         time.sleep(0.01)
     proc.kill()
     pytest.fail("the kill point was never reached")
-
-
-def _committed(run_dir: Path) -> list[int]:
-    return [int(d.name[5:]) for d in list_checkpoints(run_dir) if (d / MANIFEST).is_file()]
 
 
 def _rows(path: Path) -> list[dict]:
@@ -210,7 +207,7 @@ def _crash_and_resume(
 
     # 1. Between checkpoints: step 6 committed, steps 7..8 trained, step 9 not reached.
     proc = _launch([*train, "--run-dir", str(run_dir)])
-    _kill_when(proc, lambda: 6 in _committed(run_dir) and 7 <= steps_done(run_dir) < 9)
+    _kill_when(proc, lambda: 6 in committed_steps(run_dir) and 7 <= steps_done(run_dir) < 9)
     _settle(run_dir)
 
     # 2. During a checkpoint write: step_00000009 exists, its manifest does not.
@@ -219,7 +216,8 @@ def _crash_and_resume(
     _kill_when(
         proc,
         lambda: (
-            (ckpt9 / "learner" / "trainer_state.json").is_file() and 9 not in _committed(run_dir)
+            (ckpt9 / "learner" / "trainer_state.json").is_file()
+            and 9 not in committed_steps(run_dir)
         ),
     )
     _settle(run_dir)
@@ -231,14 +229,14 @@ def _crash_and_resume(
     _kill_when(
         proc,
         lambda: (
-            9 in _committed(run_dir)
+            9 in committed_steps(run_dir)
             and any(v > 9 and v % EVERY for v in _loaded_versions(run_dir)[seen:])
         ),
     )
     _settle(run_dir)
 
     # 4. Damage the newest checkpoint; resume must fall back to the one before it.
-    newest = max(_committed(run_dir))
+    newest = max(committed_steps(run_dir))
     model = run_dir / "checkpoints" / f"step_{newest:08d}" / "learner" / "model.safetensors"
     model.write_bytes(model.read_bytes()[:100])
     check = run_cli(["ckpt", "verify", str(run_dir), "--step", str(newest)], timeout=60)
@@ -368,7 +366,12 @@ def test_a_run_resumes_by_itself_after_its_learner_and_then_its_buffer_die(tmp_p
     shape = TWO_LEARNERS if ranks == 2 else []
     proc = _launch([*args, *shape, "trainer.max_restarts=2"])
     try:
-        _wait_for(proc, lambda: steps_done(run_dir) >= first, f"step {first}")
+        # A kill before the first commit would start the run over instead of resuming it.
+        _wait_for(
+            proc,
+            lambda: steps_done(run_dir) >= first and committed_steps(run_dir),
+            f"step {first} and a committed checkpoint",
+        )
         _kill_role(run_dir, "tests.slow_learner", rng)  # a learner rank (_launch)
         # Resumed at a checkpoint before ``first`` (<= 10), it trains on to ``second`` (>= 14).
         _wait_for(proc, lambda: steps_done(run_dir) >= second, f"step {second} after a restart")
@@ -412,7 +415,7 @@ def test_ctrl_c_finishes_the_checkpoint_write_in_progress_then_exits(tmp_path, s
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-3000:]
     assert f"resume with: verl-async train --resume {run_dir}" in err
-    assert 3 in _committed(run_dir), "the write in progress was not finished"
+    assert 3 in committed_steps(run_dir), "the write in progress was not finished"
     assert run_cli(["ckpt", "verify", str(run_dir)], timeout=60).returncode == 0
     log = (run_dir / "logs" / "learner.log").read_text()
     assert "interrupted after" in log and "checkpoint write finished before exit" in log

@@ -27,7 +27,7 @@ from verl_async.config import load_config
 from verl_async.launch import ray_roles
 from verl_async.launch.plan import RolePlan
 
-from .conftest import ROOT, cmdline, processes_mentioning, steps_done
+from .conftest import ROOT, cmdline, committed_steps, processes_mentioning, steps_done
 
 STEPS = 12
 ROLES = ("buffer", "learner", "generator0", "generator1")
@@ -49,7 +49,8 @@ def test_two_generators_and_a_learner_train_as_ray_actors(tmp_path):
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 300
-        while steps_done(run_dir) < kill_at:
+        # A kill before the first commit would start the run over instead of resuming it.
+        while steps_done(run_dir) < kill_at or not committed_steps(run_dir):
             assert proc.poll() is None, proc.stderr.read()[-3000:]
             assert time.monotonic() < deadline, "the run never reached the kill point"
             time.sleep(0.05)
