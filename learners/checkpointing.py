@@ -31,6 +31,11 @@ everything else in JSON)::
     buffer/rollouts.arrow
     manifest.json                 written last: the commit
 
+A learner of several ranks writes its model, optimizer and RNG state as shards instead
+(``learner/shards/``, one DCP file per rank: learners/sharded.py); the writer thread of
+rank 0 then writes ``trainer_state.json`` and the buffer's files, waits for the shards
+and hashes them from disk before the manifest.
+
 Each file is hashed from the bytes in memory as it is written, so the commit reads
 nothing back; hashing and writing large buffers release the GIL. The writer runs at
 normal priority on purpose: at nice 19 it was starved on a busy core while holding the
@@ -50,17 +55,20 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from learners import sharded
 from learners.state_dicts import load_model_state, load_optimizer_state
 from verl_async import runtime
 from verl_async.checkpoint import (
     FileEntry,
     fsync_dir,
     prune,
+    sha256_file,
     step_dir,
     take_spare,
     write_manifest,
@@ -80,6 +88,9 @@ class Snapshot:
     # More files, produced on the writer thread after ``files`` are written (the buffer's,
     # fetched from the buffer process so that encoding them costs the step nothing).
     deferred: Callable[[], dict[str, list]] | None = None
+    # With several ranks: the DCP save of every rank's shards (learners/sharded.py) into a
+    # directory made before it started; written when it completes, committed after that.
+    shards: Future | None = None
 
 
 _SAFETENSORS_DTYPES = {
@@ -244,12 +255,45 @@ def take_snapshot(
         files["learner/critic.safetensors"] = stager.stage("critic", critic[0], {"format": "pt"})
         files["learner/critic_state.safetensors"] = stager.stage("critic_state", critic_tensors)
     files["learner/trainer_state.json"] = [json.dumps(state, indent=1).encode()]
-    return Snapshot(
-        step,
-        version,
-        files,
-        lambda: {f"buffer/{name}": [data] for name, data in buffer_files().items()},
-    )
+    return Snapshot(step, version, files, _buffer(buffer_files))
+
+
+def take_sharded_snapshot(
+    step: int,
+    version: int,
+    groups: list[dict],
+    scheduler: dict | None,
+    info: dict,
+    buffer_files: Callable[[], dict[str, bytes | memoryview]],
+    shards: Future,
+    critic_groups: list[dict] | None = None,
+) -> Snapshot:
+    """Rank 0's part of a sharded checkpoint: the JSON state (the shards are ``shards``,
+    being written by every rank)."""
+    state = {
+        "step": step,
+        "version": version,
+        **info,
+        "optimizer_groups": groups,
+        "python_rng": rng_state()["python"],
+        "scheduler": scheduler,
+    }
+    if critic_groups is not None:
+        state["critic_optimizer_groups"] = critic_groups
+    files = {"learner/trainer_state.json": [json.dumps(state, indent=1).encode()]}
+    return Snapshot(step, version, files, _buffer(buffer_files), shards)
+
+
+def _buffer(buffer_files: Callable[[], dict]) -> Callable[[], dict[str, list]]:
+    return lambda: {f"buffer/{name}": [data] for name, data in buffer_files().items()}
+
+
+def clear_step_dir(ckpt: Path) -> None:
+    """Make ``ckpt`` empty before a sharded save writes into it (what an uncommitted write
+    of the same step left before a crash goes)."""
+    if ckpt.exists():
+        shutil.rmtree(ckpt)
+    ckpt.mkdir(parents=True)
 
 
 class Checkpointer:
@@ -358,18 +402,27 @@ class Checkpointer:
 
     def write(self, snap: Snapshot) -> None:
         ckpt = step_dir(self.run_dir, snap.step)
-        if ckpt.exists():  # an uncommitted write of the same step from before a crash
-            shutil.rmtree(ckpt)
-        recycled = take_spare(self.run_dir, ckpt)  # a retired checkpoint's files, overwritten
+        recycled = False
+        if snap.shards is None:  # (a sharded one's directory was made before its save)
+            if ckpt.exists():  # an uncommitted write of the same step from before a crash
+                shutil.rmtree(ckpt)
+            recycled = take_spare(self.run_dir, ckpt)  # a retired checkpoint's files
         hashes: dict[str, FileEntry] = {}
         self._write_files(ckpt, snap.files, hashes)
         if snap.deferred is not None:
             self._write_files(ckpt, snap.deferred(), hashes)
+        if snap.shards is not None:
+            snap.shards.result(self.timeout_s)  # every rank's file and DCP's .metadata
+            for path in sorted((ckpt / sharded.SHARDS).iterdir()):
+                hashes[str(path.relative_to(ckpt))] = FileEntry(
+                    path.stat().st_size, sha256_file(path)
+                )
         if recycled:
             _remove_strays(ckpt, hashes)
         _make_durable([ckpt / rel for rel in hashes])
         write_manifest(ckpt, snap.step, snap.version, self.meta, hashes)
-        removed = prune(self.run_dir, self.keep_last, recycle=True)
+        # Sharded files are new files each time (DCP creates them): no spare to recycle.
+        removed = prune(self.run_dir, self.keep_last, recycle=snap.shards is None)
         log.info(
             "checkpoint step %d committed%s",
             snap.step,
@@ -416,28 +469,46 @@ def _make_durable(paths: list[Path]) -> None:
 
 
 def load(
-    ckpt: Path, model: torch.nn.Module, optimizer, scheduler, critic=None, world: int = 1
+    ckpt: Path,
+    model: torch.nn.Module,
+    optimizer,
+    scheduler,
+    critic=None,
+    world: int = 1,
+    group=None,
 ) -> dict:
     """Restore a checkpoint's learner files into live objects; returns the JSON state.
 
+    Either form loads on any number of ranks: full files (written by one rank) or shards
+    (written by several, learners/sharded.py; ``group``: the gloo group DCP reads over).
     ``critic`` is (critic model, critic optimizer) when the run trains one; a checkpoint
     written without a critic cannot resume a run with one (and the other way round).
     ``world`` > 1: every rank of an FSDP2 job calls this and keeps its shards."""
     from safetensors.torch import load_file
 
     learner = ckpt / "learner"
-    load_model_state(model, load_file(learner / "model.safetensors"), world)
     state = json.loads((learner / "trainer_state.json").read_text())
-    optimizer_state, rng = join_state(load_file(learner / "state.safetensors"), state)
-    load_optimizer_state(model, optimizer, optimizer_state, world)
-    if scheduler is not None and state["scheduler"] is not None:
-        scheduler.load_state_dict(state["scheduler"])
-    has_critic = "critic_optimizer" in state
+    shards = sharded.is_sharded(ckpt)
+    has_critic = ("critic_optimizer_groups" if shards else "critic_optimizer") in state
     if has_critic != (critic is not None):
         raise ValueError(
             f"{ckpt} was written {'with' if has_critic else 'without'} a critic and this run "
             f"has {'one' if critic is not None else 'none'} (algo.adv_estimator changed?)"
         )
+    if scheduler is not None and state["scheduler"] is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    if shards:
+        groups = state["optimizer_groups"]
+        sharded.load_shards(ckpt, model, optimizer, groups, sharded.ACTOR, world, group)
+        if critic is not None:
+            groups = state["critic_optimizer_groups"]
+            sharded.load_shards(ckpt, *critic, groups, sharded.CRITIC, world, group)
+        rng = sharded.load_rng(ckpt, world, group)
+        set_rng_state({**rng, "python": state["python_rng"]})
+        return state
+    load_model_state(model, load_file(learner / "model.safetensors"), world)
+    optimizer_state, rng = join_state(load_file(learner / "state.safetensors"), state)
+    load_optimizer_state(model, optimizer, optimizer_state, world)
     if critic is not None:
         load_model_state(critic[0], load_file(learner / "critic.safetensors"), world)
         tensors = load_file(learner / "critic_state.safetensors")

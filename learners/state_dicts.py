@@ -1,9 +1,9 @@
-"""Full (unsharded) model and optimizer state, whatever the number of learner ranks.
+"""Full (unsharded) model and optimizer state: what a one-rank learner checkpoints.
 
-A checkpoint holds one format: the model's full tensors by name and the optimizer's
-``state_dict()`` as one rank's AdamW writes it (parameters numbered in ``parameters()``
-order). Under FSDP2 the ranks gather that format for rank 0 to write, and every rank
-loads its shards back out of it, so a run checkpointed on L ranks resumes on any number.
+That form is the model's full tensors by name and the optimizer's ``state_dict()`` as one
+rank's AdamW writes it (parameters numbered in ``parameters()`` order). Every rank of an
+FSDP2 job loads its own shards out of it, so a run checkpointed on one rank resumes on
+any number (a run on several ranks writes shards instead: learners/sharded.py).
 """
 
 from __future__ import annotations
@@ -23,33 +23,9 @@ def _names(model: torch.nn.Module) -> list[str]:
     return [name for name, p in model.named_parameters() if p.requires_grad]
 
 
-def model_state(model: torch.nn.Module, world: int) -> dict[str, torch.Tensor]:
-    """The model's full tensors by name (a collective when ``world`` > 1: gathered into
-    rank 0's host memory, the other ranks get an empty dict)."""
-    if world == 1:
-        return {name: t.detach() for name, t in model.state_dict().items()}
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    return get_model_state_dict(model, options=_options(cpu_offload=True))
-
-
-def optimizer_state(model: torch.nn.Module, optimizer, world: int) -> dict:
-    """The optimizer's full state in one-rank form (a collective when ``world`` > 1; ranks
-    other than 0 get an empty dict)."""
-    if world == 1:
-        return optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    by_name = get_optimizer_state_dict(model, optimizer, options=_options(cpu_offload=True))
-    if not by_name:
-        return {}
-    index = {name: i for i, name in enumerate(_names(model))}
-    return {
-        "state": {index[name]: entry for name, entry in by_name["state"].items()},
-        "param_groups": [
-            {**g, "params": [index[name] for name in g["params"]]} for g in by_name["param_groups"]
-        ],
-    }
+def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A one-rank model's tensors by name (several ranks write shards: learners/sharded.py)."""
+    return {name: t.detach() for name, t in model.state_dict().items()}
 
 
 def load_model_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor], world: int) -> None:

@@ -21,7 +21,7 @@ import msgspec
 import numpy as np
 import torch
 
-from learners import checkpointing
+from learners import checkpointing, sharded
 from learners.advantages import Advantages, episode_returns, estimate, kl_controller
 from learners.batching import Prefetcher, TrainBatch
 from learners.critic import (
@@ -34,7 +34,7 @@ from learners.distributed import DataParallel
 from learners.evaluation import EvalTracker
 from learners.plan import plan_update
 from learners.publish import WeightSync, gathered_buckets
-from learners.state_dicts import model_state, optimizer_state
+from learners.state_dicts import model_state
 from learners.step_metrics import GeneratorTiming, algo_metrics, multiturn_metrics, step_row
 from learners.update import StepStats, policy_update, prox_pass
 from verl_async import lora
@@ -42,6 +42,7 @@ from verl_async import protocol as P
 from verl_async.algos.losses import explained_variance
 from verl_async.algos.masked import masked_mean
 from verl_async.auth import CurveKeys, client_keys
+from verl_async.checkpoint import step_dir
 from verl_async.metrics import MetricsWriter
 from verl_async.rewards.aggregate import RunningStats, combine, summarize
 from verl_async.runtime import RunContext, mark
@@ -109,6 +110,8 @@ class Learner:
             if main and ck.every_steps
             else None
         )
+        # Several ranks: every rank writes its own shards (learners/sharded.py).
+        self.shards = sharded.ShardWriter() if self.dp.world > 1 and ck.every_steps else None
         self.checkpoint_wait_s = 0.0  # of the last checkpoint: waiting for a staging slot
 
     def train(self) -> None:
@@ -145,6 +148,8 @@ class Learner:
             log.warning("interrupted after %d steps", self.steps_done)
             if self.checkpointer is not None:
                 self.checkpointer.close(grace_s=self.cfg.checkpoint.write_timeout_s)
+            elif self.shards is not None:  # rank 0 decides whether the write commits
+                self.shards.wait(self.cfg.checkpoint.write_timeout_s)
             raise
         self.finish()
 
@@ -305,50 +310,99 @@ class Learner:
         buffer state into host memory and hand it to the background writer. Returns the
         seconds the step spent on it (None when no checkpoint was due).
 
-        With several ranks every rank gathers the full state (collectives) and rank 0,
-        the only one with a checkpointer, stages and writes it."""
+        One rank writes full files (``checkpoint_full``); several write shards
+        (``checkpoint_shards``)."""
         every = self.cfg.checkpoint.every_steps
         if not every or self.steps_done % every:
             return None
         t0 = time.monotonic()
-        world = self.dp.world
-        model = model_state(self.raw_model, world)
-        optimizer = optimizer_state(self.raw_model, self.optimizer, world)
+        if self.shards is not None:
+            self.checkpoint_shards(t0)
+        else:
+            self.checkpoint_full(t0)
+        return time.monotonic() - t0
+
+    def checkpoint_full(self, t0: float) -> None:
+        """One rank: stage model, optimizer (and critic) into the writer's host buffers."""
         critic = None
         if self.critic is not None:
-            critic = (
-                model_state(self.raw_critic, world),
-                optimizer_state(self.raw_critic, self.critic_optimizer, world),
-            )
-        if self.checkpointer is None:
-            return None
+            critic = (model_state(self.raw_critic), self.critic_optimizer.state_dict())
         stager = self.checkpointer.stager()  # waits only if both staging slots are busy
         self.checkpoint_wait_s = time.monotonic() - t0
         step = self.steps_done
         # The buffer takes its cut (of state as of ``step``, whenever it runs) while the
         # learner stages its own; the reply must be in before the writer may fetch the cut.
         cut = self.client.send(P.SnapshotBuffer(step=step, version=self.version))
-        info = {
-            "wall_s": time.monotonic() - self.t_start,
-            "reward_running": {k: v.state_dict() for k, v in self.running.items()},
-            "kl_ctrl": self.kl_ctrl.state_dict(),
-        }
         snap = checkpointing.take_snapshot(
             stager,
             step,
             self.version,
-            model,
-            optimizer,
+            model_state(self.raw_model),
+            self.optimizer.state_dict(),
             self.scheduler.state_dict() if self.scheduler else None,
-            info,
-            lambda: fetch_buffer_files(
-                self.ctx.endpoints.buffer, self.cfg.buffer.request_timeout_s, step, self.curve
-            ),
+            self.checkpoint_info(),
+            self.buffer_files(step),
             critic=critic,
         )
         self.client.receive(cut)
         self.checkpointer.save(snap)
-        return time.monotonic() - t0
+
+    def checkpoint_shards(self, t0: float) -> None:
+        """Several ranks: each stages its own shards and writes them behind the step (DCP,
+        learners/sharded.py); rank 0 adds the JSON state and the buffer's files, and
+        commits once every rank's shards are written. One such save is in flight at a time.
+
+        Rank 0 empties the step directory before its save starts; no rank writes into it
+        before that, since DCP's writes wait for a plan that needs every rank's save."""
+        step = self.steps_done
+        ckpt = step_dir(self.ctx.path, step)
+        if self.checkpointer is not None:  # rank 0: the previous checkpoint is committed
+            self.checkpointer.wait()
+        if not self.shards.wait(self.cfg.checkpoint.write_timeout_s):
+            raise TimeoutError(
+                f"checkpoint shards not written after checkpoint.write_timeout_s="
+                f"{self.cfg.checkpoint.write_timeout_s:.0f}s; is the disk full or very slow?"
+            )
+        if self.checkpointer is not None:
+            checkpointing.clear_step_dir(ckpt)
+        self.checkpoint_wait_s = time.monotonic() - t0
+        tensors, groups = sharded.shard_tensors(self.raw_model, self.optimizer, sharded.ACTOR)
+        critic_groups = None
+        if self.critic is not None:
+            critic, critic_groups = sharded.shard_tensors(
+                self.raw_critic, self.critic_optimizer, sharded.CRITIC
+            )
+            tensors |= critic
+        if self.checkpointer is None:
+            self.shards.save(tensors | sharded.rng_tensors(), ckpt / sharded.SHARDS)
+            return
+        cut = self.client.send(P.SnapshotBuffer(step=step, version=self.version))
+        written = self.shards.save(tensors | sharded.rng_tensors(), ckpt / sharded.SHARDS)
+        snap = checkpointing.take_sharded_snapshot(
+            step,
+            self.version,
+            groups,
+            self.scheduler.state_dict() if self.scheduler else None,
+            self.checkpoint_info(),
+            self.buffer_files(step),
+            written,
+            critic_groups,
+        )
+        self.client.receive(cut)
+        self.checkpointer.save(snap)
+
+    def checkpoint_info(self) -> dict:
+        """Counters and running state of the JSON part of a checkpoint."""
+        return {
+            "wall_s": time.monotonic() - self.t_start,
+            "reward_running": {k: v.state_dict() for k, v in self.running.items()},
+            "kl_ctrl": self.kl_ctrl.state_dict(),
+        }
+
+    def buffer_files(self, step: int):
+        """What the writer thread calls to fetch the buffer's cut of ``step``."""
+        endpoint, timeout_s = self.ctx.endpoints.buffer, self.cfg.buffer.request_timeout_s
+        return lambda: fetch_buffer_files(endpoint, timeout_s, step, self.curve)
 
     def restore(self) -> bool:
         """Load the checkpoint the launcher chose (``endpoints.resume_from``), if any (every
@@ -357,8 +411,9 @@ class Learner:
             return False
         ckpt = Path(self.ctx.endpoints.resume_from)
         critic = None if self.critic is None else (self.raw_critic, self.critic_optimizer)
+        group = None if self.shards is None else self.shards.group
         info = checkpointing.load(
-            ckpt, self.raw_model, self.optimizer, self.scheduler, critic, world=self.dp.world
+            ckpt, self.raw_model, self.optimizer, self.scheduler, critic, self.dp.world, group
         )
         self.steps_done = info["step"]
         self.version = info["version"]
@@ -456,6 +511,8 @@ class Learner:
             self.evals.finish(self.cfg.eval.timeout_s)  # the final weights' evaluation
         if self.checkpointer is not None:
             self.checkpointer.wait()  # the last checkpoint is committed before we say done
+        if self.shards is not None and not self.shards.wait(self.cfg.checkpoint.write_timeout_s):
+            raise TimeoutError("checkpoint shards not written before exit")
         if self.acc.is_main_process:
             self.client.request(P.Shutdown())
         if self.metrics is not None:
@@ -468,6 +525,8 @@ class Learner:
         group down while the interpreter is fully alive (not during its teardown)."""
         if self.checkpointer is not None:
             self.checkpointer.stop()
+        if self.shards is not None:
+            self.shards.close()
         if self.sync is not None:
             try:
                 self.sync.close()

@@ -34,6 +34,7 @@ log = logging.getLogger("verl_async.checkpoint")
 
 MANIFEST = "manifest.json"
 SPARE = "spare"
+SHARDS = "learner/shards"  # the DCP files of a learner of several ranks (learners/sharded.py)
 _PREFIX = "step_"
 
 
@@ -64,6 +65,28 @@ def step_dir(run_dir: str | Path, step: int) -> Path:
 
 def spare_dir(run_dir: str | Path) -> Path:
     return checkpoints_root(run_dir) / SPARE
+
+
+def is_sharded(ckpt: Path) -> bool:
+    """Whether the learner of ``ckpt`` wrote shards (several ranks) or full files (one)."""
+    return (ckpt / SHARDS / ".metadata").is_file()
+
+
+def read_sharded_model(ckpt: Path) -> dict:
+    """The model's full tensors by name from the shards of ``ckpt``, read in this process
+    with no process group (tied names are not in the files: each tensor is there once)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(ckpt / SHARDS))
+    tensors = {
+        name: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for name, meta in reader.read_metadata().state_dict_metadata.items()
+        if name.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+    }
+    dcp.load(tensors, storage_reader=reader, no_dist=True)
+    return {name.removeprefix("model."): t for name, t in tensors.items()}
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:

@@ -305,6 +305,18 @@ def without_tied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict
     return {name: t for name, t in state.items() if name in unique}
 
 
+def tied_names(model: torch.nn.Module) -> dict[str, str]:
+    """Each second (third...) name of a parameter -> its first name (``without_tied``)."""
+    first: dict[int, str] = {}
+    tied = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            tied[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return tied
+
+
 def param_specs(named: Iterable[tuple[str, torch.Tensor]]) -> list[ParamSpec]:
     return [ParamSpec(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in named]
 

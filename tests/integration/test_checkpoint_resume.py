@@ -28,8 +28,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch.distributed.checkpoint as dcp
 
 from benchmarks.custom_learner import command
+from learners import sharded
 from verl_async.checkpoint import MANIFEST, list_checkpoints
 
 from .conftest import (
@@ -155,7 +157,9 @@ def crashed_and_resumed(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def crashed_and_resumed_with_critic(tmp_path_factory) -> Path:
-    return _crash_and_resume(tmp_path_factory.mktemp("crash_critic"), CRITIC_AND_REFERENCE)
+    """One learner rank, then two (sharded checkpoints of actor and critic), then one."""
+    shapes = [ONE_LEARNER, TWO_LEARNERS, TWO_LEARNERS, ONE_LEARNER]
+    return _crash_and_resume(tmp_path_factory.mktemp("crash_critic"), CRITIC_AND_REFERENCE, shapes)
 
 
 @pytest.fixture(scope="module")
@@ -237,10 +241,12 @@ def _crash_and_resume(
 
     # 4. Damage the newest checkpoint; resume must fall back to the one before it.
     newest = max(committed_steps(run_dir))
-    model = run_dir / "checkpoints" / f"step_{newest:08d}" / "learner" / "model.safetensors"
-    model.write_bytes(model.read_bytes()[:100])
+    learner = run_dir / "checkpoints" / f"step_{newest:08d}" / "learner"
+    # model.safetensors with one rank, a rank's shard file with several
+    victim = max((p for p in learner.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    victim.write_bytes(victim.read_bytes()[:100])
     check = run_cli(["ckpt", "verify", str(run_dir), "--step", str(newest)], timeout=60)
-    assert check.returncode == 1 and "model.safetensors" in check.stdout, check.stdout
+    assert check.returncode == 1 and victim.name in check.stdout, check.stdout
     final = run_cli(resume(), timeout=400)
     assert final.returncode == 0, final.stderr[-3000:]
     assert f"step_{newest:08d} fails verification" in final.stderr
@@ -258,10 +264,21 @@ def test_every_prompt_is_trained_exactly_once_across_three_crashes(crashed_and_r
 def test_exactly_once_holds_with_a_critic_and_a_reference(crashed_and_resumed_with_critic):
     run_dir = crashed_and_resumed_with_critic
     _audit_exactly_once(run_dir)
-    for ckpt in list_checkpoints(run_dir):
-        if (ckpt / MANIFEST).is_file():
+    forms = set()
+    committed = [c for c in list_checkpoints(run_dir) if (c / MANIFEST).is_file()]
+    # The damaged one (launch 4 resumed one rank from the one before it) was written by two.
+    for ckpt in [*committed, *run_dir.glob("checkpoints/damaged_step_*")]:
+        if sharded.is_sharded(ckpt):  # written by two ranks
+            meta = dcp.FileSystemReader(str(ckpt / sharded.SHARDS)).read_metadata()
+            names = meta.state_dict_metadata
+            assert any(n.startswith("critic.") for n in names)
+            assert any(n.startswith("critic_optim.") for n in names)
+            forms.add("sharded")
+        else:
             assert (ckpt / "learner" / "critic.safetensors").is_file()
             assert (ckpt / "learner" / "critic_state.safetensors").is_file()
+            forms.add("full")
+    assert forms == {"sharded", "full"}, forms
     rows = _rows(run_dir / "metrics.jsonl")
     assert all("critic/vf_loss" in r and "actor/kl_loss" in r for r in rows)
 
@@ -475,12 +492,13 @@ def test_a_lora_export_gives_the_learner_s_log_probs_merged_and_as_an_adapter(
     adapter directory give the log-probs of the checkpoint's own peft model."""
     import torch
     from peft import PeftModel
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from learners.logprobs import logits_of
     from verl_async import lora
+    from verl_async.checkpoint import read_sharded_model
     from verl_async.config import load_config
+    from verl_async.weight_sync import tied_names
 
     run_dir = crashed_and_resumed_lora
     merged, adapter = tmp_path / "merged", tmp_path / "adapter"
@@ -491,10 +509,12 @@ def test_a_lora_export_gives_the_learner_s_log_probs_merged_and_as_an_adapter(
     def base():
         return AutoModelForCausalLM.from_pretrained(run_dir / "model", dtype=torch.float32)
 
-    state = load_file(
-        run_dir / "checkpoints" / f"step_{STEPS:08d}" / "learner" / "model.safetensors"
-    )
+    ckpt = run_dir / "checkpoints" / f"step_{STEPS:08d}"
+    assert sharded.is_sharded(ckpt)  # the last launch ran two learner ranks
+    state = read_sharded_model(ckpt)
     learner = lora.apply(base(), load_config(run_dir / "config.yaml").model.lora)
+    for name, first in tied_names(learner).items():  # written once in the shards
+        state[name] = state[first]
     learner.load_state_dict(state, strict=True)
     ids = torch.tensor([[1, 5, 9, 3, 7, 2, 8, 4]])
     attn = torch.ones_like(ids)

@@ -1,6 +1,7 @@
 """``verl-async export``: a checkpoint as a Hugging Face model directory.
 
-The checkpoint holds the full weights by Hugging Face name (``learner/model.safetensors``);
+The checkpoint holds the full weights by Hugging Face name (``learner/model.safetensors``,
+or a learner of several ranks' shards, read here without a process group);
 the model's config, generation config and tokenizer come from the run's initial model
 (the manifest's ``model_path``, or ``<run_dir>/model`` when that directory moved with the
 run). The result is a ``save_pretrained`` directory that transformers and vLLM load. A
@@ -21,7 +22,15 @@ import shutil
 from pathlib import Path
 
 from verl_async import lora
-from verl_async.checkpoint import CheckpointError, newest_valid, read_manifest, step_dir, verify
+from verl_async.checkpoint import (
+    CheckpointError,
+    is_sharded,
+    newest_valid,
+    read_manifest,
+    read_sharded_model,
+    step_dir,
+    verify,
+)
 from verl_async.config import load_config
 
 
@@ -102,6 +111,17 @@ def _beside(out_dir: Path, what: str) -> Path:
     return path
 
 
+def _load(model, state: dict, shards: bool) -> None:
+    """Shards hold a tied tensor once (an output head sharing the input embedding): its
+    other names get it back before a strict load."""
+    from verl_async.weight_sync import tied_names
+
+    if shards:
+        for name, first in tied_names(model).items():
+            state.setdefault(name, state[first])
+    model.load_state_dict(state, strict=True)
+
+
 def _write_model(
     ckpt: Path, base: Path, out_dir: Path, run_dir: Path, adapter_dir: str | Path | None
 ) -> None:
@@ -109,7 +129,10 @@ def _write_model(
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    state = load_file(ckpt / "learner" / "model.safetensors")
+    shards = is_sharded(ckpt)  # written by several learner ranks
+    state = (
+        read_sharded_model(ckpt) if shards else load_file(ckpt / "learner" / "model.safetensors")
+    )
     config = AutoConfig.from_pretrained(base)
     dtype = next(iter(state.values())).dtype if state else torch.float32
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -117,7 +140,7 @@ def _write_model(
     if adapter:  # a LoRA run: its peft model's state, merged into plain weights
         lora_cfg = load_config(run_dir / "config.yaml").model.lora
         model = lora.apply(model, lora_cfg)
-        model.load_state_dict(state, strict=True)
+        _load(model, state, shards)
         if adapter_dir is not None:
             tmp = _beside(Path(adapter_dir), "export")
             lora.write_adapter_dir(tmp, adapter, lora_cfg, str(base))
@@ -126,7 +149,7 @@ def _write_model(
     elif adapter_dir is not None:
         raise CheckpointError(f"{ckpt.name} holds no LoRA adapter (the run trained every weight)")
     else:
-        model.load_state_dict(state, strict=True)
+        _load(model, state, shards)
     model.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(base).save_pretrained(out_dir)
     with contextlib.suppress(OSError):  # the initial model may have no generation config

@@ -1,0 +1,171 @@
+"""Sharded checkpoints: with several learner ranks, each rank writes its own shards.
+
+A learner job of L > 1 ranks (FSDP2) saves with torch.distributed.checkpoint (DCP)
+instead of gathering the whole state into rank 0's memory: each rank hands its shards of
+the model, the optimizer state (and the critic's) to ``dcp.async_save``, which copies them
+into host buffers kept from one checkpoint to the next (the step waits for that copy
+only) and writes them on a thread of its own, one file per rank. The writes coordinate
+over a gloo group of their own (``ShardWriter.group``), so they never interleave with the
+training collectives. Rank 0 writes the rest (``trainer_state.json``, the buffer's files)
+as with one rank and commits the manifest only after DCP's ``.metadata`` is written,
+which DCP does once every rank's file is.
+
+Files of ``checkpoints/step_NNNNNNNN/learner/`` in this form::
+
+    shards/__<rank>_0.distcp   rank <rank>'s shards: "model.<name>" weights,
+                               "optim.<name>.<key>" optimizer state, "critic.<name>" and
+                               "critic_optim.<name>.<key>" (gae only), "rng.torch"
+    shards/.metadata           DCP's index of every shard (a torch pickle, written by torch)
+    trainer_state.json         as with one rank, the optimizer's param groups by name
+
+One save is in flight at a time: a checkpoint first waits for the previous one to be
+written (on rank 0: committed), then reuses its host buffers. Loading reshards (DCP reads
+whatever part of each tensor a rank owns), so a run saved on 2 ranks resumes on 1, 2 or 3;
+``verl-async export`` reads the model's tensors with no process group at all
+(verl_async/checkpoint.py ``read_sharded_model``).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+
+from verl_async.checkpoint import SHARDS, is_sharded  # noqa: F401 (part of this module's API)
+from verl_async.weight_sync import tied_names
+
+
+class ShardWriter:
+    """This rank's side of sharded saves: a gloo group for DCP's collectives (made at
+    start, a collective itself), the host buffers staging reuses, and the save in flight."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        self.group = dist.new_group(backend="gloo")
+        cuda = torch.cuda.is_available()
+        # Synchronous staging (the step waits for the copy, so training may change the
+        # weights right after), into pinned buffers on CUDA.
+        self.stager = DefaultStager(StagingOptions(cuda, False, False, False))
+        self.future: Future | None = None
+
+    def save(self, tensors: dict[str, torch.Tensor], path: Path) -> Future:
+        """Stage ``tensors`` (this rank's shards) and write them to ``path`` behind the step."""
+        import torch.distributed.checkpoint as dcp
+
+        if self.future is not None:
+            raise RuntimeError("a sharded checkpoint save is still in flight")
+        self.future = dcp.async_save(
+            tensors, checkpoint_id=str(path), process_group=self.group, async_stager=self.stager
+        )
+        return self.future
+
+    def wait(self, timeout_s: float | None) -> bool:
+        """Wait for the save in flight; False when it is still running after ``timeout_s``.
+        A failed write raises here."""
+        if self.future is None:
+            return True
+        try:
+            self.future.result(timeout_s)
+        except TimeoutError:
+            return False
+        finally:
+            if self.future.done():
+                self.future = None
+        return True
+
+    def close(self) -> None:
+        self.stager.close()
+
+
+# Checkpoint names: "<weights>.<parameter>" and "<optimizer>.<parameter>.<key>".
+ACTOR = ("model", "optim")
+CRITIC = ("critic", "critic_optim")
+
+
+def shard_tensors(
+    model: torch.nn.Module, optimizer, prefixes: tuple[str, str]
+) -> tuple[dict, list[dict]]:
+    """(this rank's tensors of ``model`` and its optimizer, by checkpoint name; the
+    optimizer's param groups, parameters by name, JSON-able). Tied names are left out
+    (SmolLM2's head is its embedding): each tensor is written once."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    prefix, optim_prefix = prefixes
+    tied = tied_names(model)
+    tensors = {
+        f"{prefix}.{name}": t for name, t in get_model_state_dict(model).items() if name not in tied
+    }
+    optim = get_optimizer_state_dict(model, optimizer)  # a fresh optimizer's state is made
+    for name, entries in optim["state"].items():
+        for key, value in entries.items():
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"optimizer state {name}.{key} is not a tensor: {value!r}")
+            tensors[f"{optim_prefix}.{name}.{key}"] = value
+    return tensors, optim["param_groups"]
+
+
+def load_shards(
+    ckpt: Path,
+    model: torch.nn.Module,
+    optimizer,
+    groups: list[dict],
+    prefixes: tuple[str, str],
+    world: int,
+    group=None,
+) -> None:
+    """Load ``model`` and its optimizer from the shards of ``ckpt`` (every rank calls it;
+    with ``world`` == 1 the model is a plain module and no process group is used)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    prefix, optim_prefix = prefixes
+    tensors, _ = shard_tensors(model, optimizer, prefixes)  # the shapes to read into
+    dcp.load(tensors, checkpoint_id=str(ckpt / SHARDS), process_group=group, no_dist=world == 1)
+    weights = {
+        name[len(prefix) + 1 :]: t for name, t in tensors.items() if name.startswith(f"{prefix}.")
+    }
+    for name, first in tied_names(model).items():
+        weights[name] = weights[first]
+    state: dict[str, dict] = {}
+    for name, t in tensors.items():
+        if name.startswith(f"{optim_prefix}."):
+            param, _, key = name[len(optim_prefix) + 1 :].rpartition(".")
+            state.setdefault(param, {})[key] = t
+    set_model_state_dict(model, weights)
+    set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": groups})
+
+
+def rng_tensors() -> dict[str, torch.Tensor]:
+    """Torch's RNG states as checkpoint tensors (one rank's are kept, as with one rank;
+    Python's go in trainer_state.json)."""
+    tensors = {"rng.torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors["rng.cuda"] = torch.cuda.get_rng_state()
+    return tensors
+
+
+def load_rng(ckpt: Path, world: int, group=None) -> dict:
+    """The RNG states of ``ckpt`` in ``checkpointing.set_rng_state``'s form (no Python one);
+    a CUDA state saved by a GPU run is left out on a machine without CUDA."""
+    import torch.distributed.checkpoint as dcp
+
+    saved = dcp.FileSystemReader(str(ckpt / SHARDS)).read_metadata().state_dict_metadata
+    tensors = {
+        name: torch.empty(saved[name].size, dtype=torch.uint8)
+        for name in ("rng.torch", "rng.cuda")
+        if name in saved and (name == "rng.torch" or torch.cuda.is_available())
+    }
+    dcp.load(tensors, checkpoint_id=str(ckpt / SHARDS), process_group=group, no_dist=world == 1)
+    rng = {"torch": tensors["rng.torch"]}
+    if "rng.cuda" in tensors:
+        rng["cuda"] = [tensors["rng.cuda"]]
+    return rng
