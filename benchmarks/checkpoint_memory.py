@@ -9,11 +9,13 @@ with ``cpu_offload``, staged into rank 0's safetensors buffers, written by rank 
 Each way runs as its own ``torch.distributed.run`` job (gloo, CPU), so each starts from
 a fresh process: every rank loads the model in float32, shards it with FSDP2
 (learners/setup.py), takes one AdamW step (the optimizer state exists), and then takes
-``--checkpoints`` checkpoints with a training step between them. Per rank it reports the
-resident memory before the first checkpoint, the peak during the checkpoints (VmHWM,
-reset just before them through /proc/self/clear_refs) and the size of its own shards;
-the time the step is held (gather and staging, or staging into DCP's buffers) and the
-time until the files are written.
+``--checkpoints`` checkpoints back to back. Per rank it reports the size of its own
+shards of weights and AdamW state; the peak rise of its resident memory over the
+checkpoints (VmHWM, reset through /proc/self/clear_refs before the first, minus VmRSS
+then, with freed heap given back to the system first: ``malloc_trim``) and what is still
+held after them (staging buffers are kept for the next checkpoint); the time the step is
+held (gather and staging, or staging into DCP's buffers) and the time until every file
+is written.
 """
 
 from __future__ import annotations
@@ -36,6 +38,15 @@ def _status(field: str) -> float:
         if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
     raise KeyError(field)
+
+
+def _trim() -> None:
+    """Give freed heap memory back to the system, so that a rise in RSS is new memory."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _local_mib(tensors) -> float:
@@ -100,10 +111,11 @@ def rank_main(way: str, checkpoints: int, model_path: str, out: Path) -> None:
     writer = sharded.ShardWriter() if way == "sharded" else None
     stager = checkpointing.Stager()  # rank 0's staging buffers, kept across checkpoints
     shard = _local_mib(list(model.parameters())) * 3  # weights, exp_avg, exp_avg_sq
+    held, total = [], []
+    _trim()
     dist.barrier()
     before = _status("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    held, total = [], []
     for i in range(checkpoints):
         ckpt = out / way / f"step_{i}"
         dist.barrier()
@@ -113,21 +125,25 @@ def rank_main(way: str, checkpoints: int, model_path: str, out: Path) -> None:
             writer.save(tensors, ckpt / sharded.SHARDS)
             held.append(time.monotonic() - t0)
             assert writer.wait(600)
+            del tensors
         else:
             write = _gathered(model, optimizer, rank, ckpt, stager)
             held.append(time.monotonic() - t0)
             if write is not None:
                 write()
+            del write
         dist.barrier()
         total.append(time.monotonic() - t0)
-        step()
+    peak = _status("VmHWM")
+    _trim()
     row = {
         "rank": rank,
-        "shard_mib": round(shard, 1),
-        "rss_before_mib": round(before, 1),
-        "peak_mib": round(_status("VmHWM"), 1),
-        "held_s": [round(x, 3) for x in held],
-        "written_s": [round(x, 3) for x in total],
+        "shard_mib": round(shard),
+        "before_mib": round(before),
+        "rise_mib": round(peak - before),
+        "kept_mib": round(_status("VmRSS") - before),
+        "held_s": [round(x, 2) for x in held],
+        "written_s": [round(x, 2) for x in total],
     }
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
@@ -164,22 +180,20 @@ def main() -> None:
             results[way] = json.loads((Path(scratch) / f"{way}.json").read_text())
     (out / "results.json").write_text(json.dumps(results, indent=1))
     print(
-        "| way | rank | own shards MiB | RSS before MiB | peak MiB | peak − before | step held s | written s |"
+        "| way | rank | own shards, MiB | RSS before, MiB | peak rise, MiB "
+        "| still held after, MiB | step held, s | until written, s |"
     )
     print("|---|---:|---:|---:|---:|---:|---|---|")
     for way, rows in results.items():
         for r in rows:
-            rise = r["peak_mib"] - r["rss_before_mib"]
             print(
-                f"| {way} | {r['rank']} | {r['shard_mib']} | {r['rss_before_mib']} | "
-                f"{r['peak_mib']} | {rise:.0f} | {r['held_s']} | {r['written_s']} |"
+                f"| {way} | {r['rank']} | {r['shard_mib']} | {r['before_mib']} | {r['rise_mib']} "
+                f"| {r['kept_mib']} | {r['held_s']} | {r['written_s']} |"
             )
-    peaks = {
-        way: max(r["peak_mib"] - r["rss_before_mib"] for r in rows) for way, rows in results.items()
-    }
+    rises = {way: max(r["rise_mib"] for r in rows) for way, rows in results.items()}
     print(
-        f"summary: largest per-rank rise during {args.checkpoints} checkpoints on {args.ranks} "
-        f"ranks: gather-to-rank-0 {peaks['gather']:.0f} MiB, sharded {peaks['sharded']:.0f} MiB"
+        f"summary: largest RSS rise of a rank over {args.checkpoints} checkpoints on "
+        f"{args.ranks} ranks: gather-to-rank-0 {rises['gather']} MiB, sharded {rises['sharded']} MiB"
     )
 
 
