@@ -2,9 +2,9 @@
 
 A learner job of L > 1 ranks (FSDP2) saves with torch.distributed.checkpoint (DCP)
 instead of gathering the whole state into rank 0's memory: each rank hands its shards of
-the model, the optimizer state (and the critic's) to ``dcp.async_save``, which copies them
+the model, the optimizer state (and the critic's) to ``ShardWriter``, which copies them
 into host buffers kept from one checkpoint to the next (the step waits for that copy
-only) and writes them on a thread of its own, one file per rank. The writes coordinate
+only) and writes them with DCP on a thread of its own, one file per rank. The writes coordinate
 over a gloo group of their own (``ShardWriter.group``), so they never interleave with the
 training collectives. Rank 0 writes the rest (``trainer_state.json``, the buffer's files)
 as with one rank and commits the manifest only after DCP's ``.metadata`` is written,
@@ -27,7 +27,7 @@ whatever part of each tensor a rank owns), so a run saved on 2 ranks resumes on 
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -38,29 +38,73 @@ from verl_async.weight_sync import tied_names
 
 class ShardWriter:
     """This rank's side of sharded saves: a gloo group for DCP's collectives (made at
-    start, a collective itself), the host buffers staging reuses, and the save in flight."""
+    start, a collective itself), host buffers for this rank's shards kept from one
+    checkpoint to the next, and a writer thread with at most one save in flight.
+
+    Staging is ours, not DCP's: one ``copy_`` per tensor into its buffer, and DTensors
+    with the same layout made around the buffers; DCP's own staging walks every tensor in
+    Python on the training thread (about 40 ms a checkpoint for a 4-layer model's 160
+    tensors here). ``dcp.save`` then runs on the writer thread, planning cached (the
+    tensors are the same every time)."""
 
     def __init__(self) -> None:
         import torch.distributed as dist
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         self.group = dist.new_group(backend="gloo")
-        cuda = torch.cuda.is_available()
-        # Synchronous staging (the step waits for the copy, so training may change the
-        # weights right after), into pinned buffers on CUDA.
-        self.stager = DefaultStager(StagingOptions(cuda, False, False, False))
+        self.staged: dict[str, torch.Tensor] = {}
+        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-shards")
         self.future: Future | None = None
 
     def save(self, tensors: dict[str, torch.Tensor], path: Path) -> Future:
-        """Stage ``tensors`` (this rank's shards) and write them to ``path`` behind the step."""
+        """Stage ``tensors`` (this rank's shards; the caller may change them as soon as
+        this returns) and write them to ``path`` on the writer thread."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import DefaultSavePlanner
 
         if self.future is not None:
             raise RuntimeError("a sharded checkpoint save is still in flight")
-        self.future = dcp.async_save(
-            tensors, checkpoint_id=str(path), process_group=self.group, async_stager=self.stager
+        staged = self.stage(tensors)
+        self.future = self.writer.submit(
+            dcp.save,
+            staged,
+            checkpoint_id=str(path),
+            process_group=self.group,
+            planner=DefaultSavePlanner(enable_plan_caching=True),
         )
         return self.future
+
+    def stage(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Copies of ``tensors`` in this writer's host buffers (made on first use, and
+        again if the tensors change), DTensors kept as DTensors of the same layout."""
+        from torch.distributed.tensor import DTensor
+
+        def local(t: torch.Tensor) -> torch.Tensor:
+            return t.to_local() if isinstance(t, DTensor) else t
+
+        shapes = {name: (local(t).shape, local(t).dtype) for name, t in tensors.items()}
+        if shapes != {name: (b.shape, b.dtype) for name, b in self.staged.items()}:
+            pin = torch.cuda.is_available()
+            self.staged = {
+                name: torch.empty(shape, dtype=dtype, pin_memory=pin)
+                for name, (shape, dtype) in shapes.items()
+            }
+        out = {}
+        for name, t in tensors.items():
+            buf = self.staged[name]
+            buf.copy_(local(t).detach(), non_blocking=True)
+            if isinstance(t, DTensor):
+                buf = DTensor.from_local(
+                    buf,
+                    t.device_mesh,
+                    t.placements,
+                    run_check=False,
+                    shape=t.shape,
+                    stride=t.stride(),
+                )
+            out[name] = buf
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return out
 
     def wait(self, timeout_s: float | None) -> bool:
         """Wait for the save in flight; False when it is still running after ``timeout_s``.
@@ -77,7 +121,8 @@ class ShardWriter:
         return True
 
     def close(self) -> None:
-        self.stager.close()
+        self.writer.shutdown(wait=False)
+        self.staged = {}
 
 
 # Checkpoint names: "<weights>.<parameter>" and "<optimizer>.<parameter>.<key>".
