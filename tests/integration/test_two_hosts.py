@@ -4,8 +4,10 @@ learner, host B a generator, each started with its role command; the buffer list
 A's link address with CurveZMQ keys, and the weight-sync group (gloo, its store on A)
 crosses the link. A client on B without the run's keys is refused. The same run is then
 repeated over a slow link, on both ends: 20 ms of delay and 1 % loss (``tc netem``), and
-20 Mbit/s (``tc tbf``). Last, a two-node Ray cluster (head on A, worker on B, token
-authentication) runs ``launcher: ray`` with the generator placed on B.
+20 Mbit/s (``tc tbf``); and over a link made in user space where the kernel has no netem
+(impaired_link.py: TUN devices, 20 ms each way and 1 % loss, against the same link
+unimpaired). Last, a two-node Ray cluster (head on A, worker on B, token authentication)
+runs ``launcher: ray`` with the generator placed on B.
 
 Each test builds its namespaces and removes them, veth pair included, whatever happens.
 Where namespaces cannot be made (not root, no ``ip``, a container without the
@@ -22,6 +24,7 @@ import os
 import random
 import re
 import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -45,41 +48,82 @@ class Hosts:
     b: str
     addr_a: str  # their addresses on the link
     addr_b: str
-    dev_a: str  # their ends of the veth pair
+    dev_a: str  # their ends of the link
     dev_b: str
+    link: subprocess.Popen | None = None  # the user-space link (impaired_link.py), if any
 
 
 def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
 
 
-@pytest.fixture
-def hosts() -> Iterator[Hosts]:
+@contextlib.contextmanager
+def _two_hosts(impairment: tuple[float, float] | None = None) -> Iterator[Hosts]:
+    """Two namespaces joined by a veth pair or, with ``impairment`` (delay in ms, loss
+    probability), by impaired_link.py's TUN devices; removed afterwards."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
         pytest.skip("network namespaces need root and iproute2's `ip`")
     tag = f"{os.getpid() % 10000}{random.randrange(100):02d}"
     net = f"10.213.{random.randrange(1, 250)}"
-    h = Hosts(
-        f"vasync-{tag}-a", f"vasync-{tag}-b", f"{net}.1", f"{net}.2", f"va{tag}a", f"va{tag}b"
-    )
+    names = (f"vasync-{tag}-a", f"vasync-{tag}-b", f"{net}.1", f"{net}.2", f"va{tag}a", f"va{tag}b")
     made: list[str] = []
+    link = None
     try:
         try:
-            for ns in (h.a, h.b):
+            for ns in names[:2]:
                 _ip("netns", "add", ns)
                 made.append(ns)
         except subprocess.CalledProcessError as exc:
             pytest.skip(f"network namespaces cannot be made here: {exc.stderr.strip()}")
-        _ip("link", "add", h.dev_a, "netns", h.a, "type", "veth", "peer", "name", h.dev_b,
-            "netns", h.b)  # fmt: skip
+        h = Hosts(*names)
+        if impairment is None:
+            _ip("link", "add", h.dev_a, "netns", h.a, "type", "veth", "peer", "name", h.dev_b,
+                "netns", h.b)  # fmt: skip
+        else:
+            link = _start_link(h, *impairment)
+            h = Hosts(*names, link=link)
         for ns, dev, addr in ((h.a, h.dev_a, h.addr_a), (h.b, h.dev_b, h.addr_b)):
             _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
             _ip("-n", ns, "link", "set", dev, "up")
             _ip("-n", ns, "link", "set", "lo", "up")  # each host's own loopback
         yield h
     finally:
+        if link is not None and link.poll() is None:
+            link.kill()
+            link.wait(timeout=30)
         for ns in made:  # deleting a namespace deletes its end of the pair, and so the pair
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+def _start_link(h: Hosts, delay_ms: float, loss: float) -> subprocess.Popen:
+    """impaired_link.py between the two namespaces, once it has made both devices."""
+    link = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("impaired_link.py")), h.a, h.dev_a,
+         h.b, h.dev_b, "--delay-ms", str(delay_ms), "--loss", str(loss)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    ready, _, _ = select.select([link.stdout], [], [], 60)
+    if not ready or link.stdout.readline().strip() != "ready":
+        link.kill()
+        pytest.skip(f"a TUN link cannot be made here: {link.stderr.read().strip()[-500:]}")
+    return link
+
+
+def _link_counts(h: Hosts) -> dict[str, int]:
+    """Stop the user-space link; the packets it carried, lost on purpose and could not
+    deliver, both directions together."""
+    h.link.terminate()
+    out, _ = h.link.communicate(timeout=30)
+    stats = json.loads(out.strip().splitlines()[-1])
+    return {
+        key: sum(d[key] for d in stats.values()) for key in ("carried", "lost", "undeliverable")
+    }
+
+
+@pytest.fixture
+def hosts() -> Iterator[Hosts]:
+    with _two_hosts() as h:
+        yield h
 
 
 def _start(ns: str, args: list[str], log: Path) -> subprocess.Popen:
@@ -87,7 +131,7 @@ def _start(ns: str, args: list[str], log: Path) -> subprocess.Popen:
     return start(args, log, prefix=["ip", "netns", "exec", ns])
 
 
-def _train_across(h: Hosts, tmp: Path, keys: Path) -> str:
+def _train_across(h: Hosts, tmp: Path, keys: Path, steps: int = STEPS) -> str:
     """Buffer and learner on A, a generator on B, a keyless client on B; returns what the
     run measured: seconds from the first step to the last, median step, weights a step."""
     port = 20000 + random.randrange(20000)
@@ -101,7 +145,7 @@ def _train_across(h: Hosts, tmp: Path, keys: Path) -> str:
             [
                 "buffer",
                 "configs/tiny.yaml",
-                f"trainer.total_steps={STEPS}",
+                f"trainer.total_steps={steps}",
                 f"buffer.host={h.addr_a}",
                 f"buffer.port={port}",
                 f"buffer.keys_dir={keys}",
@@ -138,10 +182,10 @@ def _train_across(h: Hosts, tmp: Path, keys: Path) -> str:
     # libzmq does not name the peer of a handshake that fails before authentication
     assert f"refused a client on {address}: it" in buffer_log, buffer_log[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(STEPS))
+    assert [r["step"] for r in rows] == list(range(steps))
     trail = [json.loads(line) for line in (run_dir / "trained.jsonl").read_text().splitlines()]
     groups = [g for t in trail for g, _ in t["groups"]]
-    assert sorted(groups) == list(range(STEPS * 8)), "a group was lost or trained twice"
+    assert sorted(groups) == list(range(steps * 8)), "a group was lost or trained twice"
     learner_log = logs["learner"].read_text()  # a role command logs to its output
     assert "weight-sync group ready: updates go through the network" in learner_log
     loaded = [
@@ -149,11 +193,11 @@ def _train_across(h: Hosts, tmp: Path, keys: Path) -> str:
         for line in logs["generator"].read_text().splitlines()
         if "loaded version " in line
     ]
-    assert loaded and max(loaded) >= STEPS // 2, loaded[-5:]  # weights crossed the link
-    steps = sorted(r["step_s"] for r in rows)
+    assert loaded and max(loaded) >= steps // 2, loaded[-5:]  # weights crossed the link
+    times = sorted(r["step_s"] for r in rows)
     return (
-        f"{STEPS} steps in {rows[-1]['wall_s'] - rows[0]['wall_s']:.1f} s from the first to "
-        f"the last, median step {steps[len(steps) // 2]:.3f} s, "
+        f"{steps} steps in {rows[-1]['wall_s'] - rows[0]['wall_s']:.1f} s from the first to "
+        f"the last, median step {times[len(times) // 2]:.3f} s, "
         f"{rows[-1]['weight_sync_mb']:.2f} MiB of weights a step"
     )
 
@@ -263,3 +307,26 @@ def test_a_run_across_a_slow_link_trains_every_group_once(hosts, keys, tmp_path,
                 f"`tc qdisc add ... {SLOW_LINKS[link][0]}` fails here: {added.stderr.strip()}"
             )
     print(f"two hosts, link {link}: {_train_across(hosts, tmp_path, keys)}")
+
+
+# A user-space link (impaired_link.py): where the kernel has netem, the case above covers
+# the same; the case without impairment is the baseline for the same kind of link.
+IMPAIRED_STEPS = STEPS
+IMPAIRED = {"tun-plain": (0.0, 0.0), "tun-20ms-1pct-loss": (20.0, 0.01)}
+
+
+@pytest.mark.parametrize("link", list(IMPAIRED))
+def test_a_run_across_a_link_with_delay_and_loss_in_user_space_trains_every_group_once(
+    keys, tmp_path, link
+):
+    """20 ms each way and 1 % of packets lost, both directions, between TUN devices of the
+    two hosts (tests/integration/impaired_link.py), against the same link unimpaired."""
+    delay_ms, loss = IMPAIRED[link]
+    with _two_hosts((delay_ms, loss)) as h:
+        summary = _train_across(h, tmp_path, keys, steps=IMPAIRED_STEPS)
+        counts = _link_counts(h)
+    if loss:  # the loss was real: TCP retransmitted what the link dropped
+        assert counts["lost"] >= 0.5 * loss * (counts["carried"] + counts["lost"]), counts
+    else:
+        assert counts["lost"] == 0, counts
+    print(f"two hosts, link {link}: {summary}; packets {counts}")
