@@ -281,8 +281,9 @@ def test_a_dead_learner_or_buffer_resumes_the_run_up_to_max_restarts(
     def run_roles(cfg, run_dir, console, t0):
         if deaths:
             role = deaths.pop(0)
-            raise RoleFailed(f"the {role} process exited with code -9 before the run finished; "
-                             "last lines of ...", role=role)  # fmt: skip
+            cause = f"the {role} process exited with code -9"
+            raise RoleFailed(f"{cause} before the run finished; last lines of ...",
+                             role=role, cause=cause)  # fmt: skip
 
     def prepare(cfg, run_dir, ckpt, data_checked=False):
         resumed_from.append(ckpt and ckpt.name)
@@ -308,7 +309,7 @@ def test_a_dead_learner_or_buffer_resumes_the_run_up_to_max_restarts(
     assert "restart 1/2: the learner process exited with code -9" in out
     assert "restart 2/2: the buffer process exited with code -9" in out
     log = (tmp_path / "healed" / "logs" / "learner.log").read_text()
-    assert "restart 2/2: the buffer process exited with code -9 before the run finished ---" in log
+    assert "restart 2/2: the buffer process exited with code -9 ---" in log
     with pytest.raises(RoleFailed, match="the learner process"):
         run("too_many", ["learner", "learner"], "trainer.max_restarts=1")
     with pytest.raises(RoleFailed, match="the buffer process"):

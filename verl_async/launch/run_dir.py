@@ -25,11 +25,13 @@ from verl_async.schema import DataConfig, RunConfig
 
 
 class RoleFailed(RuntimeError):
-    """The run cannot go on; ``role``: the role whose process died, when one did."""
+    """The run cannot go on; ``role``: the role whose process died, when one did, and
+    ``cause``: how, in one line (the message may go on with its log's last lines)."""
 
-    def __init__(self, message: str, role: str | None = None) -> None:
+    def __init__(self, message: str, role: str | None = None, cause: str | None = None) -> None:
         super().__init__(message)
         self.role = role
+        self.cause = cause or message.splitlines()[0]
 
 
 def make_run_dir(cfg: RunConfig, run_dir: str | None) -> Path:

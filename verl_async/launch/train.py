@@ -75,10 +75,12 @@ def watch(
                     continue
                 done = role is learner or role.name.startswith("generator")
                 if code is not None and (code != 0 or not done and learner.proc.poll() is None):
+                    cause = f"the {role.name} process exited with code {code}"
                     raise RoleFailed(
-                        f"the {role.name} process exited with code {code} before the run finished; "
+                        f"{cause} before the run finished; "
                         f"last lines of {role.log_path}:\n{_tail(role.log_path)}",
                         role=role.name,
+                        cause=cause,
                     )
             finished = learner.proc.poll() == 0  # before reading: its last row is then in
             rows = read_metrics(run_dir / "metrics.jsonl")
@@ -176,7 +178,6 @@ def run_roles(cfg: RunConfig, run_dir: Path, console, t0: float | None) -> None:
 def note_restart(run_dir: Path, console, failure: RoleFailed, n: int, limit: int) -> None:
     """Say why the run restarts: on the console (with the dead role's last log lines), in
     ``startup.jsonl`` (event ``restart``) and at the end of every role's log."""
-    cause = str(failure).split(";", 1)[0]  # "the learner process exited with code -9 ..."
     console.print(
         f"restart {n}/{limit}: {failure}\nresuming the run from its newest checkpoint",
         style="yellow",
@@ -187,4 +188,4 @@ def note_restart(run_dir: Path, console, failure: RoleFailed, n: int, limit: int
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     for log in sorted((run_dir / "logs").glob("*.log")):
         with open(log, "a") as f:
-            f.write(f"\n--- {stamp} verl-async: restart {n}/{limit}: {cause} ---\n\n")
+            f.write(f"\n--- {stamp} verl-async: restart {n}/{limit}: {failure.cause} ---\n\n")
