@@ -108,7 +108,7 @@ def rank_main(way: str, checkpoints: int, model_path: str, out: Path) -> None:
     step()
     from learners import checkpointing
 
-    writer = sharded.ShardWriter() if way == "sharded" else None
+    writer = sharded.ShardWriter(600) if way == "sharded" else None
     stager = checkpointing.Stager()  # rank 0's staging buffers, kept across checkpoints
     shard = _local_mib(list(model.parameters())) * 3  # weights, exp_avg, exp_avg_sq
     held, total = [], []

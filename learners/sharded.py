@@ -28,6 +28,7 @@ whatever part of each tensor a rank owns), so a run saved on 2 ranks resumes on 
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -47,10 +48,11 @@ class ShardWriter:
     tensors here). ``dcp.save`` then runs on the writer thread, planning cached (the
     tensors are the same every time)."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: float) -> None:
         import torch.distributed as dist
 
-        self.group = dist.new_group(backend="gloo")
+        # Its collectives give up after ``timeout_s`` (a rank that died mid-write).
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self.staged: dict[str, torch.Tensor] = {}
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-shards")
         self.future: Future | None = None

@@ -111,7 +111,11 @@ class Learner:
             else None
         )
         # Several ranks: every rank writes its own shards (learners/sharded.py).
-        self.shards = sharded.ShardWriter() if self.dp.world > 1 and ck.every_steps else None
+        self.shards = (
+            sharded.ShardWriter(ck.write_timeout_s)
+            if self.dp.world > 1 and ck.every_steps
+            else None
+        )
         self.checkpoint_wait_s = 0.0  # of the last checkpoint: waiting for a staging slot
 
     def train(self) -> None:

@@ -75,7 +75,7 @@ def main() -> None:
     if what == "save":
         train_step(model, optimizer)
         train_step(model, optimizer)
-        writer = sharded.ShardWriter()
+        writer = sharded.ShardWriter(600)
         tensors, groups = sharded.shard_tensors(model, optimizer, sharded.ACTOR)
         writer.save(tensors, out / "ckpt" / sharded.SHARDS)
         assert writer.wait(120), "the shards were not written in 120 s"
