@@ -91,6 +91,7 @@ def rank_main(way: str, checkpoints: int, model_path: str, out: Path) -> None:
 
     from learners import sharded
     from learners.setup import fsdp2
+    from verl_async.checkpoint import SHARDS
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -122,7 +123,7 @@ def rank_main(way: str, checkpoints: int, model_path: str, out: Path) -> None:
         t0 = time.monotonic()
         if way == "sharded":
             tensors, _ = sharded.shard_tensors(model, optimizer, sharded.ACTOR)
-            writer.save(tensors, ckpt / sharded.SHARDS)
+            writer.save(tensors, ckpt / SHARDS)
             held.append(time.monotonic() - t0)
             assert writer.wait(600)
             del tensors

@@ -65,8 +65,10 @@ from learners import sharded
 from learners.state_dicts import load_model_state, load_optimizer_state
 from verl_async import runtime
 from verl_async.checkpoint import (
+    SHARDS,
     FileEntry,
     fsync_dir,
+    is_sharded,
     prune,
     sha256_file,
     step_dir,
@@ -413,7 +415,7 @@ class Checkpointer:
             self._write_files(ckpt, snap.deferred(), hashes)
         if snap.shards is not None:
             snap.shards.result(self.timeout_s)  # every rank's file and DCP's .metadata
-            for path in sorted((ckpt / sharded.SHARDS).iterdir()):
+            for path in sorted((ckpt / SHARDS).iterdir()):
                 hashes[str(path.relative_to(ckpt))] = FileEntry(
                     path.stat().st_size, sha256_file(path)
                 )
@@ -488,7 +490,7 @@ def load(
 
     learner = ckpt / "learner"
     state = json.loads((learner / "trainer_state.json").read_text())
-    shards = sharded.is_sharded(ckpt)
+    shards = is_sharded(ckpt)
     has_critic = ("critic_optimizer_groups" if shards else "critic_optimizer") in state
     if has_critic != (critic is not None):
         raise ValueError(

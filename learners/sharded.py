@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from verl_async.checkpoint import SHARDS, is_sharded  # noqa: F401 (part of this module's API)
-from verl_async.weight_sync import tied_names
+from verl_async.checkpoint import SHARDS, read_shards
+from verl_async.weight_sync import tied_names, with_tied
 
 
 class ShardWriter:
@@ -180,14 +180,12 @@ def load_shards(
     weights = {
         name[len(prefix) + 1 :]: t for name, t in tensors.items() if name.startswith(f"{prefix}.")
     }
-    for name, first in tied_names(model).items():
-        weights[name] = weights[first]
     state: dict[str, dict] = {}
     for name, t in tensors.items():
         if name.startswith(f"{optim_prefix}."):
             param, _, key = name[len(optim_prefix) + 1 :].rpartition(".")
             state.setdefault(param, {})[key] = t
-    set_model_state_dict(model, weights)
+    set_model_state_dict(model, with_tied(model, weights))
     set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": groups})
 
 
@@ -203,15 +201,10 @@ def rng_tensors() -> dict[str, torch.Tensor]:
 def load_rng(ckpt: Path, world: int, group=None) -> dict:
     """The RNG states of ``ckpt`` in ``checkpointing.set_rng_state``'s form (no Python one);
     a CUDA state saved by a GPU run is left out on a machine without CUDA."""
-    import torch.distributed.checkpoint as dcp
-
-    saved = dcp.FileSystemReader(str(ckpt / SHARDS)).read_metadata().state_dict_metadata
-    tensors = {
-        name: torch.empty(saved[name].size, dtype=torch.uint8)
-        for name in ("rng.torch", "rng.cuda")
-        if name in saved and (name == "rng.torch" or torch.cuda.is_available())
-    }
-    dcp.load(tensors, checkpoint_id=str(ckpt / SHARDS), process_group=group, no_dist=world == 1)
+    cuda = torch.cuda.is_available()
+    tensors = read_shards(
+        ckpt, lambda name: name == "rng.torch" or (cuda and name == "rng.cuda"), group, world == 1
+    )
     rng = {"torch": tensors["rng.torch"]}
     if "rng.cuda" in tensors:
         rng["cuda"] = [tensors["rng.cuda"]]

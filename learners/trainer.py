@@ -42,7 +42,7 @@ from verl_async import protocol as P
 from verl_async.algos.losses import explained_variance
 from verl_async.algos.masked import masked_mean
 from verl_async.auth import CurveKeys, client_keys
-from verl_async.checkpoint import step_dir
+from verl_async.checkpoint import SHARDS, step_dir
 from verl_async.metrics import MetricsWriter
 from verl_async.rewards.aggregate import RunningStats, combine, summarize
 from verl_async.runtime import RunContext, mark
@@ -377,11 +377,12 @@ class Learner:
                 self.raw_critic, self.critic_optimizer, sharded.CRITIC
             )
             tensors |= critic
-        if self.checkpointer is None:
-            self.shards.save(tensors | sharded.rng_tensors(), ckpt / sharded.SHARDS)
+        main = self.checkpointer is not None
+        # Rank 0: the buffer takes its cut while the shards are staged (as with one rank).
+        cut = self.client.send(P.SnapshotBuffer(step=step, version=self.version)) if main else None
+        written = self.shards.save(tensors | sharded.rng_tensors(), ckpt / SHARDS)
+        if not main:
             return
-        cut = self.client.send(P.SnapshotBuffer(step=step, version=self.version))
-        written = self.shards.save(tensors | sharded.rng_tensors(), ckpt / sharded.SHARDS)
         snap = checkpointing.take_sharded_snapshot(
             step,
             self.version,

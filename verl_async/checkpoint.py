@@ -72,9 +72,10 @@ def is_sharded(ckpt: Path) -> bool:
     return (ckpt / SHARDS / ".metadata").is_file()
 
 
-def read_sharded_model(ckpt: Path) -> dict:
-    """The model's full tensors by name from the shards of ``ckpt``, read in this process
-    with no process group (tied names are not in the files: each tensor is there once)."""
+def read_shards(ckpt: Path, wanted, group=None, no_dist: bool = True) -> dict:
+    """The full tensors of the shards of ``ckpt`` whose names ``wanted(name)`` accepts,
+    read whole into this process (``no_dist``: with no process group; else every rank of
+    ``group`` calls it)."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -83,9 +84,16 @@ def read_sharded_model(ckpt: Path) -> dict:
     tensors = {
         name: torch.empty(meta.size, dtype=meta.properties.dtype)
         for name, meta in reader.read_metadata().state_dict_metadata.items()
-        if name.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+        if wanted(name) and isinstance(meta, TensorStorageMetadata)
     }
-    dcp.load(tensors, storage_reader=reader, no_dist=True)
+    dcp.load(tensors, storage_reader=reader, process_group=group, no_dist=no_dist)
+    return tensors
+
+
+def read_sharded_model(ckpt: Path) -> dict:
+    """The model's full tensors by name from the shards of ``ckpt``, read in this process
+    with no process group (tied names are not in the files: each tensor is there once)."""
+    tensors = read_shards(ckpt, lambda name: name.startswith("model."))
     return {name.removeprefix("model."): t for name, t in tensors.items()}
 
 

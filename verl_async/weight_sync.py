@@ -317,6 +317,14 @@ def tied_names(model: torch.nn.Module) -> dict[str, str]:
     return tied
 
 
+def with_tied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of ``without_tied``: ``state`` with each tied name given the tensor of
+    the name it shares (a name ``state`` holds already is kept)."""
+    for name, first in tied_names(model).items():
+        state.setdefault(name, state[first])
+    return state
+
+
 def param_specs(named: Iterable[tuple[str, torch.Tensor]]) -> list[ParamSpec]:
     return [ParamSpec(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in named]
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from learners import sharded
 from learners.setup import fsdp2
+from verl_async.checkpoint import SHARDS
 
 
 def tiny_llama(seed: int):
@@ -77,7 +78,7 @@ def main() -> None:
         train_step(model, optimizer)
         writer = sharded.ShardWriter(600)
         tensors, groups = sharded.shard_tensors(model, optimizer, sharded.ACTOR)
-        writer.save(tensors, out / "ckpt" / sharded.SHARDS)
+        writer.save(tensors, out / "ckpt" / SHARDS)
         assert writer.wait(120), "the shards were not written in 120 s"
         writer.close()
         reference = full_state(model, optimizer)

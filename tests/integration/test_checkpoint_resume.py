@@ -31,8 +31,7 @@ import pytest
 import torch.distributed.checkpoint as dcp
 
 from benchmarks.custom_learner import command
-from learners import sharded
-from verl_async.checkpoint import MANIFEST, list_checkpoints
+from verl_async.checkpoint import MANIFEST, SHARDS, is_sharded, list_checkpoints
 
 from .conftest import (
     ROOT,
@@ -268,8 +267,8 @@ def test_exactly_once_holds_with_a_critic_and_a_reference(crashed_and_resumed_wi
     committed = [c for c in list_checkpoints(run_dir) if (c / MANIFEST).is_file()]
     # The damaged one (launch 4 resumed one rank from the one before it) was written by two.
     for ckpt in [*committed, *run_dir.glob("checkpoints/damaged_step_*")]:
-        if sharded.is_sharded(ckpt):  # written by two ranks
-            meta = dcp.FileSystemReader(str(ckpt / sharded.SHARDS)).read_metadata()
+        if is_sharded(ckpt):  # written by two ranks
+            meta = dcp.FileSystemReader(str(ckpt / SHARDS)).read_metadata()
             names = meta.state_dict_metadata
             assert any(n.startswith("critic.") for n in names)
             assert any(n.startswith("critic_optim.") for n in names)
@@ -498,7 +497,7 @@ def test_a_lora_export_gives_the_learner_s_log_probs_merged_and_as_an_adapter(
     from verl_async import lora
     from verl_async.checkpoint import read_sharded_model
     from verl_async.config import load_config
-    from verl_async.weight_sync import tied_names
+    from verl_async.weight_sync import with_tied
 
     run_dir = crashed_and_resumed_lora
     merged, adapter = tmp_path / "merged", tmp_path / "adapter"
@@ -510,12 +509,10 @@ def test_a_lora_export_gives_the_learner_s_log_probs_merged_and_as_an_adapter(
         return AutoModelForCausalLM.from_pretrained(run_dir / "model", dtype=torch.float32)
 
     ckpt = run_dir / "checkpoints" / f"step_{STEPS:08d}"
-    assert sharded.is_sharded(ckpt)  # the last launch ran two learner ranks
+    assert is_sharded(ckpt)  # the last launch ran two learner ranks
     state = read_sharded_model(ckpt)
     learner = lora.apply(base(), load_config(run_dir / "config.yaml").model.lora)
-    for name, first in tied_names(learner).items():  # written once in the shards
-        state[name] = state[first]
-    learner.load_state_dict(state, strict=True)
+    learner.load_state_dict(with_tied(learner, state), strict=True)  # tied: once in shards
     ids = torch.tensor([[1, 5, 9, 3, 7, 2, 8, 4]])
     attn = torch.ones_like(ids)
 

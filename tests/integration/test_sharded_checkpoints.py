@@ -16,8 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from learners import sharded
-from verl_async.checkpoint import read_sharded_model
+from verl_async.checkpoint import SHARDS, read_sharded_model
 
 from .conftest import ROOT
 
@@ -44,7 +43,7 @@ def saved(tmp_path_factory) -> Path:
 
 
 def test_each_rank_writes_its_own_shard_file_and_a_tied_head_is_written_once(saved):
-    shards = saved / "ckpt" / sharded.SHARDS
+    shards = saved / "ckpt" / SHARDS
     files = sorted(p.name for p in shards.iterdir())
     assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"], files
     sizes = [(shards / f).stat().st_size for f in files[1:]]

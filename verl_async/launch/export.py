@@ -111,15 +111,12 @@ def _beside(out_dir: Path, what: str) -> Path:
     return path
 
 
-def _load(model, state: dict, shards: bool) -> None:
-    """Shards hold a tied tensor once (an output head sharing the input embedding): its
-    other names get it back before a strict load."""
-    from verl_async.weight_sync import tied_names
+def _load(model, state: dict) -> None:
+    """A strict load; shards hold a tied tensor once (an output head sharing the input
+    embedding), so its other names get it back first."""
+    from verl_async.weight_sync import with_tied
 
-    if shards:
-        for name, first in tied_names(model).items():
-            state.setdefault(name, state[first])
-    model.load_state_dict(state, strict=True)
+    model.load_state_dict(with_tied(model, state), strict=True)
 
 
 def _write_model(
@@ -129,10 +126,10 @@ def _write_model(
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    shards = is_sharded(ckpt)  # written by several learner ranks
-    state = (
-        read_sharded_model(ckpt) if shards else load_file(ckpt / "learner" / "model.safetensors")
-    )
+    if is_sharded(ckpt):  # written by several learner ranks
+        state = read_sharded_model(ckpt)
+    else:
+        state = load_file(ckpt / "learner" / "model.safetensors")
     config = AutoConfig.from_pretrained(base)
     dtype = next(iter(state.values())).dtype if state else torch.float32
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -140,7 +137,7 @@ def _write_model(
     if adapter:  # a LoRA run: its peft model's state, merged into plain weights
         lora_cfg = load_config(run_dir / "config.yaml").model.lora
         model = lora.apply(model, lora_cfg)
-        _load(model, state, shards)
+        _load(model, state)
         if adapter_dir is not None:
             tmp = _beside(Path(adapter_dir), "export")
             lora.write_adapter_dir(tmp, adapter, lora_cfg, str(base))
@@ -149,7 +146,7 @@ def _write_model(
     elif adapter_dir is not None:
         raise CheckpointError(f"{ckpt.name} holds no LoRA adapter (the run trained every weight)")
     else:
-        _load(model, state, shards)
+        _load(model, state)
     model.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(base).save_pretrained(out_dir)
     with contextlib.suppress(OSError):  # the initial model may have no generation config
