@@ -436,7 +436,8 @@ def role_cpu(run_dir: Path) -> dict[str, dict]:
 
 
 PARTS = ("step_s", "learner_wait_s", "timing/prox_s", "timing/forward_s", "timing/backward_s",
-         "timing/optimizer_s", "weight_sync_s", "weight_sync_mb", "padding_fraction")  # fmt: skip
+         "timing/optimizer_s", "weight_sync_s", "weight_sync_mb", "padding_fraction",
+         "shared_prefix_fraction")  # fmt: skip
 
 
 def learner_parts(run_dir: Path) -> dict[str, float]:

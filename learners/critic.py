@@ -55,14 +55,17 @@ def load_reference(path: str, device: torch.device, dtype: torch.dtype):
     return model.to(device).eval()
 
 
-def reference_logprobs(ref, batch: TrainBatch, temperature: float) -> torch.Tensor:
+def reference_logprobs(
+    ref, batch: TrainBatch, temperature: float, share_prefix: bool = True
+) -> torch.Tensor:
     """The reference policy's log-probs of the batch's targets [N, T-1] at the loss mask's
     positions (0 elsewhere), at the sampling temperature (the same distribution the
     actor's log-probs describe)."""
     with torch.no_grad():
         return token_stats(
-            ref, batch.input_ids, batch.attention_mask, batch.loss_mask, temperature
-        ).logp
+            ref, batch.input_ids, batch.attention_mask, batch.loss_mask, temperature,
+            share_prefix=share_prefix,
+        ).logp  # fmt: skip
 
 
 def critic_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

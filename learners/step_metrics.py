@@ -66,6 +66,7 @@ def step_row(
         "rollout_logp_diff_max": s.rollout_logp_diff_max,
         "rollout_fresh_fraction": round(s.rollout_fresh_fraction, 4),
         "padding_fraction": round(s.padding_fraction, 4),
+        "shared_prefix_fraction": round(s.shared_prefix_fraction, 4),
         "timing/prox_s": round(s.prox_s, 4),
         "timing/forward_s": round(s.forward_s, 4),
         "timing/backward_s": round(s.backward_s, 4),

@@ -205,11 +205,12 @@ class Learner:
         outcome = torch.from_numpy(np.asarray(outcome, np.float32))  # [N]
         batch.rewards = episode_returns(outcome, batch.turn_rewards)
         algo, temperature, dp = self.algo, self.cfg.generators.temperature, self.dp
+        share = self.cfg.learner.share_prefix
         if self.reference is not None:
-            local.logp_ref = reference_logprobs(self.reference, local, temperature)
+            local.logp_ref = reference_logprobs(self.reference, local, temperature, share)
             batch.logp_ref = dp.gather_rows(local.logp_ref, batch)
         if algo.kl.in_reward:  # the KL of the policy the update starts from
-            local.logp_prox, _ = prox_pass(self.model, local, temperature)
+            local.logp_prox, _ = prox_pass(self.model, local, temperature, share_prefix=share)
             batch.logp_prox = dp.gather_rows(local.logp_prox, batch)
         if self.critic is not None:
             with torch.no_grad():
@@ -263,6 +264,7 @@ class Learner:
             clip_grad=lambda: self.clip_grad(self.model, cfg.learner.grad_clip),
             temperature=cfg.generators.temperature, logp_prox=local.logp_prox,
             logp_ref=local.logp_ref, step=not warming, plan=plan, version=self.version,
+            share_prefix=cfg.learner.share_prefix,
         )  # fmt: skip
         if self.scheduler is not None and not warming:
             self.scheduler.step()

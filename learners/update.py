@@ -46,6 +46,9 @@ class StepStats:
     backward_s: float = 0.0
     optimizer_s: float = 0.0  # gradient clipping and the optimizer steps
     padding_fraction: float = 0.0
+    # The share of the gradient passes' real tokens not computed because rows of a pass
+    # share their prompt (learners/logprobs.py: computed once per packed row).
+    shared_prefix_fraction: float = 0.0
 
 
 def policy_update(
@@ -62,6 +65,7 @@ def policy_update(
     step: bool = True,
     plan: list[Minibatch] | None = None,
     version: int | None = None,
+    share_prefix: bool = True,
 ) -> StepStats:
     """pi_prox, then one optimizer step per minibatch of ``plan`` (learners/plan.py; by
     default ``algo.minibatches`` chunks of this batch on one rank, no micro-batching).
@@ -79,7 +83,8 @@ def policy_update(
     the step's compute on a real model), with k of them (k - 1)/k of one. Log-probs and
     entropies are computed at the loss mask's positions only (learners/logprobs.py).
     ``version``: the weights' version (for the rollout-versus-learner log-prob check of
-    ``StepStats``).
+    ``StepStats``). ``share_prefix``: rows of a pass that share their prompt compute it
+    once (``token_stats``).
 
     Every loss term and statistic reads the positions of ``batch.loss_mask`` only: the
     sampled tokens (a multi-turn sample's observation tokens are 0 there, and ``collate``
@@ -99,7 +104,7 @@ def policy_update(
         later = [idx for mb in plan[1:] for idx in mb.micro if len(idx)]
         if len(plan) > 1:
             rows = torch.cat(later) if later else torch.zeros(0, dtype=torch.long)
-            logp_prox, entropy = prox_pass(model, batch, temperature, rows)
+            logp_prox, entropy = prox_pass(model, batch, temperature, rows, share_prefix)
             clock.lap("prox_s")
     bonus = algo.entropy_coeff > 0
     adv = advantages if advantages.dim() == 2 else advantages[:, None]
@@ -112,11 +117,12 @@ def policy_update(
             rows = micro_rows(idx, batch.attention_mask)
             rows_mask = rows.mask(mask)
             ids, attn = rows.inputs(batch.input_ids, batch.attention_mask)
-            clock.count_padding(attn)
             with torch.enable_grad() if step else torch.no_grad():
                 stats = token_stats(
-                    model, ids, attn, rows_mask, temperature, entropy=bonus or at_prox or given
-                )
+                    model, ids, attn, rows_mask, temperature, entropy=bonus or at_prox or given,
+                    share_prefix=share_prefix,
+                )  # fmt: skip
+                clock.count(stats)
                 logp = stats.logp
                 prox = logp.detach() if at_prox else rows.take(logp_prox)
                 out, pg_loss, kl_loss = actor_loss(
@@ -158,7 +164,7 @@ class _Clock:
         self.cuda = device.type == "cuda"
         self.seconds: dict[str, float] = {}
         self.t = self._now()
-        self.cells = self.real = 0
+        self.cells = self.real = self.tokens = 0
 
     def _now(self) -> float:
         if self.cuda:
@@ -170,15 +176,17 @@ class _Clock:
         self.seconds[part] = self.seconds.get(part, 0.0) + now - self.t
         self.t = now
 
-    def count_padding(self, attention_mask: torch.Tensor) -> None:
-        """One gradient pass's rows, [n, T] as the model computes them (the step's width)."""
-        self.cells += attention_mask.numel()
-        self.real += int(attention_mask.sum())
+    def count(self, stats) -> None:
+        """What one gradient pass computed (``TokenStats``)."""
+        self.cells += stats.computed
+        self.real += stats.real
+        self.tokens += stats.tokens
 
     def fill(self, stats: StepStats) -> StepStats:
         for part, seconds in self.seconds.items():
             setattr(stats, part, seconds)
         stats.padding_fraction = 1.0 - self.real / self.cells if self.cells else 0.0
+        stats.shared_prefix_fraction = 1.0 - self.real / self.tokens if self.tokens else 0.0
         return stats
 
 
@@ -247,7 +255,11 @@ def _step_stats(
 
 
 def prox_pass(
-    model, batch: TrainBatch, temperature: float, rows: torch.Tensor | None = None
+    model,
+    batch: TrainBatch,
+    temperature: float,
+    rows: torch.Tensor | None = None,
+    share_prefix: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """pi_prox log-probs and token entropies [N, T-1] at the loss mask's positions, before
     any update (no grad, one forward pass). ``rows``: only these rows, the others stay 0
@@ -258,7 +270,9 @@ def prox_pass(
     part = micro_rows(every if rows is None else rows, batch.attention_mask)
     ids, attn = part.inputs(batch.input_ids, batch.attention_mask)
     with torch.no_grad():
-        stats = token_stats(model, ids, attn, part.mask(mask), temperature, entropy=True)
+        stats = token_stats(
+            model, ids, attn, part.mask(mask), temperature, entropy=True, share_prefix=share_prefix
+        )
     if not part.placeholder:
         cols = slice(0, part.width - 1)
         logp[part.idx, cols], entropy[part.idx, cols] = stats.logp, stats.entropy

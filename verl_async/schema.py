@@ -201,6 +201,13 @@ class LearnerConfig(_Section):
     """Linear learning-rate warm-up over this many steps, then constant (0: constant from the start)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, ~30 % more compute)."""
+    share_prefix: bool = True
+    """Rows of a pass that start with the same prompt (a group's samples) compute it once:
+    they are packed into one sequence, the prompt first, each sample's own tokens after
+    it, with an attention mask that keeps samples apart (learners/logprobs.py). The same
+    log-probs and gradients to float precision; used where it computes at most 80 % of
+    the padded batch's positions, with sdpa or eager attention, without gradient
+    checkpointing. False: every row computes its whole sequence."""
 
 
 KLPenalty = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]

@@ -43,21 +43,24 @@ CASES = {
         "loss_agg_mode": "seq-mean-token-sum-norm",
         "loss_scale_factor": 6.0,
     },
-    "micro-batches": {"micro": 24},  # budget of 24 padded tokens: several passes per rank
+    "micro-batches": {"micro": 48},  # budget of 48 padded tokens: several passes per rank
     "two-minibatches": {"minibatches": 2},
     "lora": {"lora": True, "minibatches": 2},  # adapters on a frozen base, sharded alike
+    # Every other case packs each group's rows behind its prompt (learner.share_prefix).
+    "unpacked": {"share_prefix": False},
 }
 
 
 def step_batch(world: int):
-    """Three groups of four samples, responses 1..6 tokens; rows ordered rank by rank."""
+    """Three groups of four samples, prompts of 12..14 tokens, responses 1..6 tokens; rows
+    ordered rank by rank."""
     rng = np.random.default_rng(0)
     groups = []
     for g in range(3):
         lengths = rng.integers(1, 7, 4)
         groups.append(
             StoredGroup(
-                g, g, 0, rng.integers(3, 14, 4 + g, dtype=np.int32),
+                g, g, 0, rng.integers(3, 14, 12 + g, dtype=np.int32),
                 [rng.integers(3, 14, n, dtype=np.int32) for n in lengths],
                 [rng.uniform(-3, -1, n).astype(np.float32) for n in lengths],
                 [np.zeros(n, np.int32) for n in lengths],
@@ -101,7 +104,7 @@ def full_params(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def sgd_step(model, batch, adv, algo, plan, sharded: bool):
+def sgd_step(model, batch, adv, algo, plan, sharded: bool, share_prefix: bool = True):
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
 
     def clip():
@@ -111,7 +114,7 @@ def sgd_step(model, batch, adv, algo, plan, sharded: bool):
     before = full_params(model)
     stats = policy_update(
         model, opt, batch, adv, algo, backward=lambda loss: loss.backward(), clip_grad=clip,
-        plan=plan,
+        plan=plan, share_prefix=share_prefix,
     )  # fmt: skip
     after = full_params(model)
     return {k: after[k] - before[k] for k in before}, stats
@@ -147,8 +150,9 @@ def run_case(name: str, spec: dict, base, batch, dp: DataParallel) -> dict:
         torch.manual_seed(1)
         base = lora.apply(copy.deepcopy(base), LoraConfig(rank=4, alpha=8.0))
     one = copy.deepcopy(base)
+    share = spec.get("share_prefix", True)
     delta_one, stats_one = sgd_step(
-        one, batch, adv, algo, one_rank_plan(batch, algo, spec), sharded=False
+        one, batch, adv, algo, one_rank_plan(batch, algo, spec), sharded=False, share_prefix=share
     )
 
     sharded = fsdp2(copy.deepcopy(base), torch.float32)
@@ -158,8 +162,9 @@ def run_case(name: str, spec: dict, base, batch, dp: DataParallel) -> dict:
         spec.get("micro", 0),
     )  # fmt: skip
     delta_dp, stats_dp = sgd_step(
-        sharded, local, dp.local_part(adv, batch, local), algo, plan, sharded=True
-    )
+        sharded, local, dp.local_part(adv, batch, local), algo, plan, sharded=True,
+        share_prefix=share,
+    )  # fmt: skip
     diff = max(float((delta_dp[k] - delta_one[k]).abs().max()) for k in delta_one)
     scale = max(float(d.abs().max()) for d in delta_one.values())
     trained = [k for k in delta_one if float(delta_one[k].abs().max()) > 0]
@@ -170,6 +175,10 @@ def run_case(name: str, spec: dict, base, batch, dp: DataParallel) -> dict:
         "grad_norm_one": stats_one.grad_norm,
         "grad_norm_dp": stats_dp.grad_norm,
         "micro_passes": [len(mb.micro) for mb in plan],
+        "shared_prefix_fraction": [
+            stats_one.shared_prefix_fraction,
+            stats_dp.shared_prefix_fraction,
+        ],
     }
 
 

@@ -35,6 +35,7 @@ def report(tmp_path_factory):
         "micro-batches",
         "two-minibatches",
         "lora",
+        "unpacked",
     ],
 )
 def test_two_ranks_take_the_one_rank_step(report, case):
@@ -42,8 +43,13 @@ def test_two_ranks_take_the_one_rank_step(report, case):
     assert r["max_abs_delta"] > 1e-3  # the step moved the weights
     assert r["max_abs_diff"] <= 1e-6 + 1e-5 * r["max_abs_delta"], r
     assert r["grad_norm_dp"] == pytest.approx(r["grad_norm_one"], rel=1e-5)
+    one, dp = r["shared_prefix_fraction"]
+    if case == "unpacked":
+        assert one == dp == 0.0
+    elif case != "micro-batches":  # packed behind each group's prompt, on one rank as on two
+        assert one > 0.2 and dp > 0.2, r
     if case == "micro-batches":
-        assert r["micro_passes"] == [3]  # 6 rows of width 12 in budgets of 24 tokens
+        assert r["micro_passes"] == [3], r  # 6 rows of 13..20 tokens in budgets of 48
     if case == "lora":  # only the adapter moved, on one rank as on two
         assert r["trained_all_adapter"]
 

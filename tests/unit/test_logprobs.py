@@ -114,3 +114,97 @@ def test_the_head_is_restored_after_the_call():
     token_stats(model, ids, attn, mask)
     assert "forward" not in vars(model.lm_head)
     assert model(input_ids=ids, attention_mask=attn).logits.shape == (*ids.shape, VOCAB)
+
+
+# ------------------------------------------------------------------ shared prefixes
+
+
+def _groups(sizes=(4, 3, 1), prompts=(20, 16, 18), junk_pad: bool = True):
+    """GRPO-like rows: groups of samples sharing a prompt, responses of different
+    lengths (one with an observation gap), right-padded with junk ids."""
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for size, p in zip(sizes, prompts, strict=True):
+        prompt = torch.randint(0, VOCAB, (p,), generator=g)
+        for k in range(size):
+            r = 2 + (3 * k + p) % 5
+            rows.append((prompt, torch.randint(0, VOCAB, (r,), generator=g)))
+    n, t = len(rows), max(len(p) + len(r) for p, r in rows)
+    ids = torch.randint(0, VOCAB, (n, t), generator=g) if junk_pad else torch.zeros(n, t).long()
+    attn = torch.zeros(n, t, dtype=torch.long)
+    mask = torch.zeros(n, t - 1)
+    for i, (p, r) in enumerate(rows):
+        ids[i, : len(p)], ids[i, len(p) : len(p) + len(r)] = p, r
+        attn[i, : len(p) + len(r)] = 1
+        mask[i, len(p) - 1 : len(p) - 1 + len(r)] = 1
+    mask[1, len(rows[1][0])] = 0  # an observation token inside row 1's response
+    return ids, attn, mask
+
+
+@pytest.mark.parametrize("attn_impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("pack_tokens", [2048, 30])
+def test_shared_prefixes_give_the_single_pass_values_and_gradients(attn_impl, pack_tokens):
+    """Rows of a group compute their prompt once (packed with a block mask, or, when a
+    packed row would pass ``pack_tokens``, several packed rows with a copy of it each):
+    every masked log-prob and entropy, and every gradient, equal the plain pass's."""
+    model = _model(tie=True)
+    model.config._attn_implementation = attn_impl
+    ids, attn, mask = _groups()
+    weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(4))
+
+    def run(share: bool):
+        model.zero_grad()
+        stats = token_stats(
+            model, ids, attn, mask, 0.8, entropy=True, share_prefix=share,
+            pack_tokens=pack_tokens,
+        )  # fmt: skip
+        ((stats.logp * weights + 0.1 * stats.entropy) * mask).sum().backward()
+        return stats, [p.grad.clone() for p in model.parameters()]
+
+    (plain, plain_grads), (shared, shared_grads) = run(False), run(True)
+    on = mask > 0
+    torch.testing.assert_close(shared.logp[on], plain.logp[on], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(shared.entropy[on], plain.entropy[on], atol=1e-5, rtol=1e-5)
+    assert (shared.logp[~on] == 0).all() and (shared.entropy[~on] == 0).all()
+    for got, ref in zip(shared_grads, plain_grads, strict=True):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+    # What was computed: the plain pass every padded position; the packed one each prompt
+    # once (less its last token, the first of every remainder; once per packed row),
+    # without padding but at the packed rows' ends.
+    assert plain.computed == ids.numel() and plain.real == plain.tokens == int(attn.sum())
+    assert shared.tokens == plain.tokens
+    once = plain.tokens - (4 - 1) * (20 - 1) - (3 - 1) * (16 - 1)
+    if pack_tokens >= 2048:
+        assert shared.real == once
+    else:  # rows of a group in several packed rows, each with its own copy of the prompt
+        assert once < shared.real < plain.tokens
+    assert shared.computed < plain.computed
+
+
+def test_rows_that_share_no_prefix_take_the_plain_pass():
+    model = _model()
+    ids, attn, mask = _batch()  # four different prompts
+    stats = token_stats(model, ids, attn, mask)
+    assert stats.computed == ids.numel()
+
+
+def test_padding_junk_changes_nothing_with_shared_prefixes():
+    model = _model()
+    ids, attn, mask = _groups()
+    zeros = _groups(junk_pad=False)[0]
+    a = token_stats(model, ids, attn, mask, entropy=True)
+    b = token_stats(model, zeros, attn, mask, entropy=True)
+    assert a.computed < ids.numel()  # packed
+    torch.testing.assert_close(a.logp, b.logp)
+    torch.testing.assert_close(a.entropy, b.entropy)
+
+
+def test_gradient_checkpointing_takes_the_plain_pass():
+    """Checkpointed layers keep no keys and values between segments' recomputation; the
+    packed pass is left to models without it (the values agree either way)."""
+    model = _model()
+    model.gradient_checkpointing_enable()
+    model.train()
+    ids, attn, mask = _groups()
+    stats = token_stats(model, ids, attn, mask)
+    assert stats.computed == ids.numel()
