@@ -9,7 +9,8 @@ so the generator's loops do not know which one runs.
 Batching is in waves rather than continuous: every request queued when a wave starts
 (up to ``max_inflight_groups * group_size`` with the same sampling settings) is decoded
 together, left-padded, with a KV cache, for at most ``max_tokens`` steps; requests that
-arrive meanwhile wait for the next wave. A wave runs in a worker thread (torch releases
+arrive meanwhile wait for the next wave. Requests of a wave with the same prompt (a
+group's samples) share its prefill. A wave runs in a worker thread (torch releases
 the GIL), so the event loop keeps polling versions and pushing rollouts.
 
 No KV cache outlives its wave: each request's prefix (for a multi-turn episode, the whole
@@ -82,6 +83,7 @@ class HFEngine:
         self.max_batch = max(g.max_inflight_groups * g.group_size, 8)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.eos_ids = _eos_ids(model, tokenizer)
+        self.keep_last = _takes_logits_to_keep(model)
         self.loaded_version = 0
         self.version_changed = asyncio.Event()
         self.running = asyncio.Event()  # cleared while a swap is in progress
@@ -238,28 +240,38 @@ class HFEngine:
 
     @torch.no_grad()
     def _wave(self, batch: list[_Request]) -> list[tuple[list[int], list[float], bool]]:
-        """Decode the batch together: left-padded prompts, one token a step, KV cache."""
+        """Decode the batch together: left-padded prompts, one token a step, KV cache.
+
+        Requests with the same prompt (a group's samples) share its prefill: each distinct
+        prompt is computed once, then its keys, values and last logits are copied to every
+        request that asked for it, and each samples on its own from there."""
         from transformers import DynamicCache
 
         how = batch[0].how
+        owners: dict[tuple[int, ...], int] = {}
+        owner = [owners.setdefault(tuple(r.prompt), len(owners)) for r in batch]
         n, width = len(batch), max(len(r.prompt) for r in batch)
-        ids = torch.full((n, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((n, width), dtype=torch.long)
-        for i, r in enumerate(batch):
-            ids[i, width - len(r.prompt) :] = torch.tensor(r.prompt)
-            mask[i, width - len(r.prompt) :] = 1
+        ids = torch.full((len(owners), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(owners), width), dtype=torch.long)
+        for i, prompt in enumerate(owners):
+            ids[i, width - len(prompt) :] = torch.tensor(prompt)
+            mask[i, width - len(prompt) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
+        last = {"logits_to_keep": 1} if self.keep_last else {}  # the head at the last position
+        logits = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+            use_cache=True, **last,
+        ).logits[:, -1].float()  # fmt: skip
+        if len(owners) < n:  # every request gets its own copy of its prompt's state
+            rows = torch.tensor(owner, device=self.device)
+            cache.batch_select_indices(rows)
+            logits, mask, positions = logits[rows], mask[rows], positions[rows]
         tokens = [[] for _ in batch]
         logprobs = [[] for _ in batch]
         done = torch.zeros(n, dtype=torch.bool, device=self.device)
-        step_ids = ids
         for step in range(how.max_tokens):
-            logits = self.model(
-                input_ids=step_ids, attention_mask=mask, position_ids=positions,
-                past_key_values=cache, use_cache=True,
-            ).logits[:, -1].float()  # fmt: skip
             tok, lp = sample_processed(logits, how, self.rng)
             for i in (~done).nonzero()[:, 0].tolist():
                 tokens[i].append(int(tok[i]))
@@ -269,9 +281,12 @@ class HFEngine:
                 done |= self._stopped(tokens, how.stop)
             if bool(done.all()) or step + 1 == how.max_tokens or self.abort.is_set():
                 break
-            step_ids = tok[:, None]
             mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=self.device)], 1)
             positions = positions[:, -1:] + 1
+            logits = self.model(
+                input_ids=tok[:, None], attention_mask=mask, position_ids=positions,
+                past_key_values=cache, use_cache=True,
+            ).logits[:, -1].float()  # fmt: skip
         return [
             (t, p, self.abort.is_set() and not bool(d) and len(t) < how.max_tokens)
             for t, p, d in zip(tokens, logprobs, done.tolist(), strict=True)
@@ -309,6 +324,18 @@ def sample_processed(
     logp = torch.log_softmax(logits, -1)
     tok = torch.multinomial(logp.exp(), 1, generator=rng)[:, 0]
     return tok, logp.gather(-1, tok[:, None])[:, 0]
+
+
+def _takes_logits_to_keep(model) -> bool:
+    """Whether the model's forward (under peft's wrapper, which passes it on) can compute
+    its head at the last position only."""
+    import inspect
+
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    try:
+        return "logits_to_keep" in inspect.signature(inner.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _eos_ids(model, tokenizer) -> torch.Tensor:

@@ -54,6 +54,7 @@ def test_one_wave_batches_prompts_of_different_lengths_and_matches_the_learner(t
 
     samples, waves = asyncio.run(scenario())
     assert waves == 1  # twelve requests, three prompt lengths, one left-padded batch
+    # Each prompt's four samples share its prefill, then sample on their own.
     learner = _learner(tiny_model)
     for i, s in enumerate(samples):
         prompt = PROMPTS[i // 4]
@@ -62,6 +63,7 @@ def test_one_wave_batches_prompts_of_different_lengths_and_matches_the_learner(t
         expected = _logprobs(learner, prompt, s.token_ids)
         torch.testing.assert_close(torch.tensor(s.logprobs), expected, atol=1e-4, rtol=0)
     assert len({tuple(s.token_ids) for s in samples}) > 3  # sampled, not greedy
+    assert all(len({tuple(s.token_ids) for s in samples[i : i + 4]}) > 1 for i in (0, 4, 8))
 
 
 @pytest.mark.parametrize("mode", ["abort", "keep"])
