@@ -47,7 +47,7 @@ from verl_async.metrics import MetricsWriter
 from verl_async.rewards.aggregate import RunningStats, combine, summarize
 from verl_async.runtime import RunContext, mark
 from verl_async.transport import BufferClient
-from verl_async.weight_sync import SyncGroup, param_specs, plan_buckets, without_tied
+from verl_async.weight_sync import Bucket, SyncGroup, param_specs, plan_buckets, without_tied
 
 log = logging.getLogger("verl_async.learner")
 
@@ -124,6 +124,8 @@ class Learner:
             self.publish_weights(new_version=False)  # before anyone waits for a rollout
         steps = range(self.steps_done, self.cfg.trainer.total_steps)
         batches = self.open_prefetcher(steps)
+        if self.sync is not None:  # while the first batch is sampled, not in the first step
+            self.sync.reserve(self.published()[2], self.acc.device)
         # The weights before any (further) training: the baseline every later round is read
         # against. Training starts at once; generators keep this version loaded until they
         # have sampled the round (Generator.finish_eval_first).
@@ -286,13 +288,10 @@ class Learner:
         """
         t0 = time.monotonic()
         self.version += int(new_version)
-        state = without_tied(self.raw_model, self.raw_model.state_dict())  # DTensors: FSDP2
-        if lora.enabled(self.cfg):  # the adapter alone: generators hold the base
-            state = lora.adapter_state(state)
-        specs = param_specs(state.items())
+        state, specs, plan = self.published()
         self.publish_bytes = sum(t.numel() * t.element_size() for t in state.values())
         bucket = self.cfg.weights.bucket_mb << 20
-        buckets = gathered_buckets(state, plan_buckets(specs, bucket))
+        buckets = gathered_buckets(state, plan)
         update = P.WeightUpdate(version=self.version, params=specs, bucket_bytes=bucket)
         if self.sync is None:  # other ranks: take part in the gathers
             for _ in buckets:
@@ -300,6 +299,15 @@ class Learner:
         else:
             self.sync.publish(update, buckets)
         return time.monotonic() - t0
+
+    def published(self) -> tuple[dict[str, torch.Tensor], list[P.ParamSpec], list[Bucket]]:
+        """What a publish sends: the state (DTensors under FSDP2; a LoRA run's adapter
+        alone, the generators hold the base), its specs and its buckets."""
+        state = without_tied(self.raw_model, self.raw_model.state_dict())
+        if lora.enabled(self.cfg):
+            state = lora.adapter_state(state)
+        specs = param_specs(state.items())
+        return state, specs, plan_buckets(specs, self.cfg.weights.bucket_mb << 20)
 
     def while_waiting(self) -> None:
         """Called about once a second while the step's batch is not in. With one learner

@@ -99,6 +99,12 @@ class SharedMemory:
         finally:
             os.close(fd)
 
+    def reserve(self, nbytes: int) -> None:
+        """Rank 0: allocate the file's pages for an update of ``nbytes`` now (what is in
+        them is written over)."""
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(self.fd, 0, nbytes)
+
     def write(self, buffers: Iterable[torch.Tensor]) -> int:
         """Rank 0: the packed buckets one after another from offset 0; returns bytes."""
         offset = 0
