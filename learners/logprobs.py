@@ -34,9 +34,11 @@ see its prefix and itself only. One forward pass over the packed rows computes e
 masked position, and under autograd the prefix's gradient collects every row's share,
 as in the padded pass. Values and gradients equal the padded pass's to float precision.
 It is used when the packed rows hold at most ``SHARE_WHEN`` of the padded batch's
-positions, with sdpa or eager attention (flash attention takes no such mask), and not
-with gradient checkpointing. A packed row holds at most ``pack_tokens`` (its mask is
-S x S); a group that does not fit gets another with its own copy of the prefix.
+positions, with sdpa or eager attention (flash attention takes no such mask), not with
+gradient checkpointing, and not where a packed row would be longer than the model's
+sliding window (the mask given replaces the model's own). A packed row holds at most
+``pack_tokens`` (its mask is S x S); a group that does not fit gets another with its own
+copy of the prefix.
 """
 
 from __future__ import annotations
@@ -266,6 +268,9 @@ def _packing(model, input_ids, attention_mask, keep, pack_tokens: int) -> Packin
     sizes = [len(prefix) + sum(lengths[i] - cuts[i] for i in rows) for prefix, rows in packed]
     b, width = len(packed), max(sizes)
     if b * width > SHARE_WHEN * n * t:
+        return None
+    window = getattr(inner.config, "sliding_window", None)
+    if window and width > window:  # a packed row would need the window in its own mask
         return None
     out = torch.zeros((b, width), dtype=torch.long)
     positions = torch.zeros_like(out)

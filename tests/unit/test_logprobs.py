@@ -208,3 +208,13 @@ def test_gradient_checkpointing_takes_the_plain_pass():
     ids, attn, mask = _groups()
     stats = token_stats(model, ids, attn, mask)
     assert stats.computed == ids.numel()
+
+
+def test_a_packed_row_longer_than_the_sliding_window_takes_the_plain_pass():
+    """A mask given to the model replaces its own, sliding window included: packing is
+    left out where a packed row would pass the window."""
+    model = _model()
+    ids, attn, mask = _groups()
+    assert token_stats(model, ids, attn, mask).computed < ids.numel()
+    model.config.sliding_window = 24
+    assert token_stats(model, ids, attn, mask).computed == ids.numel()
