@@ -207,7 +207,8 @@ class LearnerConfig(_Section):
     it, with an attention mask that keeps samples apart (learners/logprobs.py). The same
     log-probs and gradients to float precision; used where it computes at most 80 % of
     the padded batch's positions, with sdpa or eager attention, without gradient
-    checkpointing. False: every row computes its whole sequence."""
+    checkpointing, and where a packed row fits in the model's sliding window. False: every
+    row computes its whole sequence."""
 
 
 KLPenalty = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
