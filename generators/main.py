@@ -151,11 +151,6 @@ class Generator:
         self.nudge = asyncio.Event()  # ask the buffer for prompts now, whatever the wait
         self.sampled = 0  # training groups sampled by this process
         self.ramping = True  # see sample_loop
-        # The newest version announced to this process (follow_weights), against the one
-        # it started with: until the learner has finished a step, no sampling beyond the
-        # first batch (see sample_loop).
-        self.start_version = engine.loaded_version
-        self.announced = engine.loaded_version
         # Multi-turn: the environments (classes loaded now, so a bad one fails at start)
         # and the runner of their episodes on this engine (generators/episodes.py).
         self.environments = EnvironmentTable(self.cfg.multiturn)
@@ -186,14 +181,9 @@ class Generator:
             room = limit - len(self.inflight)
             # Ramp-up: until one step's groups are sampled, those go through the engine
             # alone (no other prompt's prefill slows them down), so the learner gets its
-            # first batch as early as this engine can make it. Then nothing more (no
-            # evaluation prompt either) until the learner announces its first update: on
-            # cores shared with the learner, the SmolLM2 recipe's first step took 12-14 s
-            # beside sampling against 8 s alone (BENCHMARKS.md section 11). The evaluation
-            # round of the initial weights runs after it, still on them
-            # (finish_eval_first).
+            # first batch as early as this engine can make it.
             ramping = self.ramping and self.sampled < first
-            if ramping or self.announced == self.start_version:
+            if ramping:
                 room = min(room, first - self.sampled - len(self.inflight))
             if len(self.scoring) >= limit:
                 room = 0  # scoring lags behind sampling: take no more prompts until it catches up
@@ -342,8 +332,6 @@ class Generator:
                 await asyncio.sleep(0.2 if engine.weights_lost else 0)
                 continue
             self.eval_version = status.eval_version
-            self.announced = max(self.announced, update.version)
-            self.nudge.set()  # room may have opened (sample_loop)
             await self.finish_eval_first(update.version)
             await self.load(update)
 
