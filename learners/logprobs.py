@@ -52,7 +52,7 @@ from torch.utils.checkpoint import checkpoint
 
 CHUNK_TOKENS = 1024  # positions whose logits exist at once: 1024 x 49,152 x 4 B = 200 MB
 PACK_TOKENS = 2048  # the longest packed row: its attention mask is S x S
-SHARE_WHEN = 0.8  # share prefixes when the two passes compute at most this share of positions
+SHARE_WHEN = 0.8  # pack when the packed rows hold at most this share of the padded positions
 
 
 @dataclass
@@ -221,7 +221,9 @@ class Packing:
 
     ids: torch.Tensor  # [B, S] long
     positions: torch.Tensor  # [B, S] long: each token's position in its own row
-    attend: torch.Tensor  # [B, 1, S, S] bool: query (dim 2) may attend key (dim 3)
+    # [B, 1, S, S]: where query (dim 2) may attend key (dim 3), in the form the model's
+    # attention takes: bool for sdpa, additive float (0 or the float32 minimum) for eager
+    attend: torch.Tensor
     row: torch.Tensor  # [N] long
     start: torch.Tensor  # [N] long
     cut: torch.Tensor  # [N] long
@@ -255,17 +257,15 @@ def _packing(model, input_ids, attention_mask, keep, pack_tokens: int) -> Packin
     if len(families) == n:
         return None
     packed: list[tuple[tuple, list[int]]] = []  # (prefix, rows) of each packed row
+    sizes: list[int] = []  # tokens of each packed row
     for prefix, rows in families.items():
-        packed.append((prefix, []))
-        size = len(prefix)
         for i in rows:
             rest = lengths[i] - cuts[i]
-            if packed[-1][1] and size + rest > pack_tokens:  # full: another copy of the prefix
-                packed.append((prefix, []))
-                size = len(prefix)
+            if not packed or packed[-1][0] is not prefix or sizes[-1] + rest > pack_tokens:
+                packed.append((prefix, []))  # a new family, or full: another copy of the prefix
+                sizes.append(len(prefix))
             packed[-1][1].append(i)
-            size += rest
-    sizes = [len(prefix) + sum(lengths[i] - cuts[i] for i in rows) for prefix, rows in packed]
+            sizes[-1] += rest
     b, width = len(packed), max(sizes)
     if b * width > SHARE_WHEN * n * t:
         return None
@@ -295,6 +295,8 @@ def _packing(model, input_ids, attention_mask, keep, pack_tokens: int) -> Packin
     same = segment[:, :, None] == segment[:, None, :]
     attend = causal & (same | (segment[:, None, :] == -1))
     attend |= torch.eye(width, dtype=torch.bool)
+    if attn_impl == "eager":
+        attend = torch.zeros(attend.shape).masked_fill(~attend, torch.finfo(torch.float32).min)
     device = input_ids.device
     return Packing(
         out.to(device), positions.to(device), attend[:, None].to(device),
@@ -323,14 +325,9 @@ def _packed_stats(
     )  # fmt: skip
     packed_keep = torch.zeros((b, width - 1), dtype=torch.bool, device=device)
     packed_keep[packed_row, packed_col] = True
-    attend = pack.attend
-    if getattr(_inner(model).config, "_attn_implementation", None) == "eager":
-        attend = torch.zeros(attend.shape, dtype=torch.float32, device=device).masked_fill(
-            ~attend, torch.finfo(torch.float32).min
-        )
     logp, ent = _sliced(
         model, pack.ids, packed_keep, temperature, entropy, chunk_tokens,
-        attention_mask=attend, position_ids=pack.positions,
+        attention_mask=pack.attend, position_ids=pack.positions,
     )  # fmt: skip
 
     def place(values: torch.Tensor) -> torch.Tensor:  # [B, S-1] -> [N, T-1]
