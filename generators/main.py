@@ -151,6 +151,10 @@ class Generator:
         self.nudge = asyncio.Event()  # ask the buffer for prompts now, whatever the wait
         self.sampled = 0  # training groups sampled by this process
         self.ramping = True  # see sample_loop
+        # On cores the learner also computes on, nothing beside its first step (the buffer
+        # knows when that is: BufferServer.learner_on_first_step).
+        self.defers = placement.shares_cores_with_learner(self.cfg, index)
+        self.deferred_since: float | None = None  # the first request the buffer deferred
         # Multi-turn: the environments (classes loaded now, so a bad one fails at start)
         # and the runner of their episodes on this engine (generators/episodes.py).
         self.environments = EnvironmentTable(self.cfg.multiturn)
@@ -181,8 +185,13 @@ class Generator:
             room = limit - len(self.inflight)
             # Ramp-up: until one step's groups are sampled, those go through the engine
             # alone (no other prompt's prefill slows them down), so the learner gets its
-            # first batch as early as this engine can make it.
-            ramping = self.ramping and self.sampled < first
+            # first batch as early as this engine can make it. A generator that defers to
+            # the learner also waits until they are pushed: by its next request the buffer
+            # has handed them to a waiting learner, and it issues nothing more until the
+            # learner's first step is done.
+            ramping = self.ramping and (
+                self.sampled < first or (self.defers and bool(self.scoring))
+            )
             if ramping:
                 room = min(room, first - self.sampled - len(self.inflight))
             if len(self.scoring) >= limit:
@@ -196,6 +205,7 @@ class Generator:
                         loaded_version=self.engine.loaded_version,
                         max_groups=room,
                         evaluate=not ramping,
+                        defer_to_learner=self.defers,
                     )
                 )
                 for group in reply.groups:
@@ -204,14 +214,27 @@ class Generator:
                     self._spawn(self.evaluate_group(reply.eval_round, group))
                 self.eval_version = reply.eval_version
                 fetched = len(reply.groups) + len(reply.eval_groups)
-                blocked = reply.blocked_by_admission
+                blocked = reply.blocked_by_admission or reply.deferred
+                self._note_deferral(reply.deferred)
                 if reply.exhausted or (blocked and not reply.groups):
                     self.ramping = False  # no more training work now: evaluation may come
             if fetched == 0:
-                # Admission opens when this engine loads a newer version: no need to ask
-                # again before that (or a group finishing), beyond a slow poll for evaluation
+                # Admission opens when this engine loads a newer version, and a deferral
+                # ends when one is announced (follow_weights nudges): no need to ask again
+                # before that (or a group finishing), beyond a slow poll for evaluation
                 # prompts. An idle generator then costs next to no CPU.
                 await self._wait_for_room(ADMISSION_POLL_S if blocked else ROOM_POLL_S)
+
+    def _note_deferral(self, deferred: bool) -> None:
+        """Log the learner's first step as this generator saw it: when the buffer first
+        deferred a request and how long until it took one again."""
+        if deferred and self.deferred_since is None:
+            self.deferred_since = time.monotonic()
+            log.info("sharing cores with the learner: nothing sampled during its first step")
+        elif not deferred and self.deferred_since is not None:
+            waited = time.monotonic() - self.deferred_since
+            self.deferred_since = None
+            log.info("the learner's first step is done: sampling again after %.1fs", waited)
 
     def _spawn(self, coro, into: set[asyncio.Task] | None = None) -> None:
         task = asyncio.create_task(coro)
@@ -332,6 +355,7 @@ class Generator:
                 await asyncio.sleep(0.2 if engine.weights_lost else 0)
                 continue
             self.eval_version = status.eval_version
+            self.nudge.set()  # a deferral to the learner has ended (sample_loop)
             await self.finish_eval_first(update.version)
             await self.load(update)
 

@@ -151,6 +151,9 @@ class GetPrompts(_Msg):
     loaded_version: int
     max_groups: int
     evaluate: bool = True  # false: training prompts only (a generator's first batch)
+    # This generator shares CPU cores with the learner: issue it nothing (training or
+    # evaluation prompts) while the learner trains its first batch (``Prompts.deferred``).
+    defer_to_learner: bool = False
 
 
 class PushRollouts(_Msg):
@@ -288,6 +291,9 @@ class Prompts(_Msg):
     # The version of the oldest evaluation round that still has prompts to hand out (-1:
     # none). A generator at that version keeps it loaded until the round is sampled.
     eval_version: int = -1
+    # Nothing issued because the request deferred to the learner, which has been served its
+    # first batch and announced no weights since: ask again once a version is announced.
+    deferred: bool = False
 
 
 class Ack(_Msg):

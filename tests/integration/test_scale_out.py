@@ -35,10 +35,16 @@ def test_two_learner_ranks_and_two_generators_learn_the_tiny_task(tmp_path):
     log = (run_dir / "logs" / "learner.log").read_text()
     assert "FSDP2 over 2 ranks (gloo)" in log
     assert log.count("Loading weights: 100%") >= 2  # both ranks loaded the policy
+    deferred = 0
     for i in (0, 1):  # both engines took part to the end, following the pushed weights
         gen = (run_dir / "logs" / f"generator{i}.log").read_text()
+        # On the learner's cores: nothing sampled during its first step, then on again.
+        held = gen.count("nothing sampled during its first step")
+        assert held == gen.count("the learner's first step is done") <= 1, (i, held)
+        deferred += held
         loaded = [int(v) for v in re.findall(r"loaded version (\d+)", gen)]
         assert max(loaded) >= STEPS // 2, (i, loaded[-5:])
+    assert deferred >= 1
     trail = [json.loads(line) for line in (run_dir / "trained.jsonl").read_text().splitlines()]
     groups = [g for t in trail for g, _ in t["groups"]]
     assert len(groups) == len(set(groups)) == STEPS * 8

@@ -727,6 +727,37 @@ def test_long_polls_are_bounded_and_steps_are_consumed_in_order(harness):
     assert len(h.server.parked) == MAX_PARKED_PER_CLIENT
 
 
+def test_generators_on_the_learners_cores_get_nothing_during_its_first_step(harness):
+    """``defer_to_learner``: from the moment the learner is served its first batch until it
+    announces weights, such a request is answered ``deferred`` and changes nothing; one
+    without the flag is served as ever. Before that batch is served nothing is deferred, so
+    a learner that waits for several batches never waits on a deferring generator."""
+    h = harness
+
+    def ask(n: int, defer: bool = True, loaded: int = 0) -> P.Prompts:
+        req = P.GetPrompts(
+            generator_id=0, loaded_version=loaded, max_groups=n, defer_to_learner=defer
+        )
+        return h.request(b"A", req)
+
+    first = ask(2)
+    assert [g.group_id for g in first.groups] == [0, 1] and not first.deferred
+    for k in (0, 1):
+        g, frames = make_group(k=k, ver=np.zeros(6, np.int32))
+        assert isinstance(h.push(b"A", g, frames=frames), P.Ack)
+    assert not ask(1).deferred  # step 0 is complete but nobody took it yet
+    assert isinstance(h.request(b"L", batch_req(step=0)), P.Batch)
+    before = h.state()
+    held = ask(4)
+    assert held.deferred and not held.groups and not held.blocked_by_admission
+    assert h.state() == before
+    assert [g.group_id for g in ask(1, defer=False).groups] == [3]
+    update = P.WeightUpdate(version=1, params=[], bucket_bytes=1)
+    assert isinstance(h.request(b"L", P.AnnounceWeights(update=update)), P.Ack)
+    after = ask(1, loaded=1)  # (admission at eta 1 wants version 1 loaded for group 4)
+    assert [g.group_id for g in after.groups] == [4] and not after.deferred
+
+
 # ----------------------------------------------------------------------------- hostile input
 
 # Frames whose every message is wrong for a buffer that issued nothing to the sender:
