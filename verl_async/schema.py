@@ -209,6 +209,12 @@ class LearnerConfig(_Section):
     the padded batch's positions, with sdpa or eager attention, without gradient
     checkpointing, and where a packed row fits in the model's sliding window. False: every
     row computes its whole sequence."""
+    keep_freed_memory: bool = True
+    """A learner on CPUs keeps the memory it frees for its next allocations instead of
+    returning it to the system (glibc's allocator: no separate mapping per large block, no
+    trimming), so a step does not page-fault its activations in again; its resident memory
+    then stays at the largest step's. No effect on CUDA learners (learners/setup.py:
+    keep_freed_memory)."""
 
 
 KLPenalty = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
