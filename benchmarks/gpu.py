@@ -58,6 +58,14 @@ def init_distributed(device: str) -> tuple[int, int, torch.device]:
     return rank, world, dev
 
 
+def _kv_heads(hidden: int) -> int:
+    """Key-value heads when ``--kv-heads`` is not given: a quarter of the 64-wide heads,
+    rounded down to a divisor of their number (1 below hidden size 256)."""
+    heads = hidden // 64 if hidden >= 64 else 1
+    want = max(heads // 4, 1) if hidden >= 256 else 1
+    return max(d for d in range(1, want + 1) if heads % d == 0)
+
+
 def build_model(args, dev: torch.device, dtype: torch.dtype):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -69,13 +77,18 @@ def build_model(args, dev: torch.device, dtype: torch.dtype):
         intermediate_size=args.intermediate,
         num_hidden_layers=args.layers,
         num_attention_heads=args.hidden // 64 if args.hidden >= 64 else 1,
-        num_key_value_heads=max(args.hidden // 64 // 4, 1) if args.hidden >= 256 else 1,
+        num_key_value_heads=args.kv_heads or _kv_heads(args.hidden),
         max_position_embeddings=max(args.seq_len, 128),
         tie_word_embeddings=False,
     )
     torch.manual_seed(0)
     with torch.device(dev):
         model = LlamaForCausalLM(config)  # float32 parameters, as the learner keeps them
+    if args.lora_rank:  # as the learner does: adapters before any sharding
+        from verl_async import lora
+        from verl_async.schema import LoraConfig
+
+        model = lora.apply(model, LoraConfig(rank=args.lora_rank))
     return fsdp2(model, dtype)  # the learner's sharding; dtype is the compute dtype
 
 
@@ -125,6 +138,21 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
+def profile_step(step, dev: torch.device) -> None:
+    """One more step under torch.profiler: the operators by device time, then by host time
+    (host time near the step's wall time and device time well under it: launch-bound)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+        sync(dev)
+    table = prof.key_averages().table
+    if dev.type == "cuda":
+        print(table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=50))
+    print(table(sort_by="cpu_time_total", row_limit=10, max_name_column_width=50))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -132,15 +160,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--intermediate", type=int, default=4096)
     ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--kv-heads", type=int, default=0, help="key-value heads (0: see _kv_heads)")
     ap.add_argument("--samples", type=int, default=64, help="sequences per rank per step")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument(
         "--response-len", type=int, default=0, help="of --seq-len (default: half of it)"
     )
     ap.add_argument("--steps", type=int, default=5, help="timed steps (after 2 warm-up steps)")
+    ap.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="train LoRA adapters of this rank on q/k/v/o (model.lora) and publish only them",
+    )
     ap.add_argument("--bucket-mb", type=int, default=64)
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="for MFU (default: known GPUs)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs/gpu")
+    ap.add_argument("--profile", action="store_true", help="print one step's operator profile")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("summary: skipped, no CUDA device (use --device cpu for a code-path check)")
@@ -150,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     from learners.publish import gathered_buckets
     from learners.setup import adamw
     from learners.update import policy_update
+    from verl_async import lora
     from verl_async.algos import grpo_advantages
     from verl_async.runtime import free_port
     from verl_async.schema import AlgoConfig
@@ -208,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     overlap_times = timed_steps(overlap=True) if dev.type == "cuda" else []
     tokens = sum(p + r for p, r in zip(body.prompt_lengths, body.response_lengths, strict=True))
     tokens *= world
+    if args.profile and rank == 0:
+        profile_step(lambda: train_step(collate(body, frames, pad_id=0, pin=pin).to(dev)), dev)
+        parts.pop()
 
     group = None
     if rank == 0:
@@ -220,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         sync(dev)
         t0 = time.perf_counter()
         state = model.state_dict()
+        if args.lora_rank:  # the generators hold the base: the adapter alone goes
+            state = lora.adapter_state(state)
         buckets = plan_buckets(param_specs(state.items()), args.bucket_mb << 20)
         packed = (pack_bucket(b, tensors) for b, tensors in gathered_buckets(state, buckets))
         if group is not None:
@@ -239,15 +281,18 @@ def main(argv: list[str] | None = None) -> int:
         # The work the update needs: ~6 FLOPs per parameter and token (forward and
         # backward), ~2 more for the pi_prox pass over the later minibatches' rows; the
         # output head's parameters count on response tokens only (nothing reads the
-        # logits of other positions).
+        # logits of other positions). With LoRA the frozen weights get no gradient of their
+        # own: 4 FLOPs instead of 6 (the adapters' share is left out).
         k = algo.minibatches
         head = model.get_output_embeddings().weight.numel()
         resp_tokens = sum(body.response_lengths) * world
-        flops = (6 + 2 * (k - 1) / k) * ((params - head) * tokens + head * resp_tokens)
+        per_token = (4 if args.lora_rank else 6) + 2 * (k - 1) / k
+        flops = per_token * ((params - head) * tokens + head * resp_tokens)
         per_device = flops / step_s / world / 1e12
         peak_tflops = args.peak_tflops or PEAK_BF16_TFLOPS.get(_gpu_kind(dev), 0.0)
         result = {
             "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+            "lora_rank": args.lora_rank,
             "world_size": world,
             "params": params,
             "dtype": str(dtype),
@@ -265,8 +310,9 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "gpu.json").write_text(json.dumps(result, indent=1))
         print(f"machine: {machine()}; ranks: {world}; device: {result['device']}")
+        adapter = f", LoRA rank {args.lora_rank} on q/k/v/o" if args.lora_rank else ""
         print(
-            f"model: {params / 1e6:.0f}M parameters, {dtype}; {tokens} tokens per step "
+            f"model: {params / 1e6:.0f}M parameters{adapter}, {dtype}; {tokens} tokens per step "
             f"({args.samples} x {args.seq_len} per rank, {resp_tokens} of them response tokens)"
         )
         print("| | median s | rate |")

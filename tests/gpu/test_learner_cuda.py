@@ -144,3 +144,32 @@ def test_pinned_batch_is_copied_on_a_side_stream():
         got = getattr(moved, name)
         assert got.is_cuda
         torch.testing.assert_close(got.cpu(), getattr(batch, name), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("attn_impl", ["sdpa", "eager"])
+def test_shared_prefix_pass_on_cuda_equals_the_padded_pass(attn_impl):
+    """The learner's packed pass (each group's prompt once, a block mask keeping samples
+    apart) on CUDA, where sdpa picks its own kernels for a boolean mask: log-probs,
+    entropies and gradients equal the padded pass's, float32."""
+    from learners.logprobs import token_stats
+
+    from ..unit.test_logprobs import _groups, _model
+
+    model = _model(tie=True).cuda()
+    model.config._attn_implementation = attn_impl
+    ids, attn, mask = (t.cuda() for t in _groups())
+    weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(4)).cuda()
+
+    def run(share: bool):
+        model.zero_grad()
+        stats = token_stats(model, ids, attn, mask, 0.8, entropy=True, share_prefix=share)
+        ((stats.logp * weights + 0.1 * stats.entropy) * mask).sum().backward()
+        return stats, [p.grad.clone() for p in model.parameters()]
+
+    (plain, plain_grads), (shared, shared_grads) = run(False), run(True)
+    on = mask > 0
+    assert shared.computed < plain.computed  # it did pack
+    torch.testing.assert_close(shared.logp[on], plain.logp[on], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(shared.entropy[on], plain.entropy[on], atol=1e-5, rtol=1e-5)
+    for got, ref in zip(shared_grads, plain_grads, strict=True):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)

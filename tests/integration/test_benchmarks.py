@@ -145,16 +145,22 @@ def test_learner_scaling(tmp_path):
     assert all(r["tokens_per_s"] > 0 for r in results["one"] + results["two"])
 
 
-def test_gpu_script_code_path_on_cpu(tmp_path):
-    """The CUDA benchmark's code (FSDP2 step, gather, bucketed send) on CPU with gloo."""
+@pytest.mark.parametrize("lora_rank", [0, 8])
+def test_gpu_script_code_path_on_cpu(tmp_path, lora_rank):
+    """The CUDA benchmark's code (FSDP2 step, gather, bucketed send) on CPU with gloo; with
+    LoRA only the adapters are published."""
     _run(
         "gpu.py",
         ["--device", "cpu", "--layers", "1", "--hidden", "128", "--intermediate", "256"]
         + ["--vocab", "64", "--seq-len", "16", "--samples", "8", "--steps", "1"]
-        + ["--out", str(tmp_path)],
+        + ["--lora-rank", str(lora_rank), "--out", str(tmp_path)],
     )
     result = json.loads((tmp_path / "gpu.json").read_text())
-    assert result["tokens_per_step"] == 8 * 16 and result["publish_bytes"] > 0
+    assert result["tokens_per_step"] == 8 * 16 and result["lora_rank"] == lora_rank
+    # float32: the whole model, or the layer's four adapters (A: r x 128; B: 128 x r for q
+    # and o, 64 x r for k and v, whose one key-value head is 64 wide)
+    adapters = 4 * (lora_rank * 128) + 2 * (128 * lora_rank) + 2 * (64 * lora_rank)
+    assert result["publish_bytes"] == (4 * adapters if lora_rank else 4 * result["params"])
 
 
 @pytest.mark.gpu
