@@ -58,10 +58,15 @@ def init_distributed(device: str) -> tuple[int, int, torch.device]:
     return rank, world, dev
 
 
+def _heads(hidden: int) -> int:
+    """Attention heads: 64 wide (one below hidden size 64)."""
+    return hidden // 64 if hidden >= 64 else 1
+
+
 def _kv_heads(hidden: int) -> int:
-    """Key-value heads when ``--kv-heads`` is not given: a quarter of the 64-wide heads,
-    rounded down to a divisor of their number (1 below hidden size 256)."""
-    heads = hidden // 64 if hidden >= 64 else 1
+    """Key-value heads when ``--kv-heads`` is not given: a quarter of the heads, rounded
+    down to a divisor of their number (1 below hidden size 256)."""
+    heads = _heads(hidden)
     want = max(heads // 4, 1) if hidden >= 256 else 1
     return max(d for d in range(1, want + 1) if heads % d == 0)
 
@@ -76,7 +81,7 @@ def build_model(args, dev: torch.device, dtype: torch.dtype):
         hidden_size=args.hidden,
         intermediate_size=args.intermediate,
         num_hidden_layers=args.layers,
-        num_attention_heads=args.hidden // 64 if args.hidden >= 64 else 1,
+        num_attention_heads=_heads(args.hidden),
         num_key_value_heads=args.kv_heads or _kv_heads(args.hidden),
         max_position_embeddings=max(args.seq_len, 128),
         tie_word_embeddings=False,

@@ -132,8 +132,7 @@ def keep_freed_memory() -> bool:
         return False
     m_trim_threshold, m_mmap_max = -1, -4
     # -1 reads as the largest size_t (the value is an int): never trim.
-    kept = mallopt(m_mmap_max, 0) == 1 and mallopt(m_trim_threshold, -1) == 1
-    return kept
+    return mallopt(m_mmap_max, 0) == 1 and mallopt(m_trim_threshold, -1) == 1
 
 
 def leave_job() -> None:
