@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import time
 
 import pytest
 import zmq
@@ -12,7 +14,7 @@ import zmq.asyncio
 
 from verl_async import protocol as P
 from verl_async.rewards.model_client import RewardModelClient, RewardModelRejected
-from verl_async.transport import AsyncBufferClient, BufferUnavailable
+from verl_async.transport import AsyncBufferClient, BufferClient, BufferUnavailable
 from verl_async.transport.server import RouterSocket
 
 ENDPOINTS = iter(range(10**6))
@@ -95,6 +97,72 @@ def test_a_reply_that_does_not_decode_fails_every_waiter_with_the_users_error():
         assert client.pending == {}
 
     _run(RewardModelClient, 5, scenario)
+
+
+def _curve_server() -> tuple[zmq.Socket, str]:
+    """A CurveZMQ ROUTER on loopback: a client without keys fails its handshake."""
+    public, secret = zmq.curve_keypair()
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.curve_server, sock.curve_publickey, sock.curve_secretkey = True, public, secret
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    return sock, f"tcp://127.0.0.1:{port}"
+
+
+def test_a_client_refused_by_the_handshake_times_out_instead_of_blocking_in_send():
+    """Once the handshake has failed the DEALER has no peer to queue for, and a blocking
+    send would wait forever: each client's request must still end at its deadline."""
+    server, endpoint = _curve_server()
+    try:
+        client = BufferClient(endpoint, timeout_s=0.3)
+        try:
+            for _ in range(4):  # the first sends queue; the later ones find no peer
+                t0 = time.monotonic()
+                with pytest.raises(BufferUnavailable, match=endpoint):
+                    client.request(P.GetStats())
+                assert time.monotonic() - t0 < 5
+        finally:
+            client.close()
+
+        async def go() -> None:
+            client = AsyncBufferClient(endpoint, timeout_s=0.3)
+            try:
+                for _ in range(4):
+                    with pytest.raises(BufferUnavailable, match=endpoint):
+                        await asyncio.wait_for(client.request(P.GetStats()), 5)
+            finally:
+                client.close()
+
+        asyncio.run(go())
+    finally:
+        server.close()
+
+
+def test_a_request_that_timed_out_while_the_server_was_down_is_never_delivered():
+    """A restarted server gets only the requests made since it came back: one its client
+    gave up on while it was down would cost it work nobody waits for (a reward model
+    that starts again would score a backlog of stale requests and time out the new)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    client = BufferClient(endpoint, timeout_s=0.3)
+    server = zmq.Context.instance().socket(zmq.ROUTER)
+    server.setsockopt(zmq.LINGER, 0)
+    try:
+        with pytest.raises(BufferUnavailable):
+            client.request(P.GetStats())  # nobody listens yet
+        server.bind(endpoint)
+        client.timeout_s = 10.0
+        rid = client.send(P.GetStats())  # waits for the connection, then goes out
+        assert server.poll(10_000)
+        identity, *parts = server.recv_multipart()
+        assert P.decode(parts)[0].request_id == rid  # the new request, not the stale one
+        server.send_multipart([identity, *P.encode(P.Ack(), rid)])
+        assert isinstance(client.receive(rid)[0], P.Ack)
+        assert not server.poll(300)  # and nothing else arrived
+    finally:
+        client.close()
+        server.close()
 
 
 def test_router_answers_what_does_not_decode_and_logs_a_lost_reply(caplog):

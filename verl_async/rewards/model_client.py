@@ -3,8 +3,10 @@
 Pattern: one DEALER socket connected to the process's ROUTER, one reader task that
 resolves a future per request id, so many coroutines share the socket
 (``verl_async.transport.client.AsyncDealer``). No handshake: ZMQ connects by itself and
-reconnects after the process restarts; requests sent while it is down wait in the
-socket's queue. Every call has a deadline of ``timeout_s``: on expiry it raises
+reconnects after the process restarts; a request made while it is down waits for the
+connection within its deadline and is never delivered after it, so a restarted process
+does not first score what nobody waits for any more. Every call has a deadline of
+``timeout_s``: on expiry it raises
 ``RewardModelUnavailable`` naming the endpoint, and the late reply (if any) is dropped by
 request id, so the client keeps working once the process answers again. HWM 0 (callers
 bound what they have outstanding), linger 0 at close. With ``curve`` keys the socket is a

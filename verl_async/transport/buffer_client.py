@@ -13,12 +13,13 @@ first request fails with ``BufferUnavailable`` like a buffer that is down.
 from __future__ import annotations
 
 import itertools
+import time
 from typing import TYPE_CHECKING
 
 import zmq
 
 from verl_async import protocol as P
-from verl_async.transport.client import AsyncDealer, dealer_socket
+from verl_async.transport.client import AsyncDealer, dealer_socket, try_send
 
 if TYPE_CHECKING:
     from verl_async.auth import CurveKeys
@@ -60,21 +61,31 @@ class BufferClient:
         return self.receive(self.send(body, frames), extra_wait_s)
 
     def send(self, body: P.Body, frames: P.Frames | None = None) -> int:
-        """Send ``body`` without waiting; ``receive`` the reply with the returned id (the
-        caller works meanwhile). One outstanding request at a time."""
+        """Send ``body`` without waiting for the reply; ``receive`` it with the returned id
+        (the caller works meanwhile). One outstanding request at a time. With no live
+        connection (``try_send``) it waits for one for at most ``timeout_s``."""
         rid = next(self.ids)
-        self.sock.send_multipart(P.encode(body, rid, frames), copy=False)
+        parts = P.encode(body, rid, frames)
+        deadline = time.monotonic() + self.timeout_s
+        while not try_send(self.sock, parts):
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if remaining_ms <= 0:
+                raise self.unavailable(self.timeout_s)
+            self.sock.poll(remaining_ms, zmq.POLLOUT)  # until a connection is up
         return rid
+
+    def unavailable(self, waited_s: float) -> BufferUnavailable:
+        return BufferUnavailable(
+            f"no reply from the buffer at {self.endpoint} within {waited_s:.0f}s; "
+            "is the buffer process alive?"
+        )
 
     def receive(self, rid: int, extra_wait_s: float = 0.0):
         """The reply to request ``rid``: (reply body, reply frames)."""
         deadline_ms = int((self.timeout_s + extra_wait_s) * 1000)
         while True:
             if not self.sock.poll(deadline_ms):
-                raise BufferUnavailable(
-                    f"no reply from the buffer at {self.endpoint} within {self.timeout_s + extra_wait_s:.0f}s; "
-                    "is the buffer process alive?"
-                )
+                raise self.unavailable(self.timeout_s + extra_wait_s)
             env, frames_in = P.decode(self.sock.recv_multipart(copy=False))
             if env.request_id == rid:  # stale replies to abandoned requests are skipped
                 return _check(env.body, self.endpoint), frames_in

@@ -29,11 +29,30 @@ def unbounded(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.RCVHWM, 0)
 
 
+SEND_RETRY_S = 0.01  # how often a request with no live connection to go out on looks again
+
+
+def try_send(sock: zmq.Socket, parts: list) -> bool:
+    """Send ``parts`` without blocking; False when the DEALER has no live connection
+    (``dealer_socket`` sets ZMQ_IMMEDIATE): the server is down or restarting, or it
+    refused the CurveZMQ handshake. The caller looks again until its request's deadline,
+    so a request never waits for a server longer than its timeout, and is never queued to
+    be delivered after it (a restarted server would otherwise first work through every
+    request its clients gave up on while it was down, and time out the new ones)."""
+    try:
+        sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
+    except zmq.Again:
+        return False
+    return True
+
+
 def dealer_socket(ctx: zmq.Context, endpoint: str, curve: CurveKeys | None) -> zmq.Socket:
     """A DEALER of ``ctx`` set up as every client's (``unbounded``; a CurveZMQ client
-    with ``curve`` keys) and connected to ``endpoint``."""
+    with ``curve`` keys; messages go only over a connection that is up, ZMQ_IMMEDIATE)
+    and connected to ``endpoint``."""
     sock = ctx.socket(zmq.DEALER)
     unbounded(sock)
+    sock.setsockopt(zmq.IMMEDIATE, 1)
     if curve is not None:
         curve.apply(sock)
     sock.connect(endpoint)
@@ -46,16 +65,17 @@ class AsyncDealer:
     Pattern: DEALER connected to a server's ROUTER; each request carries a fresh
     request_id and the reader resolves the future waiting on that id, so many coroutines
     share the socket. HWM 0 (``unbounded``). Handshake: none (ZMQ connects, and reconnects
-    after the server restarts, by itself; requests sent meanwhile wait in the socket's
-    queue); with ``curve`` keys a CurveZMQ client, and a server that refuses it never
-    answers, so its requests time out. Shutdown: ``close`` cancels the reader and closes
+    after the server restarts, by itself; a request made meanwhile waits for the
+    connection within its own deadline, ``try_send``); with ``curve`` keys a CurveZMQ
+    client, and a server that refuses it never answers, so its requests time out. Shutdown: ``close`` cancels the reader and closes
     the socket with linger 0.
 
-    asyncio is used only to sleep until a reply is readable; sends (HWM 0: they never
-    block) and the draining of every ready reply go through a plain shadow of the socket,
-    zero-copy, which saves an event-loop round trip per message. The reader also wakes
-    every second, so even a missed wake-up costs latency, never a hang; a reader that died
-    is started again by the next request. A request that times out or is cancelled is
+    asyncio is used only to sleep until a reply is readable; sends (never blocking: with no
+    live connection, ``try_send`` looks again until the request's deadline) and the
+    draining of every ready reply go through a plain shadow of the socket, zero-copy, which
+    saves an event-loop round trip per message. The reader also wakes every second, so
+    even a missed wake-up costs latency, never a hang; a reader that died is started
+    again by the next request. A request that times out or is cancelled is
     forgotten, so its late reply is dropped and the client goes on working.
 
     Users name their errors: ``unavailable(waited_s)`` is raised when no reply came in
@@ -91,15 +111,17 @@ class AsyncDealer:
         rid = next(self.ids)
         fut = asyncio.get_running_loop().create_future()
         self.pending[rid] = fut
+        parts = P.encode(body, rid, frames)
         try:
-            self.raw.send_multipart(P.encode(body, rid, frames), copy=False)
-            # ZMQ's file descriptor is edge-triggered and a send can consume the edge of a
-            # reply that arrived meanwhile; the waiting reader would miss it, so look now.
-            if self.raw.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                self._drain()
             # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancel
             # that lands as the reply arrives, and a SIGTERMed generator then carries on.
             async with asyncio.timeout(self.timeout_s + extra_wait_s):
+                while not try_send(self.raw, parts):
+                    await asyncio.sleep(SEND_RETRY_S)
+                # ZMQ's file descriptor is edge-triggered and a send can consume the edge
+                # of a reply that arrived meanwhile; the waiting reader would miss it.
+                if self.raw.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    self._drain()
                 return await fut
         except TimeoutError:
             raise self.unavailable(self.timeout_s + extra_wait_s) from None
