@@ -46,6 +46,7 @@ from verl_async.rewards.worker import ENV_REWARDS
 
 log = logging.getLogger("verl_async.rewards")
 POLL_S = 0.1  # how often a waiting request looks at the scoring process's exit status
+STARTUP_S = 60.0  # a fresh scoring process's first reply may take this much longer
 
 
 class ModelClient(Protocol):
@@ -69,7 +70,9 @@ class RuleScorer:
 
     Requests go one at a time (an ``asyncio.Lock``); each has its own deadline of
     ``timeout_s`` from when it is sent, so a hanging request delays a later one by at most
-    its own timeout, and the later one then runs on a fresh process.
+    its own timeout, and the later one then runs on a fresh process. The first request to
+    a fresh process also waits for its start (an interpreter and the user's imports, up to
+    ``STARTUP_S`` more): a start slowed by a busy machine is not a failure of the source.
     """
 
     def __init__(
@@ -93,6 +96,7 @@ class RuleScorer:
         self.starts = 0
         self.lock = asyncio.Lock()
         self.proc: subprocess.Popen | None = None
+        self.fresh = True  # no reply from this process yet: its start counts in STARTUP_S
         self.sock: zmq.asyncio.Socket | None = None
         self.log_file: Any = None
         self._start()
@@ -119,6 +123,7 @@ class RuleScorer:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(endpoint)
+        self.fresh = True
 
     def _stop(self) -> None:
         """Kill the scoring process's whole group, reap it, drop the socket."""
@@ -152,14 +157,16 @@ class RuleScorer:
         rid = next(self.ids)
         await self.sock.send_multipart(P.encode(body, rid))
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.timeout_s
+        timeout_s = self.timeout_s + (STARTUP_S if self.fresh else 0.0)
+        deadline = loop.time() + timeout_s
         while True:
             remaining = deadline - loop.time()
             if remaining <= 0:
-                raise ScoringFailed(f"timed out after {self.timeout_s:g}s")
+                raise ScoringFailed(f"timed out after {timeout_s:g}s")
             if await self.sock.poll(int(min(POLL_S, remaining) * 1000) + 1, zmq.POLLIN):
                 env, _ = P.decode(await self.sock.recv_multipart())
                 if env.request_id == rid:  # a late reply to an abandoned request is skipped
+                    self.fresh = False
                     return env.body
                 continue
             code = self.proc.poll()
