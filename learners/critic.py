@@ -16,6 +16,7 @@ float32 on CPU) and one forward pass per batch.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,29 @@ class CriticStats:
     vf_explained_var: float
     grad_norm: float
     values_mean: float
+    # The step's values before the critic trained on it against its returns: the mean
+    # squared error, and the returns' variance (what a constant guess at their mean
+    # would err). Summed over several steps, 1 - sum(mse) / sum(var) is the explained
+    # variance of those steps pooled, which a step whose returns are all alike (the
+    # policy sure of every answer) cannot swing the way it swings vf_explained_var.
+    values_mse: float = 0.0
+    returns_var: float = 0.0
+
+
+def value_fit(
+    stats: CriticStats, values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor
+) -> CriticStats:
+    """``stats`` with how well the step's ``values`` [N, T-1] (computed before the critic
+    trained on the step) predict its ``returns``, over the kept tokens of ``mask``."""
+    keep = mask.bool()
+    v, r = values[keep], returns[keep]
+    return dataclasses.replace(
+        stats,
+        vf_explained_var=float(explained_variance(values, returns, mask)),
+        values_mean=float(v.mean()) if len(v) else 0.0,
+        values_mse=float(((v - r) ** 2).mean()) if len(v) else 0.0,
+        returns_var=float(r.var(unbiased=False)) if len(r) else 0.0,
+    )
 
 
 def load_critic(path: str, dtype: torch.dtype = torch.float32):

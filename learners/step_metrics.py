@@ -108,6 +108,8 @@ def algo_metrics(batch: TrainBatch, s: StepStats, critic, adv, kl_ctrl) -> dict:
                 "critic/vf_explained_var": critic.vf_explained_var,
                 "critic/grad_norm": critic.grad_norm,
                 "critic/values/mean": critic.values_mean,
+                "critic/values/mse": critic.values_mse,
+                "critic/returns/var": critic.returns_var,
             }
         )
     return row

@@ -29,6 +29,7 @@ from learners.critic import (
     critic_update,
     critic_values,
     reference_logprobs,
+    value_fit,
 )
 from learners.distributed import DataParallel
 from learners.evaluation import EvalTracker
@@ -39,8 +40,6 @@ from learners.step_metrics import GeneratorTiming, algo_metrics, multiturn_metri
 from learners.update import StepStats, policy_update, prox_pass
 from verl_async import lora
 from verl_async import protocol as P
-from verl_async.algos.losses import explained_variance
-from verl_async.algos.masked import masked_mean
 from verl_async.auth import CurveKeys, client_keys
 from verl_async.checkpoint import SHARDS, step_dir
 from verl_async.metrics import MetricsWriter
@@ -254,10 +253,7 @@ class Learner:
             )  # fmt: skip
             critic_stats = dp.mean_stats(critic_stats, weight, sums=("vf_loss",))
             # Over the whole step, not averaged over ranks:
-            critic_stats.vf_explained_var = float(
-                explained_variance(batch.values, adv.returns, batch.loss_mask)
-            )
-            critic_stats.values_mean = float(masked_mean(batch.values, batch.loss_mask))
+            critic_stats = value_fit(critic_stats, batch.values, adv.returns, batch.loss_mask)
         warming = self.critic is not None and self.steps_done < cfg.critic.warmup_steps
         self.model.train()
         stats = policy_update(

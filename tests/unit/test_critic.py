@@ -4,11 +4,13 @@ import msgspec
 import torch
 
 from learners.critic import (
+    CriticStats,
     critic_update,
     critic_values,
     load_critic,
     load_reference,
     reference_logprobs,
+    value_fit,
 )
 from learners.update import policy_update, prox_pass
 from verl_async.launch.tiny_model import build_tiny_model
@@ -99,3 +101,17 @@ def test_warmup_steps_compute_losses_without_moving_the_actor(tmp_path):
     assert stats.loss != 0 and stats.grad_norm == 0
     for a, b in zip(model.parameters(), before, strict=True):
         assert torch.equal(a, b)
+
+
+def test_value_fit_reads_only_kept_tokens():
+    values = torch.tensor([[0.5, 9.0], [1.0, 0.0]])  # [N, T]: 9.0 is padding
+    returns = torch.tensor([[1.0, -7.0], [1.0, 0.0]])
+    mask = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    stats = value_fit(CriticStats(0.0, 0.0, 0.0, 0.0, 0.0), values, returns, mask)
+    # Kept: values (0.5, 1, 0) against returns (1, 1, 0).
+    assert stats.values_mean == 0.5
+    assert abs(stats.values_mse - 0.25 / 3) < 1e-7  # float32
+    assert abs(stats.returns_var - 2 / 9) < 1e-7  # mean 2/3: (1/9 + 1/9 + 4/9) / 3
+    # Returns all alike: no variance to explain, and an exact guess errs nothing.
+    same = value_fit(stats, torch.ones(1, 2), torch.ones(1, 2), torch.ones(1, 2))
+    assert same.returns_var == 0.0 and same.values_mse == 0.0

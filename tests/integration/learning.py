@@ -1,0 +1,90 @@
+"""Learning checks whose verdict does not depend on the machine's speed.
+
+An asynchronous run's schedule depends on the machine: which batch is how stale, which
+generator asks first. A learning curve measured on one is a draw from a distribution that
+the machine's speed changes, so a bar that one machine clears another may not. The runs
+here are synchronous (``staleness.max=0``): batch s holds groups sB .. sB+B-1, all sampled
+at version s, whatever the speed; what is left is the seed, and every bar below has been
+cleared with room over several seeds, on a quiet machine and beside a CPU hog
+(``benchmarks/margins.py``, BENCHMARKS.md section "Test margins").
+
+A ``Case`` is a ``verl-async train`` command and a ``measure`` of its run directory into
+``Check`` values (each passes when ``value > bound``). The integration tests assert them;
+``benchmarks/margins.py`` runs the same cases over seeds and prints each check's smallest
+margin, so a bar is never tuned on one run.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+SYNC = ("staleness.max=0", "generators.max_inflight_groups=8")  # tiny configs: 8 groups a step
+
+
+@dataclass(frozen=True)
+class Check:
+    """One measured quantity of a run and the bar it must clear (``value > bound``)."""
+
+    name: str
+    value: float
+    bound: float
+
+    @property
+    def passed(self) -> bool:
+        return self.value > self.bound
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.value:.3f} > {self.bound:.3f}"
+
+
+@dataclass(frozen=True)
+class Case:
+    """A synchronous training run and what it must show."""
+
+    config: str
+    overrides: tuple[str, ...]
+    measure: Callable[[Path], list[Check]]
+
+    def args(self, run_dir: Path, seed: int | None = None) -> list[str]:
+        """``verl-async`` arguments; ``seed`` changes the model's initialisation, the
+        prompt order and the sampling (the tests run the configs' own seeds)."""
+        seeded = [] if seed is None else seed_overrides(seed)
+        return ["train", self.config, "--run-dir", str(run_dir), *SYNC, *self.overrides, *seeded]
+
+
+def seed_overrides(seed: int) -> list[str]:
+    return [f"learner.seed={seed}", f"data.shuffle_seed={seed}", f"model.tiny.seed={seed}"]
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
+
+
+def window_means(run_dir: Path, key: str, window: int) -> tuple[float, float]:
+    """The mean of ``key`` over the first and over the last ``window`` steps."""
+    metrics = rows(run_dir / "metrics.jsonl")
+    return mean(r[key] for r in metrics[:window]), mean(r[key] for r in metrics[-window:])
+
+
+def rise(run_dir: Path, key: str, window: int, min_rise: float) -> Check:
+    """``key`` rose by more than ``min_rise`` from the first window to the last."""
+    first, last = window_means(run_dir, key, window)
+    return Check(f"{key} rise ({first:.3f} -> {last:.3f})", last - first, min_rise)
+
+
+def fall(run_dir: Path, key: str, window: int, min_fall: float) -> Check:
+    """``key`` fell by more than ``min_fall`` from the first window to the last."""
+    first, last = window_means(run_dir, key, window)
+    return Check(f"{key} fall ({first:.3f} -> {last:.3f})", first - last, min_fall)
+
+
+def failed(checks: list[Check]) -> list[str]:
+    return [str(c) for c in checks if not c.passed]
