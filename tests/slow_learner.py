@@ -5,7 +5,10 @@
   middle of a write (``SlowCheckpointer``, also used directly by unit tests);
 - ``--update-delay-s S``: every optimizer update takes S seconds longer, so the learner is
   the slower stage whatever the machine and the generator stays ahead of it (buffer
-  snapshots then hold finished rollouts, not only groups in flight).
+  snapshots then hold finished rollouts, not only groups in flight);
+- ``--gate FILE``: update n (counted from 1) waits until FILE holds an integer >= n, so a
+  test paces the run by what it has done itself (a fuzzer's messages, say) instead of by
+  the machine's speed.
 
 In a real run the learner role is started as this module (``benchmarks/custom_learner.py``)::
 
@@ -54,18 +57,51 @@ def slow_updates(delay_s: float) -> None:
     Learner.update = slowed
 
 
+GATE_TIMEOUT_S = 600.0  # a test that never opens the gate fails the run, it does not hang it
+
+
+def gated_updates(path: str, timeout_s: float = GATE_TIMEOUT_S) -> None:
+    """Make ``Learner.update`` number n wait until the file ``path`` holds an integer
+    >= n (written by the test; a missing or half-written file counts as 0)."""
+    from learners.trainer import Learner
+
+    update = Learner.update
+    done = [0]
+
+    def allowed() -> int:
+        try:
+            return int(open(path).read().strip() or 0)
+        except (OSError, ValueError):
+            return 0
+
+    @functools.wraps(update)
+    def gated(self, *args, **kwargs):
+        deadline = time.monotonic() + timeout_s
+        while allowed() <= done[0]:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the gate {path} stayed at {allowed()} for {timeout_s:.0f}s")
+            time.sleep(0.01)
+        done[0] += 1
+        return update(self, *args, **kwargs)
+
+    Learner.update = gated
+
+
 def main() -> None:
     from benchmarks.custom_learner import run_learner
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write-delay-s", type=float, default=0.0)
     parser.add_argument("--update-delay-s", type=float, default=0.0)
+    parser.add_argument("--gate", default="")
     args, rest = parser.parse_known_args()
     if args.write_delay_s:
         # The learner builds its writer as ``checkpointing.Checkpointer(...)``.
         checkpointing.Checkpointer = functools.partial(SlowCheckpointer, delay_s=args.write_delay_s)
     if args.update_delay_s:
         slow_updates(args.update_delay_s)
+    if args.gate:
+        gated_updates(args.gate)
     run_learner(rest)
 
 

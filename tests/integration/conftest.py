@@ -1,8 +1,10 @@
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import msgspec
@@ -56,6 +58,29 @@ def start_engine_in_group(kind: str, cfg, model_path: Path, seed: int = 0):
     return loop, engine, holder["g"]
 
 
+@contextlib.contextmanager
+def hf_wave_held_until_abort(engine, timeout_s: float = 30.0):
+    """The transformers engine's next wave samples its first token only once an
+    abort-mode swap has asked it to stop (``engine.abort``): every request of the wave
+    then has one token of the old version and goes on under the new one, however fast
+    the machine. Undone on exit."""
+    from generators import hf_engine
+
+    real, held = hf_engine.sample_processed, [False]
+
+    def sample_processed(logits, how, rng):
+        if not held[0]:
+            held[0] = True
+            assert engine.abort.wait(timeout_s), "no abort-mode swap came"
+        return real(logits, how, rng)
+
+    hf_engine.sample_processed = sample_processed
+    try:
+        yield
+    finally:
+        hf_engine.sample_processed = real
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("model"), TinyModelConfig())
@@ -71,6 +96,32 @@ def run_cli(args: list[str], timeout: float, cwd: Path = ROOT) -> subprocess.Com
         text=True,
         timeout=timeout,
     )
+
+
+def launch_gated(args: list[str], gate: Path, out: Path) -> subprocess.Popen:
+    """``verl-async ARGS`` in the background, its learner gated (tests/slow_learner.py
+    ``--gate``: update n waits until the file ``gate`` holds n or more), its output in
+    ``out``: the test, not the machine's speed, says how far the run may go."""
+    from benchmarks.custom_learner import command
+
+    with open(out, "w") as f:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(
+            command("tests.slow_learner", ["--gate", str(gate)], args),
+            cwd=ROOT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def wait_for(proc: subprocess.Popen, done, what: str, out: Path, timeout_s: float = 300) -> None:
+    """Poll ``done()`` until true; fail (with the end of ``out``) if the run ends first or
+    ``timeout_s`` pass."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert proc.poll() is None, f"the run ended before {what}:\n{out.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"no {what} in {timeout_s:.0f}s"
+        time.sleep(0.05)
 
 
 def processes_mentioning(text: str) -> list[int]:

@@ -1,13 +1,18 @@
 """A live training run under fire: hostile input on the buffer's socket changes nothing.
 
-While ``verl-async train configs/tiny.yaml`` runs 300 steps, this test fires thousands of
+While ``verl-async train configs/tiny.yaml`` runs, this test fires thousands of
 hypothesis-generated messages at its buffer from a DEALER socket of its own: random
 bytes, broken envelopes, replies sent as requests, requests with a field out of range,
 and rollouts for groups this socket was never issued (plausible ids: in flight to the
 real generator, already returned, consumed; duplicates; thousands of groups at once).
 Each must be answered with an ``Error``, and then the run must be exactly what it would
-have been: it exits 0, trains all 300 steps, every group 0..2399 exactly once, nothing
-dropped, and the buffer's log names the rejections in a few lines, not thousands.
+have been: it exits 0, trains every step, every group exactly once, nothing dropped, and
+the buffer's log names the rejections in a few lines, not thousands.
+
+The run lasts as long as the hostile traffic needs, on any machine: the learner is gated
+(tests/slow_learner.py ``--gate``) and may take one step for every ``MESSAGES_PER_STEP``
+messages fired, never its last one until the fuzzer has sent its quota and seen every kind
+of rejection it aims for. Only then is the gate opened and the run let finish.
 """
 
 from __future__ import annotations
@@ -17,7 +22,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -27,26 +31,30 @@ import zmq
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from benchmarks.custom_learner import command
 from verl_async import protocol as P
 from verl_async.transport import BufferClient, BufferUnavailable
 
 from ..unit.test_buffer_validation import _envelope, hostile_messages, make_group, received
 from .conftest import ROOT, processes_mentioning
 
-# 300 steps: the tiny default trains about 13 steps a second under this fire (80 took
-# 6 s), too short a window for thousands of messages unless the run is longer.
-STEPS, B, GROUP_SIZE = 300, 8, 8  # configs/tiny.yaml: 8 groups a step, 8 samples a group
+STEPS, B, GROUP_SIZE = 200, 8, 8  # configs/tiny.yaml: 8 groups a step, 8 samples a group
+QUOTA = 2_000  # hostile messages fired while the run trains
+# Steps are let through at this pace, so the quota is reached about half-way: the
+# second half of the run is still there for a kind of rejection not yet seen.
+MESSAGES_PER_STEP = 2 * QUOTA // STEPS
 REPLY_TIMEOUT_S = 10.0
 BATCH = 50  # messages per hypothesis run; the run's progress is looked at in between
-MAX_MESSAGES = 25_000
+MAX_MESSAGES = 5 * QUOTA  # then it fails with its counts rather than fire on and on
+AIMED = ("on another connection", "already returned", "never issued")  # rollouts' rejections
 
 
-def _launch(run_dir: Path, out: Path) -> subprocess.Popen:
+def _launch(run_dir: Path, gate: Path, out: Path) -> subprocess.Popen:
     args = ["train", "configs/tiny.yaml", "--run-dir", str(run_dir)]
     overrides = [f"trainer.total_steps={STEPS}", "checkpoint.every_steps=0"]
     with open(out, "w") as f:  # the child keeps its own copy of the descriptor
         return subprocess.Popen(
-            [sys.executable, "-m", "verl_async.launch.cli", *args, *overrides],
+            command("tests.slow_learner", ["--gate", str(gate)], [*args, *overrides]),
             cwd=ROOT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
             stdout=f,
@@ -76,9 +84,11 @@ def _buffer_endpoint(run_dir: Path, proc: subprocess.Popen, timeout_s: float = 1
 
 
 class Fuzzer:
-    """One DEALER socket; one message out, its one reply in (every receive has a deadline)."""
+    """One DEALER socket; one message out, its one reply in (every receive has a deadline).
+    After each message it moves the learner's gate: one step per ``MESSAGES_PER_STEP``
+    messages, the last step only once ``satisfied``."""
 
-    def __init__(self, endpoint: str, run_dir: Path) -> None:
+    def __init__(self, endpoint: str, run_dir: Path, gate: Path) -> None:
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(endpoint)
@@ -87,12 +97,26 @@ class Fuzzer:
         self.codes: Counter[str] = Counter()
         self.messages: Counter[str] = Counter()
         self.over = False  # the buffer has exited (the run is over)
+        self.gate, self.opened = gate, -1
+
+    @property
+    def satisfied(self) -> bool:
+        return self.sent >= QUOTA and all(self.messages[kind] > 0 for kind in AIMED)
+
+    def pace(self) -> None:
+        steps = STEPS if self.satisfied else min(self.sent // MESSAGES_PER_STEP, STEPS - 1)
+        if steps != self.opened:
+            tmp = self.gate.with_suffix(".tmp")
+            tmp.write_text(str(steps))
+            tmp.replace(self.gate)  # the learner never reads half a number
+            self.opened = steps
 
     def exchange(self, parts: list[bytes]) -> None:
         if self.over:
             return
         self.sock.send_multipart(parts)
         self.sent += 1
+        self.pace()
         deadline = time.monotonic() + REPLY_TIMEOUT_S
         while not self.sock.poll(200):
             if not processes_mentioning(self.buffer_cmd):
@@ -104,6 +128,7 @@ class Fuzzer:
         assert env.body.code in ("protocol", "rejected", "unexpected"), env.body
         self.codes[env.body.code] += 1
         self.messages[_kind(env.body.message)] += 1
+        self.pace()
 
     def fire(self, group_ids: st.SearchStrategy[int]) -> None:
         """BATCH hypothesis-generated messages, each answered before the next."""
@@ -149,15 +174,14 @@ def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
-def _fuzz_until_the_run_ends(fuzzer: Fuzzer, endpoint: str, proc: subprocess.Popen) -> int:
-    """Fire batches until the buffer is gone; returns messages sent while groups were
-    being generated and trained. Each batch aims part of its rollouts at the groups in
+def _fuzz_until_the_run_ends(fuzzer: Fuzzer, endpoint: str, proc: subprocess.Popen) -> None:
+    """Fire batches until the buffer is gone (the fuzzer opens the learner's gate fully
+    once it is satisfied, so the run then ends). Each batch aims part of its rollouts at the groups in
     flight right now (asked with GetStats, a harmless request: about the last
     ``issued - returned`` ids issued) to collide with the real generator's, and one
     rollout straight at the latest group issued (hypothesis favours the ends of a range,
     and the low end is usually returned already)."""
     stats_client = BufferClient(endpoint, timeout_s=REPLY_TIMEOUT_S)
-    during_training = 0
     try:
         while not fuzzer.over and proc.poll() is None and fuzzer.sent < MAX_MESSAGES:
             try:
@@ -166,28 +190,26 @@ def _fuzz_until_the_run_ends(fuzzer: Fuzzer, endpoint: str, proc: subprocess.Pop
                 break  # the buffer is gone: the run is ending
             issued, out = stats.issued, max(stats.issued - stats.returned, 1)
             in_flight = st.integers(max(issued - out, 0), issued)
-            before = fuzzer.sent
             if issued > 0:
                 fuzzer.collide(issued - 1)
             fuzzer.fire(st.one_of(in_flight, in_flight, st.integers(-3, STEPS * B + 16)))
-            if issued > 0 and stats.consumed < STEPS * B:
-                during_training += fuzzer.sent - before
     finally:
         stats_client.close()
-    return during_training
 
 
 def test_a_run_under_hostile_input_completes_and_trains_every_group_once(tmp_path):
     run_dir = tmp_path / "run"
     t0 = time.monotonic()
-    proc = _launch(run_dir, tmp_path / "cli.log")
+    gate = tmp_path / "gate"
+    proc = _launch(run_dir, gate, tmp_path / "cli.log")
     fuzzer = None
     try:
         endpoint = _buffer_endpoint(run_dir, proc)
-        fuzzer = Fuzzer(endpoint, run_dir)
+        fuzzer = Fuzzer(endpoint, run_dir, gate)
         t_fuzz = time.monotonic()
-        during_training = _fuzz_until_the_run_ends(fuzzer, endpoint, proc)
+        _fuzz_until_the_run_ends(fuzzer, endpoint, proc)
         fuzz_s = time.monotonic() - t_fuzz
+        gate.write_text(str(STEPS))  # satisfied or not (MAX_MESSAGES), let the run end
         rc = proc.wait(timeout=300)
     finally:
         if fuzzer is not None:
@@ -197,15 +219,14 @@ def test_a_run_under_hostile_input_completes_and_trains_every_group_once(tmp_pat
             proc.wait(timeout=60)
     cli_log = (tmp_path / "cli.log").read_text()
     print(
-        f"sent {fuzzer.sent} hostile messages in {fuzz_s:.0f}s ({during_training} while "
-        f"training); replies {dict(fuzzer.codes)}; rollouts {dict(fuzzer.messages)}; "
-        f"run {time.monotonic() - t0:.0f}s"
+        f"sent {fuzzer.sent} hostile messages in {fuzz_s:.0f}s; replies {dict(fuzzer.codes)}; "
+        f"rollouts {dict(fuzzer.messages)}; run {time.monotonic() - t0:.0f}s"
     )
     assert rc == 0, cli_log[-3000:]
-    assert fuzzer.sent >= 2000 and during_training >= 300, (fuzzer.sent, during_training)
+    # The gate opened on the fuzzer's word alone: the quota was fired while the run
+    # trained, and rollouts hit groups in flight, returned and never issued.
+    assert fuzzer.opened == STEPS and fuzzer.satisfied, (fuzzer.sent, dict(fuzzer.messages))
     assert set(fuzzer.codes) == {"protocol", "rejected", "unexpected"}
-    assert fuzzer.messages["on another connection"] > 0, "no rollout hit a group in flight"
-    assert fuzzer.messages["already returned"] > 0 and fuzzer.messages["never issued"] > 0
 
     # Exactly once: every step trained, every group of the run in it once, nothing dropped.
     rows, trail = _rows(run_dir / "metrics.jsonl"), _rows(run_dir / "trained.jsonl")

@@ -4,6 +4,7 @@ prompts of different lengths and its log-probs are the learner's; a weight swap 
 computed it (checked against each version's own log-probs, token by token)."""
 
 import asyncio
+import contextlib
 import threading
 
 import pytest
@@ -18,7 +19,7 @@ from verl_async.algos import token_logprobs
 from verl_async.config import load_config
 from verl_async.weight_sync import join_group, param_specs
 
-from .conftest import ROOT
+from .conftest import ROOT, hf_wave_held_until_abort
 
 TEMPERATURE = 0.7
 PROMPTS = [[1, 3, 5], [1, 3, 5, 9, 7, 4, 13], [1, 8, 2, 6, 4]]  # <bos> max 0 4 ... lengths 3, 7, 5
@@ -90,18 +91,21 @@ def test_a_swap_mid_wave_stamps_every_token_with_the_version_that_computed_it(
         joiner.start()
         await engine.join_weight_sync("127.0.0.1", port, 2, 1, "gloo")
         joiner.join(60)
+        # abort: the wave's first token waits for the swap, so it cuts every request
+        held = hf_wave_held_until_abort(engine) if mode == "abort" else contextlib.nullcontext()
         try:
-            tasks = [asyncio.create_task(engine.sample(PROMPTS[0], how)) for _ in range(16)]
-            while not engine.lock.locked():  # the first wave is running
-                await asyncio.sleep(0.001)
-            sender = threading.Thread(
-                target=send_weights, args=(holder["g"], tensors, specs, 1 << 20)
-            )
-            sender.start()
-            update = P.WeightUpdate(version=1, params=specs, bucket_bytes=1 << 20)
-            await engine.apply_update(update)
-            sender.join(60)
-            return await asyncio.gather(*tasks), engine.resubmitted
+            with held:
+                tasks = [asyncio.create_task(engine.sample(PROMPTS[0], how)) for _ in range(16)]
+                while not engine.lock.locked():  # the first wave is running
+                    await asyncio.sleep(0.001)
+                sender = threading.Thread(
+                    target=send_weights, args=(holder["g"], tensors, specs, 1 << 20)
+                )
+                sender.start()
+                update = P.WeightUpdate(version=1, params=specs, bucket_bytes=1 << 20)
+                await engine.apply_update(update)
+                sender.join(60)
+                return await asyncio.gather(*tasks), engine.resubmitted
         finally:
             await engine.leave_weight_sync()
             holder["g"].close()

@@ -5,7 +5,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -14,7 +13,9 @@ import pytest
 from benchmarks.custom_learner import command
 from benchmarks.tiny_reward_model import build_tiny_reward_model
 
-from .conftest import ROOT, cmdline, processes_mentioning
+from .conftest import ROOT, cmdline, launch_gated, processes_mentioning, steps_done, wait_for
+
+STEPS = 30  # the reward-model restart test: killed after 5, back before the last 15
 
 SOURCES = (
     "rewards.sources=["
@@ -117,46 +118,45 @@ def test_model_and_rule_rewards_score_real_rollouts(tmp_path, reward_model_dir):
 
 
 def test_a_dead_reward_model_is_restarted_and_the_run_goes_on(tmp_path, reward_model_dir):
-    run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "verl_async.launch.cli",
-            "train",
-            "configs/tiny.yaml",
-            "--run-dir",
-            str(run_dir),
-            "trainer.total_steps=80",
-            "rewards.timeout_s=2",
-            SOURCES % reward_model_dir,
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    """The learner is gated (tests/slow_learner.py): it waits after 5 steps while the
+    reward model is killed, trains on while the model restarts (those groups' model scores
+    fail and get the default), and trains its last steps only once the new process has
+    loaded, so they are scored by it, on any machine."""
+    run_dir, gate, out = tmp_path / "run", tmp_path / "gate", tmp_path / "out.txt"
+    rm_log = run_dir / "logs" / "reward_model_rm.log"
+    gate.write_text("5")
+    args = [
+        "train",
+        "configs/tiny.yaml",
+        "--run-dir",
+        str(run_dir),
+        f"trainer.total_steps={STEPS}",
+        "rewards.timeout_s=2",
+        SOURCES % reward_model_dir,
+    ]
+    proc = launch_gated(args, gate, out)  # fmt: skip
     try:
-        deadline = time.monotonic() + 300
-        metrics = run_dir / "metrics.jsonl"
-        while time.monotonic() < deadline and not (metrics.exists() and len(_rows(metrics)) >= 5):
-            assert proc.poll() is None, proc.stderr.read()[-3000:]
-            time.sleep(0.3)
+        wait_for(proc, lambda: steps_done(run_dir) == 5, "step 5", out)
         victims = [p for p in processes_mentioning(str(run_dir)) if "-m reward_model" in cmdline(p)]
         assert len(victims) == 1, "reward-model process not found"
         os.kill(victims[0], signal.SIGKILL)
-        _, err = proc.communicate(timeout=400)
+        gate.write_text(str(STEPS // 2))  # scored while the model is down or loading
+        wait_for(proc, lambda: rm_log.read_text().count("loaded ") == 2, "reloaded model", out)
+        gate.write_text(str(STEPS))
+        assert proc.wait(timeout=400) == 0, out.read_text()[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 0, err[-3000:]
+    err = out.read_text()
     assert "reward_model_rm process exited" in err and "restarting it (1/5)" in err
     rows = _rows(run_dir / "metrics.jsonl")
-    assert len(rows) == 80
+    assert len(rows) == STEPS
     assert sum(r["reward_failed/rm"] for r in rows) > 0, "no request failed while it was down"
     assert rows[-1]["reward_failed/rm"] == 0, "scoring did not recover after the restart"
     assert all(r["reward_failed/correct"] == 0 for r in rows)  # other sources unaffected
-    assert (run_dir / "logs/reward_model_rm.log").read_text().count("loaded ") == 2
+    assert rm_log.read_text().count("loaded ") == 2
     assert "reward source 'rm' failed" in (run_dir / "logs/generator0.log").read_text()
-    time.sleep(1)
+    deadline = time.monotonic() + 30  # PR_SET_PDEATHSIG is asynchronous
+    while processes_mentioning(str(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert not processes_mentioning(str(run_dir)), "processes outlived the run"
