@@ -37,6 +37,13 @@ def buffer_proc(tmp_path, free_port, tiny_model):
         ),
     )
     proc = subprocess.Popen([sys.executable, "-m", "buffer", "--run-dir", str(tmp_path)], cwd=ROOT)
+    # Up first (imports, the tokenizer, 2048 prompts rendered: seconds on 2 slow cores),
+    # then every request of a test has its own 20 s.
+    client = BufferClient(endpoint, timeout_s=120)
+    try:
+        client.request(P.GetStats())
+    finally:
+        client.close()
     yield endpoint, proc
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=20)

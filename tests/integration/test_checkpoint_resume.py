@@ -63,13 +63,18 @@ def _overrides(data: Path) -> list[str]:
     ]
 
 
-def _launch(args: list[str], write_delay_s: float = 0.0) -> subprocess.Popen:
+def _launch(
+    args: list[str], write_delay_s: float = 0.0, gate: Path | None = None
+) -> subprocess.Popen:
     """``verl-async ARGS`` with the learner slowed down (tests/slow_learner.py): each update
     by ``UPDATE_DELAY_S``, so the generator stays ahead of it on any machine and the
     snapshots hold finished rollouts; with ``write_delay_s`` each checkpoint write by that
-    much, so a kill can land inside one."""
+    much, so a kill can land inside one; with ``gate`` each update waits for the file
+    ``gate`` to allow it (``--gate``), so the run stops where the test wants it."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     slow = ["--update-delay-s", str(UPDATE_DELAY_S), "--write-delay-s", str(write_delay_s)]
+    if gate is not None:
+        slow += ["--gate", str(gate)]
     return subprocess.Popen(
         command("tests.slow_learner", slow, args),
         cwd=ROOT,
@@ -130,8 +135,12 @@ def _loaded_versions(run_dir: Path) -> list[int]:
     ]
 
 
-def _settle(run_dir: Path) -> None:
-    time.sleep(1)  # PR_SET_PDEATHSIG is asynchronous; nothing may survive the tree kill
+def _settle(run_dir: Path, timeout_s: float = 30.0) -> None:
+    """Nothing may survive the tree kill; PR_SET_PDEATHSIG is asynchronous, and a process
+    with much memory mapped takes a while to leave /proc on a loaded machine."""
+    deadline = time.monotonic() + timeout_s
+    while processes_mentioning(str(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert not processes_mentioning(str(run_dir)), "processes outlived SIGKILL of the tree"
 
 
@@ -209,8 +218,12 @@ def _crash_and_resume(
         ]
 
     # 1. Between checkpoints: step 6 committed, steps 7..8 trained, step 9 not reached.
-    proc = _launch([*train, "--run-dir", str(run_dir)])
-    _kill_when(proc, lambda: 6 in committed_steps(run_dir) and 7 <= steps_done(run_dir) < 9)
+    # The learner may take 8 updates and no more, so the step-6 write (in the background)
+    # has all the time it needs to commit before the kill, however slow the disk.
+    gate = tmp / "gate"
+    gate.write_text("8")
+    proc = _launch([*train, "--run-dir", str(run_dir)], gate=gate)
+    _kill_when(proc, lambda: 6 in committed_steps(run_dir) and steps_done(run_dir) == 8)
     _settle(run_dir)
 
     # 2. During a checkpoint write: step_00000009 exists, its manifest does not.
@@ -376,7 +389,8 @@ def test_a_run_resumes_by_itself_after_its_learner_and_then_its_buffer_die(tmp_p
     lines = (ROOT / "configs/data/max_digit.jsonl").read_text().splitlines()[: B * STEPS]
     data.write_text("\n".join(lines) + "\n")
     run_dir = tmp_path / "run"
-    rng = random.Random()
+    seed = random.randrange(2**32)  # in every failure message: the kill points replay
+    rng = random.Random(seed)
     first, second = rng.randint(4, 10), rng.randint(14, 20)
     args = ["train", "configs/tiny.yaml", "--run-dir", str(run_dir), *_overrides(data)]
     shape = TWO_LEARNERS if ranks == 2 else []
@@ -396,7 +410,7 @@ def test_a_run_resumes_by_itself_after_its_learner_and_then_its_buffer_die(tmp_p
     finally:
         if proc.poll() is None:
             proc.kill()
-    where = f"(killed at steps {first} and {second})"
+    where = f"(killed at steps {first} and {second}, seed {seed})"
     assert proc.returncode == 0, (where, err[-3000:])
     # One rank: the learner process itself died (-9); two: torch.distributed.run ended
     # the job when one of its ranks did.

@@ -35,7 +35,8 @@ ROLES = ("buffer", "learner", "generator0", "generator1")
 
 def test_two_generators_and_a_learner_train_as_ray_actors(tmp_path):
     run_dir = tmp_path / "run"
-    kill_at = random.randint(4, 8)  # a step after the first checkpoint (3)
+    seed = random.randrange(2**32)  # in the failure message: the kill point replays
+    kill_at = random.Random(seed).randint(4, 8)  # a step after the first checkpoint (3)
     proc = subprocess.Popen(
         [
             sys.executable, "-m", "verl_async.launch.cli",
@@ -61,7 +62,7 @@ def test_two_generators_and_a_learner_train_as_ray_actors(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 0, (kill_at, err[-3000:])
+    assert proc.returncode == 0, (kill_at, seed, err[-3000:])
     assert "restart 1/1: the learner process exited with code -9" in err
     sessions = re.findall(r"local instance \(4 CPU, 0 GPU; session files in (\S+)\)", err)
     assert len(sessions) == 2, err[-3000:]  # sized to the 4 bundles, not to this machine
@@ -92,7 +93,7 @@ def test_two_generators_and_a_learner_train_as_ray_actors(tmp_path):
 def _assert_ray_is_gone(session: Path) -> None:
     """No process of this test's Ray instance (raylet, gcs_server, workers) is left, and
     its session folder was removed (the run succeeded)."""
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 60  # raylet, gcs and workers on 2 loaded cores
     while processes_mentioning(str(session)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert processes_mentioning(str(session)) == []

@@ -152,8 +152,7 @@ def test_a_generator_dying_past_its_restarts_stops_the_run_with_its_name(tmp_pat
             proc.kill()
     assert proc.returncode == 1
     assert "generator0" in err and "exited with code" in err
-    time.sleep(1)
-    assert not processes_mentioning(str(run_dir)), "processes outlived the failed run"
+    _assert_nothing_outlives(run_dir, "the failed run")
 
 
 def _children(pid: int) -> list[int]:
@@ -193,4 +192,13 @@ def test_a_killed_launcher_leaves_no_engine_process_behind(tmp_path):
     while any(cmdline(p) for p in generator + engine) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not [cmdline(p) for p in generator + engine if cmdline(p)], "outlived the launcher"
-    assert not processes_mentioning(str(run_dir))
+    _assert_nothing_outlives(run_dir, "the launcher")
+
+
+def _assert_nothing_outlives(run_dir: Path, what: str, timeout_s: float = 60.0) -> None:
+    """No process of the run is left once it has had ``timeout_s`` to go (PR_SET_PDEATHSIG
+    is asynchronous, and a learner unwinds through its shutdown on SIGTERM)."""
+    deadline = time.monotonic() + timeout_s
+    while processes_mentioning(str(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not processes_mentioning(str(run_dir)), f"processes outlived {what}"

@@ -50,17 +50,21 @@ def test_marking_an_unwritable_run_dir_is_harmless(tmp_path):
 def test_cpu_marks_count_live_descendants_passed_in(tmp_path):
     import subprocess
     import sys
-    import time
 
     from verl_async.runtime import descendants_cpu, mark_cpu
 
+    # The child computes until it has used 0.8 s of CPU (however busy the machine; few
+    # clock reads, which are system time), says so, and waits: what it used is then
+    # measured while it still runs.
+    spin = "import sys, time\nwhile time.process_time() < 0.8: sum(range(20000))\nprint('ready', flush=True)\nsys.stdin.read()"
     child = subprocess.Popen(
-        [sys.executable, "-c", "import time\nt=time.time()\nwhile time.time()-t<1.5: pass"]
+        [sys.executable, "-c", spin], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
     try:
-        time.sleep(1.2)
+        assert child.stdout.readline().strip() == "ready"
         user, _ = descendants_cpu()  # the busy child, still running (a grandchild would count too)
     finally:
+        child.stdin.close()
         child.wait()
     assert user > 0.5
     mark_cpu(tmp_path, "generator0", (user, 0.25))
