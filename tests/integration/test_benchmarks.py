@@ -2,6 +2,9 @@
 
 No timing is asserted (this machine is shared and noisy): only that the script finishes,
 prints its table and a summary line, and that its JSON holds the fields BENCHMARKS.md uses.
+The scripts that start several runs or engines are marked ``bench``: they leave ``make
+test`` (which proves the system, not its measuring scripts) and run with ``make
+test-bench``, before a benchmark's figures are taken and whenever a script changes.
 """
 
 import json
@@ -30,6 +33,41 @@ def _run(script: str, args: list[str], timeout: float = 400) -> str:
     return res.stdout
 
 
+@pytest.mark.bench
+def test_margins(tmp_path):
+    """One learning case at two seeds, cut to 25 steps: the sweep's report, not a bar."""
+    out = _run("margins.py", ["--suite", "estimators", "--cases", "rloo", "--seeds", "1,2",
+                              "--out", str(tmp_path), "trainer.total_steps=25"])  # fmt: skip
+    (report,) = tmp_path.glob("estimators-quiet-*/margins.json")
+    result = json.loads(report.read_text())
+    (check,) = result["cases"]["rloo"]["checks"].values()
+    assert len(check["values"]) == 2 and check["bound"] == 0.1
+    assert "summary: 1 checks over 2 seeds" in out
+
+
+# Run by cpu_hog.py: exits 3 when its parent's other child is the loop, pinned to core 1.
+FIND_HOG = """
+import os, sys
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        cmd = open(f"/proc/{pid}/cmdline").read()
+    except (OSError, ValueError):
+        continue
+    if int(stat[1]) == os.getppid() and "while True" in cmd:
+        sys.exit(3 if os.sched_getaffinity(int(pid)) == {1} else 4)
+sys.exit(5)
+"""
+
+
+def test_cpu_hog_runs_the_command_beside_a_busy_loop():
+    res = subprocess.run([sys.executable, "benchmarks/cpu_hog.py", "--", sys.executable, "-c",
+                          FIND_HOG], cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert res.returncode == 3, (res.returncode, res.stderr)  # the command's own exit code
+    assert "beside a busy loop on core 1" in res.stdout.splitlines()[-1]
+
+
+@pytest.mark.bench
 def test_transport(tmp_path):
     out = _run(
         "transport.py", ["--sizes", "8192,65536", "--counts", "64,16", "--out", str(tmp_path)]
@@ -41,6 +79,7 @@ def test_transport(tmp_path):
     assert "| 8 KiB | 64 |" in out
 
 
+@pytest.mark.bench
 def test_weight_sync(tmp_path):
     out = _run(
         "weight_sync.py",
@@ -53,6 +92,7 @@ def test_weight_sync(tmp_path):
     assert "raw broadcast" in out
 
 
+@pytest.mark.bench
 def test_pipeline(tmp_path):
     out = _run(
         "pipeline.py",
@@ -101,6 +141,7 @@ def test_checkpoint_alternating_blocks(tmp_path):
     assert "alternating blocks of 2 steps" in out
 
 
+@pytest.mark.bench
 def test_staleness_sweep(tmp_path):
     _run(
         "staleness_sweep.py",
@@ -114,6 +155,7 @@ def test_staleness_sweep(tmp_path):
     assert (tmp_path / "s.png").stat().st_size > 0
 
 
+@pytest.mark.bench
 def test_staleness_sweep_multiturn_with_tool_latency(tmp_path):
     """Section 14's command at tiny size: the generator imports benchmarks.latency_env."""
     env = (
@@ -134,6 +176,7 @@ def test_staleness_sweep_multiturn_with_tool_latency(tmp_path):
     assert config["multiturn"]["environments"][0]["env"] == "benchmarks.latency_env:LatencyEnv"
 
 
+@pytest.mark.bench
 def test_learner_scaling(tmp_path):
     _run(
         "learner_scaling.py",
@@ -172,6 +215,7 @@ def test_gpu_script_on_cuda(tmp_path):
     assert json.loads((tmp_path / "gpu.json").read_text())["device"] != "cpu"
 
 
+@pytest.mark.bench
 def test_rewards(tmp_path):
     out = _run("rewards.py", ["--repeats", "1", "--prefill", "1", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "rewards.json").read_text())
@@ -202,6 +246,7 @@ def test_estimators(tmp_path):
     assert "gae: step time 1.00x gae" in out and "held-out" in out
 
 
+@pytest.mark.bench
 def test_generation_cpu_on_the_tiny_model(tmp_path, tiny_model):
     out = _run(
         "generation_cpu.py",
@@ -231,6 +276,7 @@ def test_plot_run(tmp_path):
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.bench
 def test_peers(tmp_path):
     """TRL's GRPOTrainer and verl-async, 3 steps each of the tiny default."""
     out = _run("peers.py", ["--preset", "tiny", "--steps", "3", "--out", str(tmp_path)])
