@@ -95,12 +95,13 @@ def nonfinite_names(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     local shard on this rank).
 
     One sum per tensor and a single wait for all of them: a sum is finite only if every
-    element is (a NaN or an infinity never adds back to a finite number), and a sum costs
-    a quarter of ``isfinite().all()`` on a CPU (one pass, nothing allocated). A sum that
-    is not finite is confirmed with ``isfinite`` (finite elements can add up past the
-    dtype's range), so no finite tensor is ever named."""
+    element is (a NaN or an infinity never adds back to a finite number), and it reads the
+    tensor once and allocates nothing: on one CPU core, float32 weights shaped like
+    SmolLM2-135M's took 53 ms, ``isfinite().all()`` per tensor 0.5 to 1.3 s. A sum that is
+    not finite is confirmed with ``isfinite`` (finite elements can add up past the dtype's
+    range), so no finite tensor is ever named."""
     names, sums = [], []
-    with torch.no_grad():  # to_local() of a parameter under autograd costs 10x more
+    with torch.no_grad():  # no autograd graph for the parameters' to_local() and sums
         for name, tensor in named:
             local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
             if local.is_floating_point() and local.numel():
