@@ -63,6 +63,8 @@ def step_row(
         "is_weight_max": s.is_weight_max,
         "is_clipped_fraction": s.is_clipped_fraction,
         "grad_norm": s.grad_norm,
+        "skipped_steps/nonfinite_loss": round(s.skipped_nonfinite_loss),
+        "skipped_steps/nonfinite_grad": round(s.skipped_nonfinite_grad),
         "rollout_logp_diff_max": s.rollout_logp_diff_max,
         "rollout_fresh_fraction": round(s.rollout_fresh_fraction, 4),
         "padding_fraction": round(s.padding_fraction, 4),
@@ -110,6 +112,8 @@ def algo_metrics(batch: TrainBatch, s: StepStats, critic, adv, kl_ctrl) -> dict:
                 "critic/values/mean": critic.values_mean,
                 "critic/values/mse": critic.values_mse,
                 "critic/returns/var": critic.returns_var,
+                "critic/skipped_steps/nonfinite_loss": round(critic.skipped_nonfinite_loss),
+                "critic/skipped_steps/nonfinite_grad": round(critic.skipped_nonfinite_grad),
             }
         )
     return row

@@ -176,7 +176,7 @@ class MultiTurnConfig(_Section):
     """Deadline of one episode's environment calls together; past it the episode ends."""
     env_reward_weight: float = 1.0
     """Weight of the environment's per-turn rewards, added to the combined reward of the
-    ``rewards`` sources (those score the final turn)."""
+    ``rewards`` sources (those score the final turn); finite in float32."""
 
 
 class LearnerConfig(_Section):

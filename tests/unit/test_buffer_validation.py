@@ -315,7 +315,13 @@ def _rejections():
     yield replace(g, failed=[]), f, f"{no_failed}, the run has 1 reward sources"
     yield replace(g, scores=[[1.0]]), f, "group 5: source 0 scored 1 samples of 2"
     yield replace(g, scores=[[1.0, NAN]]), f, "group 5: source 0 left some samples unscored (NaN)"
-    yield replace(g, scores=[[1.0, math.inf]]), f, "group 5: source 0 has an infinite score"
+    # 1e39 is a float64 and no float32: the learner would train on an infinity.
+    for bad in (math.inf, -math.inf, 1e39, -1e39):
+        yield (
+            replace(g, scores=[[1.0, bad]]),
+            f,
+            "group 5: source 0 has a score that is not a finite float32",
+        )
     yield replace(g, failed=[3]), f, "group 5: source 0 failed 3 samples of 2"
     yield replace(g, failed=[-1]), f, "group 5: source 0 failed -1 samples of 2"
 
