@@ -13,7 +13,9 @@ plugin applies). Weights are bf16 on CUDA, float32 on CPU.
 
 Publication is timed as the learner does it: bucket by bucket, ``full_tensor()`` of the
 bucket's parameters on every rank, then rank 0 packs it and broadcasts it over a
-weight-sync group.
+weight-sync group. So is the check that nothing non-finite leaves the learner
+(learners/finite.py): of the weights before each publish, of weights and optimizer state
+before each checkpoint.
 No vLLM runs here, so that group has the learner alone (world size 1): the figure is the
 gather + packing + collective launch cost, not a transfer to generators.
 
@@ -158,6 +160,29 @@ def profile_step(step, dev: torch.device) -> None:
     print(table(sort_by="cpu_time_total", row_limit=10, max_name_column_width=50))
 
 
+def time_finite_checks(model, optimizer, any_rank, dev: torch.device, n: int) -> dict:
+    """Seconds of ``require_finite`` over what the learner checks before a publish and
+    before a checkpoint (every rank its own shards, one collective), ``n`` times each."""
+    from learners.finite import require_finite, state_tensors
+
+    checks = {
+        "weights (each publish)": lambda: model.state_dict().items(),
+        "weights + optimizer state (each checkpoint)": lambda: state_tensors(
+            ("model", model, optimizer)
+        ),
+    }
+    times: dict[str, list[float]] = {}
+    for what, named in checks.items():
+        for i in range(1 + n):  # the first one warms up
+            sync(dev)
+            t0 = time.perf_counter()
+            require_finite(what, named(), any_rank)
+            sync(dev)
+            if i:
+                times.setdefault(what, []).append(time.perf_counter() - t0)
+    return times
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -277,6 +302,11 @@ def main(argv: list[str] | None = None) -> int:
         sync(dev)
         publish_times.append(time.perf_counter() - t0)
     publish_times = publish_times[1:]  # the first one allocates the buckets
+    from learners.distributed import DataParallel
+
+    check_times = time_finite_checks(
+        model, optimizer, DataParallel(rank, world).any_rank, dev, args.steps
+    )
 
     if rank == 0:
         step_s = statistics.median(step_times)
@@ -306,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             "step_s": step_times,
             "publish_s": publish_times,
             "publish_bytes": nbytes,
+            "finite_check_s": check_times,
             "peak_gib": peak,
             "overlapped_step_s": overlap_times,
             "parts_s": parts,
@@ -338,6 +369,11 @@ def main(argv: list[str] | None = None) -> int:
             f"| gather shards + broadcast ({nbytes / 2**20:.0f} MiB) | {pub_s:.3f} "
             f"| {nbytes / pub_s / 1e9:.2f} GB/s |"
         )
+        for what, times in check_times.items():
+            check_s = statistics.median(times)
+            print(
+                f"| finite check of the {what} | {check_s:.4f} | {check_s / step_s:.2%} of a step |"
+            )
         mfu = f", MFU {result['mfu']:.1%}" if result["mfu"] else ""
         print(
             f"summary: {tokens / step_s:,.0f} tokens/s per step on {world} x {result['device']} "

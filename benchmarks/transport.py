@@ -60,7 +60,7 @@ def produce_through_buffer(endpoint: str, index: int, size: int, window: int, go
 async def _produce(endpoint: str, index: int, size: int, window: int) -> None:
     """The generator's client side: GetPrompts, then each group through ``RolloutPusher``."""
     from generators.episodes import Packed
-    from generators.main import RolloutPusher
+    from generators.leases import RolloutPusher
     from verl_async import protocol as P
     from verl_async.rewards.scorer import GroupScores
     from verl_async.transport import AsyncBufferClient

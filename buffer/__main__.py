@@ -83,7 +83,8 @@ async def serve(run_dir: str, exit_after_stop_s: float | None = None) -> None:
     admission = Admission(cfg.learner.groups_per_step, cfg.staleness.max)
     # A generator holds at most max_inflight_groups being sampled and as many waiting for
     # their scores (generators/main.py): more on one connection is not a generator's doing.
-    leases = Leases(cfg.buffer.lease_timeout_s, 2 * cfg.generators.max_inflight_groups)
+    b = cfg.buffer
+    leases = Leases(b.lease_timeout_s, 2 * cfg.generators.max_inflight_groups, max_s=b.lease_max_s)
     ledger = PromptLedger(
         train, admission, cfg.trainer.total_steps, cfg.data.shuffle_seed, leases=leases
     )

@@ -7,8 +7,9 @@ is buffer/telemetry.py's.
 
 Every prompt group k moves  issued -> returned -> consumed, each exactly once. Step s
 consumes groups sB .. sB + B - 1 (issue order; see verl_async/staleness.py for why).
-An issued group is leased to its connection (buffer/leases.py); when the lease runs out
-the group goes back to the front of the issue queue, so its holder's copy never counts.
+Each issue of a group is a lease of its connection's (buffer/leases.py); when the lease
+runs out the group goes back to the front of the issue queue, and a rollout under the old
+lease never counts, whoever the group went to next.
 """
 
 from __future__ import annotations
@@ -104,6 +105,32 @@ class Issued:
     generator_id: int
     loaded_version: int
     client: bytes = b""  # the connection (ROUTER identity) the group went out on
+    lease: int = 0  # the lease it went out under (its rollout must name it)
+
+
+@dataclass(frozen=True)
+class Expired:
+    """Groups of one holder whose leases ran out in one sweep."""
+
+    client: bytes
+    generator_id: int  # the generator id its first group was asked for under
+    group_ids: list[int]
+    at_cap: int  # how many of them ran out at buffer.lease_max_s (renewed to the end)
+
+    def line(self, timeout_s: float, max_s: float) -> str:
+        """The buffer's log line about them."""
+        capped = (
+            f" ({self.at_cap} of them held buffer.lease_max_s = {max_s:g}s, past which no "
+            "renewal goes)"
+            if self.at_cap
+            else ""
+        )
+        return (
+            f"lease of {len(self.group_ids)} groups on connection {self.client.hex()} "
+            f"(generator {self.generator_id}) expired: not returned within {timeout_s:g}s of "
+            f"their issue or last renewal{capped}; groups {self.group_ids} go to the next "
+            "generator that asks"
+        )
 
 
 class PromptLedger:
@@ -148,8 +175,8 @@ class PromptLedger:
         Groups to re-issue (after a restore, or an expired lease) go first, under the same
         admission rule as fresh ones. A generator still running weights older than the
         restored version gets nothing until it has loaded them. ``client`` is the
-        connection asking: only it may return the groups (``check_issued``), and each is
-        leased to it.
+        connection asking: only it may return the groups (``check_issued``), each under
+        the lease granted to it now.
         """
         out: list[PromptGroup] = []
         while len(out) < max_groups and not self.exhausted:
@@ -157,9 +184,9 @@ class PromptLedger:
             if loaded_version < self.min_version or not self.admission.admits(k, loaded_version):
                 return out, True
             epoch, idx = self.prompt_of(k)
-            out.append(prompt_group(k, idx, epoch, self.prompts[idx]))
-            self.in_flight[k] = Issued(generator_id, loaded_version, client)
-            self.leases.grant(k, client)
+            lease = self.leases.grant(k, client)
+            out.append(prompt_group(k, idx, epoch, self.prompts[idx], lease))
+            self.in_flight[k] = Issued(generator_id, loaded_version, client, lease)
             if self.reissue:
                 self.reissue.popleft()
             else:
@@ -170,16 +197,18 @@ class PromptLedger:
     def exhausted(self) -> bool:
         return not self.reissue and self.next_group >= self.total_groups
 
-    def check_returnable(self, group_ids: list[int], client: bytes | None = None) -> None:
-        """Raise LedgerError unless every id is in flight, once; a group whose lease on
-        ``client`` expired is named as such (it may be in flight to another connection)."""
+    def late(self, group: RolloutGroup, client: bytes) -> str | None:
+        """Why ``group``, from ``client``, comes too late to be taken (None: it does not):
+        the lease it names was this client's and ended without its rollout. Such a rollout
+        is dropped, not refused: its generator did nothing wrong, it was only slow."""
+        return self.leases.lapsed_reason(group.group_id, group.lease, client)
+
+    def check_returnable(self, group_ids: list[int]) -> None:
+        """Raise LedgerError unless every id is in flight, once."""
         if len(set(group_ids)) != len(group_ids):
             twice = sorted(k for k, n in Counter(group_ids).items() if n > 1)
             raise LedgerError(f"a message returns the same group twice: {_ids(twice)}")
         for k in group_ids:
-            lapsed = None if client is None else self.leases.lapsed_reason(k, client)
-            if lapsed is not None:
-                raise LedgerError(lapsed)
             if k not in self.in_flight:
                 raise LedgerError(f"group {k} {self._not_in_flight(k)}")
 
@@ -197,13 +226,15 @@ class PromptLedger:
         self.leases.end(group.group_id)
         self.returned[group.group_id] = group
 
-    def expire_leases(self) -> list[tuple[bytes, int, list[int]]]:
+    def expire_leases(self) -> list[Expired]:
         """Take back the groups whose lease ran out; each is first in line to be issued
-        again. Returns (connection, generator id of its first group, group ids) per holder."""
+        again. Returns what ran out, per holder."""
         expired = []
-        for client, ids in self.leases.expire().items():
+        for client, leases in self.leases.expire().items():
+            ids = [lease.group_id for lease in leases]
             issued = [self.in_flight.pop(k) for k in ids]
-            expired.append((client, issued[0].generator_id, ids))
+            at_cap = sum(lease.capped for lease in leases)
+            expired.append(Expired(client, issued[0].generator_id, ids, at_cap))
             self.reissue.extend(ids)
         if expired:  # lowest id first: the head is the group the next step waits for
             self.reissue = deque(sorted(self.reissue))
@@ -296,9 +327,10 @@ def check_issued(group: RolloutGroup, issued: Issued | None, client: bytes) -> N
     """Raise LedgerError unless ``group`` is in flight to the generator returning it.
 
     ``issued`` is the ledger's record of the group (None: not in flight). A group goes
-    back only on the connection it went out on and under the generator id it was asked
-    for: another process, however well-formed its message, cannot return (and so steal,
-    or poison) a group it was not given.
+    back only on the connection it went out on, under the generator id it was asked for
+    and the lease it was issued under: another process, however well-formed its message,
+    cannot return (and so steal, or poison) a group it was not given. (A copy under an
+    older lease of the same connection was dropped before this, ``PromptLedger.late``.)
     """
     k = group.group_id
     if issued is None:
@@ -312,10 +344,16 @@ def check_issued(group: RolloutGroup, issued: Issued | None, client: bytes) -> N
         raise LedgerError(
             f"group {k} was issued to generator {issued.generator_id} on another connection"
         )
+    if group.lease != issued.lease:
+        raise LedgerError(
+            f"group {k} was issued under lease {issued.lease}, not lease {group.lease}"
+        )
 
 
-def prompt_group(group_id: int, prompt_id: int, epoch: int, rec: PromptRecord) -> PromptGroup:
-    """The message that hands prompt ``rec`` to a generator."""
+def prompt_group(
+    group_id: int, prompt_id: int, epoch: int, rec: PromptRecord, lease: int = 0
+) -> PromptGroup:
+    """The message that hands prompt ``rec`` to a generator (under ``lease``; 0: none)."""
     return PromptGroup(
         group_id=group_id,
         prompt_id=prompt_id,
@@ -325,6 +363,7 @@ def prompt_group(group_id: int, prompt_id: int, epoch: int, rec: PromptRecord) -
         ground_truth=rec.ground_truth,
         data_source=rec.data_source,
         extra_info=rec.extra_info,
+        lease=lease,
     )
 
 

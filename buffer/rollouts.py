@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from buffer.ledger import StoredGroup
+from verl_async.numerics import finite32_mask
 from verl_async.protocol import EPISODE_BUDGETS, EpisodeStats, ProtocolError, RolloutGroup, vector
 from verl_async.schema import RunConfig
 
@@ -216,7 +217,8 @@ def _check_token_ids(where: str, name: str, ids: np.ndarray, vocab_size: int | N
 def _check_scores(
     where: str, scores: list[list[float]], failed: list[int], n: int, num_sources: int
 ) -> None:
-    """[S][n] scores: each source's row is all finite (scored) or all NaN (not routed)."""
+    """[S][n] scores: each source's row is all finite in float32 (scored) or all NaN (not
+    routed)."""
     if len(scores) != num_sources or len(failed) != num_sources:
         raise ProtocolError(
             f"{where}: scores of {len(scores)} sources and failed counts of {len(failed)}, "
@@ -228,7 +230,7 @@ def _check_scores(
         routed = [v == v for v in row]  # NaN != NaN: not routed to this group's data
         if any(routed) and not all(routed):
             raise ProtocolError(f"{where}: source {s} left some samples unscored (NaN)")
-        if any(routed) and not all(math.isfinite(v) for v in row):
-            raise ProtocolError(f"{where}: source {s} has an infinite score")
+        if any(routed) and not finite32_mask(row).all():  # the learner trains them in float32
+            raise ProtocolError(f"{where}: source {s} has a score that is not a finite float32")
         if not 0 <= fails <= n:
             raise ProtocolError(f"{where}: source {s} failed {fails} samples of {n}")

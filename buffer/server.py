@@ -16,9 +16,11 @@ chores (set-up, decode-or-``Error``, replies to vanished peers, close) are
 Hostile input. Every field a peer sends is checked before any state changes (pure
 functions in buffer/requests.py, buffer/ledger.py and buffer/rollouts.py): a wrong
 message gets ``Error(code, message)`` naming what was wrong, and nothing it carried is
-recorded. A rollout is taken only on the connection its group was issued to, while its
-lease lasts (buffer/leases.py: a group not returned in ``buffer.lease_timeout_s`` is
-issued again, and one connection holds a bounded number). No message can raise out of
+recorded. A rollout is taken only on the connection its group was issued to, under the
+lease it was issued with, while that lease lasts (buffer/leases.py: a group neither
+returned nor renewed for ``buffer.lease_timeout_s`` is issued again, and one connection
+holds a bounded number); a rollout under a lease that ended is answered ``Dropped``,
+never ``Error``: its generator was slow, not wrong. No message can raise out of
 the loop (an unexpected exception is a bug: it is logged with its traceback and answered
 ``Error("internal")``), and rejections and expired leases are logged through
 ``RateLimitedLog`` (verl_async/ratelimit.py), so a flood costs a few lines.
@@ -115,6 +117,7 @@ class BufferServer:
         self.parked: list[Parked] = []
         self.rate = TokenRate()
         self.admission_blocked = 0
+        self.rollouts_dropped = 0  # rollouts under a lease that had ended (Dropped)
         self.clock = AdmissionClock()
         self.cuts = Cuts(ledger)  # checkpoint cuts waiting for their files to be fetched
         self.stopping = False  # Shutdown received: answer everyone with stop
@@ -200,6 +203,8 @@ class BufferServer:
                 if dropped:
                     return P.Dropped(group_ids=dropped, reason="lease expired"), None
                 return P.Ack(), None
+            case P.RenewLeases():
+                return P.Renewed(lost=self.ledger.leases.renew(identity, body.leases)), None
             case P.PollVersion() | P.GetBatch():
                 ready = self._try_answer(body)
                 if ready is not None:
@@ -252,6 +257,8 @@ class BufferServer:
                 check_non_negative(body, "generator_id", "loaded_version", "max_groups")
                 check_loaded(body.loaded_version, self.target_version)
                 self.ledger.leases.check_request(identity, body.max_groups)
+            case P.RenewLeases():
+                self.ledger.leases.check_renewal(body.leases)
             case P.PollVersion():
                 check_non_negative(body, "generator_id", "loaded_version")
                 check_loaded(body.loaded_version, self.target_version)
@@ -319,14 +326,15 @@ class BufferServer:
         self, identity: bytes, groups: list[P.RolloutGroup], frames: list
     ) -> list[int]:
         """Validate every group first, then record them all (a bad message records nothing);
-        return the ids of groups left out because this connection's lease on them expired.
+        return the ids of groups left out because the lease they name ended (``late``).
 
         Ledger checks come first: they are cheap and reject a stranger's message (a group
         not in flight on this connection) before its tensors are looked at."""
         lg = self.ledger
-        lapsed = [g.group_id for g in groups if lg.leases.lapsed_reason(g.group_id, identity)]
-        groups = [g for g in groups if g.group_id not in lapsed]
-        lg.check_returnable([g.group_id for g in groups], identity)
+        late = [lg.late(g, identity) is not None for g in groups]
+        lapsed = [g.group_id for g, out in zip(groups, late, strict=True) if out]
+        groups = [g for g, out in zip(groups, late, strict=True) if not out]
+        lg.check_returnable([g.group_id for g in groups])
         for g in groups:
             check_issued(g, lg.in_flight.get(g.group_id), identity)
         stored = [
@@ -341,22 +349,14 @@ class BufferServer:
         for g in stored:
             lg.record_return(g)
             self.rate.add(sum(len(r) for r in g.responses))
+        self.rollouts_dropped += len(lapsed)
         return lapsed
 
     def _expire_leases(self) -> None:
         """Issue again the groups whose lease ran out; a log line per holder (rate-limited)."""
-        timeout_s = self.ledger.leases.timeout_s
-        for client, generator_id, ids in self.ledger.expire_leases():
-            self.lease_log.log(
-                "lease",
-                "lease of %d groups on connection %s (generator %d) expired after %gs without "
-                "their rollouts; groups %s go to the next generator that asks",
-                len(ids),
-                client.hex(),
-                generator_id,
-                timeout_s,
-                str(ids),
-            )
+        leases = self.ledger.leases
+        for expired in self.ledger.expire_leases():
+            self.lease_log.log("lease", "%s", expired.line(leases.timeout_s, leases.max_s))
 
     def _join_sync(self, generator_id: int) -> P.SyncEpoch:
         """A generator's engine is up: the epoch to join; if the id was seen before, its
@@ -486,6 +486,9 @@ class BufferServer:
             dropped_stale=self.batches.dropped_stale_total,
             admission_blocked=self.admission_blocked,
             leases_expired=lg.leases.expired_total,
+            leases_renewed=lg.leases.renewed_total,
+            renewals_refused=lg.leases.refused_total,
+            rollouts_dropped=self.rollouts_dropped,
             generator_restarts=self.sync.restarts,
             gen_tokens_per_s=self.rate.rate(),
             gen_blocked_s=blocked_s,

@@ -36,6 +36,7 @@ from generators.interface import RolloutEngine, Sample, Sampling
 from generators.render import Renderer
 from verl_async import protocol as P
 from verl_async.envs import EnvRow, Step, as_step
+from verl_async.numerics import finite32
 from verl_async.schema import EnvironmentConfig, MultiTurnConfig
 
 log = logging.getLogger("verl_async.generator")
@@ -244,7 +245,7 @@ class EpisodeRunner:
             if env is None:
                 break
             try:
-                step = as_step(await env_call("step", env.step, text))
+                step = weighted_step(await env_call("step", env.step, text), mt.env_reward_weight)
             except (EnvCallError, TypeError) as err:
                 if not isinstance(err, EnvCallError):
                     err = EnvCallError("step", err, timed_out=False)
@@ -334,6 +335,20 @@ class EpisodeRunner:
             longest["content"] = text[:keep] + " [truncated]"
             ids = self.renderer.observation_ids(messages)
         return messages, ids, True
+
+
+def weighted_step(result, weight: float) -> Step:
+    """``as_step(result)``, whose reward also stays finite in float32 once weighted
+    (``multiturn.env_reward_weight``): it is trained as a float32 turn reward, and a turn
+    reward that is not finite would make the buffer refuse the whole group. Raises
+    TypeError as ``as_step`` does (the environment's fault: an error observation, counted)."""
+    step = as_step(result)
+    if step.reward is not None and not finite32(weight * step.reward):
+        raise TypeError(
+            f"step's reward {step.reward!r} times multiturn.env_reward_weight {weight!r} is not "
+            "finite in float32"
+        )
+    return step
 
 
 def _append(out: Sample, mask: list[int], rewards: list[float], turn: Sample) -> None:

@@ -1,11 +1,12 @@
 """Generator process: keep an engine busy with prompt groups and ship rollouts.
 
     run_generator -> start_and_join (start_engine, join_weight_sync) -> Generator.run:
-        sample_loop:    GetPrompts -> generate_group -> sample -> score_and_push
-                                                                  (score, RolloutPusher.push)
+        sample_loop:    GetPrompts -> start_group -> generate_group -> sample -> score_and_push
+                                                              (score, RolloutPusher.push)
                                    -> evaluate_group -> sample -> score -> PushEval
         follow_weights: PollVersion -> finish_eval_first -> load -> engine.apply_update
                         (pause, receive, resume)
+        renew_leases:   RenewLeases (every third of buffer.lease_timeout_s) -> cancel lost
 
 The engine is a ``RolloutEngine`` (generators/interface.py): vLLM or transformers, as
 ``generators.engine`` says (generators/engines.py); this module knows neither.
@@ -19,6 +20,10 @@ freed when its sampling ends; at most ``max_inflight_groups`` more groups wait f
 scores), and a group's samples are separate requests so they share the prompt's prefix
 cache (vLLM batches them continuously, the transformers engine in waves). The version reported to the buffer is the one *loaded*, never the newest
 published: admission depends on it (verl_async/staleness.py).
+
+Every training group is held under the lease it was issued with (generators/leases.py):
+renewed while this process works on it, one copy per group id, and a rollout that comes
+too late is dropped by the buffer and counted here, never fatal.
 """
 
 from __future__ import annotations
@@ -28,13 +33,11 @@ import logging
 import os
 import time
 from collections import Counter
-from dataclasses import dataclass
-
-import numpy as np
 
 from generators.engines import start_engine
-from generators.episodes import Episode, EpisodeRunner, Packed, pack_group
+from generators.episodes import Episode, EpisodeRunner, pack_group
 from generators.interface import RolloutEngine, Sampling
+from generators.leases import HeldGroups, RolloutPusher
 from generators.render import Renderer
 from verl_async import placement
 from verl_async import protocol as P
@@ -48,79 +51,6 @@ from verl_async.weight_sync import failure_line, resolve_backend
 log = logging.getLogger("verl_async.generator")
 ROOM_POLL_S = 0.05  # ask the buffer again this soon when it had nothing for us
 ADMISSION_POLL_S = 1.0  # ... when admission refused us: only a new version opens it
-
-
-@dataclass
-class Finished:
-    """A sampled and scored group waiting to be pushed."""
-
-    group: P.PromptGroup
-    packed: Packed
-    scored: GroupScores
-    seconds: float
-    acknowledged: asyncio.Event
-
-    def message(self, generator_id: int, frames: P.Frames) -> P.RolloutGroup:
-        p = self.packed
-        multiturn = p.loss_mask is not None
-        return P.RolloutGroup(
-            group_id=self.group.group_id,
-            prompt_id=self.group.prompt_id,
-            generator_id=generator_id,
-            prompt_ids=frames.add(np.asarray(p.prompt_ids, np.int32)),
-            response_ids=frames.add(p.tokens),
-            behav_logprobs=frames.add(p.logprobs),
-            token_versions=frames.add(p.versions),
-            lengths=p.lengths,
-            scores=self.scored.scores,
-            failed=self.scored.failed,
-            data_source=self.group.data_source,
-            gen_seconds=self.seconds,
-            loss_mask=frames.add(p.loss_mask) if multiturn else None,
-            turn_rewards=frames.add(p.turn_rewards) if multiturn else None,
-            episodes=p.episodes,
-        )
-
-
-class RolloutPusher:
-    """Coalescing pushes: one PushRollouts in flight; groups finished meanwhile ride along.
-
-    No added latency when idle (a lone group goes at once), fewer and larger messages when
-    busy. ``push`` returns when the buffer has acknowledged the group; a failed push raises
-    in the flusher task, which ``on_error`` reports.
-    """
-
-    def __init__(self, client: AsyncBufferClient, generator_id: int, on_error=None) -> None:
-        self.client = client
-        self.generator_id = generator_id
-        self.on_error = on_error
-        self.outbox: list[Finished] = []
-        self.flusher: asyncio.Task | None = None
-
-    async def push(self, group, packed, scored, seconds) -> None:
-        done = asyncio.Event()
-        self.outbox.append(Finished(group, packed, scored, seconds, done))
-        if self.flusher is None or self.flusher.done():
-            self.flusher = asyncio.create_task(self._flush())
-            if self.on_error is not None:
-                self.flusher.add_done_callback(self.on_error)
-        await done.wait()
-
-    async def _flush(self) -> None:
-        while self.outbox:
-            batch, self.outbox = self.outbox, []
-            frames = P.Frames()
-            groups = [f.message(self.generator_id, frames) for f in batch]
-            reply, _ = await self.client.request(P.PushRollouts(groups=groups), frames)
-            if isinstance(reply, P.Dropped):  # too slow: others were given these groups
-                log.warning(
-                    "the buffer dropped groups %s (%s): raise buffer.lease_timeout_s if "
-                    "this generator is just slow",
-                    reply.group_ids,
-                    reply.reason,
-                )
-            for f in batch:
-                f.acknowledged.set()
 
 
 class Generator:
@@ -143,6 +73,7 @@ class Generator:
         self.inflight: set[asyncio.Task] = set()  # groups being sampled
         self.scoring: set[asyncio.Task] = set()  # groups sampled, being scored and pushed
         self.pusher = RolloutPusher(self.buffer, index, on_error=self._finished)
+        self.held = HeldGroups()  # training groups here, by id, with their leases
         # Evaluation prompts in flight per loaded version, and the version of the oldest
         # round the buffer still has prompts of (its last reply): while either is the
         # loaded version, newer weights wait (finish_eval_first).
@@ -164,12 +95,17 @@ class Generator:
             self.episodes = EpisodeRunner(engine, renderer, tokenizer, self.cfg.multiturn)
 
     async def run(self) -> None:
-        weights = asyncio.create_task(self.follow_weights())
-        weights.add_done_callback(self._finished)
+        loops = [
+            asyncio.create_task(self.follow_weights()),
+            asyncio.create_task(self.renew_leases()),
+        ]
+        for task in loops:
+            task.add_done_callback(self._finished)
         try:
             await self.sample_loop()
         finally:
-            weights.cancel()
+            for task in loops:
+                task.cancel()
             for task in self.inflight | self.scoring:
                 task.cancel()
             self.buffer.close()
@@ -209,7 +145,7 @@ class Generator:
                     )
                 )
                 for group in reply.groups:
-                    self._spawn(self.generate_group(group))
+                    self.start_group(group)
                 for group in reply.eval_groups:
                     self._spawn(self.evaluate_group(reply.eval_round, group))
                 self.eval_version = reply.eval_version
@@ -236,14 +172,16 @@ class Generator:
             self.deferred_since = None
             log.info("the learner's first step is done: sampling again after %.1fs", waited)
 
-    def _spawn(self, coro, into: set[asyncio.Task] | None = None) -> None:
+    def _spawn(self, coro, into: set[asyncio.Task] | None = None) -> asyncio.Task:
         task = asyncio.create_task(coro)
         (self.inflight if into is None else into).add(task)
         task.add_done_callback(self._finished)
+        return task
 
     def _finished(self, task: asyncio.Task) -> None:
         self.inflight.discard(task)
         self.scoring.discard(task)
+        self.held.release(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("%s failed: %r", task.get_coro().__name__, task.exception())
             self.failure = self.failure or task.exception()
@@ -283,13 +221,26 @@ class Generator:
         texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
         return texts, await self.scorer.score_group(group, texts)
 
+    def start_group(self, group: P.PromptGroup) -> None:
+        """Sample a group the buffer issued. A copy of it still running here lost its
+        lease (the group ran out and came back to this connection first in line): that
+        copy is cancelled, so one group never runs twice at once."""
+        old = self.held.cancel_older(group)
+        self.held.hold(group, self._spawn(self.generate_group(group)))
+        if old is not None:
+            log.warning(
+                "group %d was issued again (lease %d) while its copy under lease %d still "
+                "ran here: that copy is cancelled (%d so far)",
+                group.group_id, group.lease, old.lease, self.held.replaced,
+            )  # fmt: skip
+
     async def generate_group(self, group: P.PromptGroup) -> None:
         """Sample the group; then its slot goes to the next prompt while a task of its
         own scores and pushes it (a slow reward model does not idle the engine)."""
         t0 = time.perf_counter()
         samples = await self.sample(group, self.cfg.generators.group_size, self.train_sampling)
         self.sampled += 1
-        self._spawn(self.score_and_push(group, samples, t0), into=self.scoring)
+        self.held.hold(group, self._spawn(self.score_and_push(group, samples, t0), self.scoring))
 
     async def score_and_push(self, group: P.PromptGroup, samples: list, t0: float) -> None:
         _, scored = await self.score(group, samples)
@@ -323,6 +274,28 @@ class Generator:
             turns=[e.stats.turns for e in episodes],
         )
         await self.buffer.request(P.PushEval(round=round_, results=[result]))
+
+    # ------------------------------------------------------------------ leases
+
+    async def renew_leases(self) -> None:
+        """Every third of ``buffer.lease_timeout_s``, renew the leases of every group held
+        here, however long its episodes take; cancel the copies whose lease the buffer
+        says is over (their rollouts would be dropped)."""
+        every_s = self.cfg.buffer.lease_timeout_s / 3
+        while not self.stop:
+            await asyncio.sleep(every_s)
+            leases = self.held.leases()
+            if not leases:
+                continue
+            reply, _ = await self.buffer.request(P.RenewLeases(leases=leases))
+            lost = self.held.lose(reply.lost)
+            if lost:
+                log.warning(
+                    "the leases of groups %s were over before this renewal (%d copies "
+                    "cancelled so far): they went out again; this process did not renew "
+                    "them for buffer.lease_timeout_s or held them buffer.lease_max_s",
+                    lost, self.held.lost,
+                )  # fmt: skip
 
     # ------------------------------------------------------------------ weights
 

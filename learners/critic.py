@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from learners.batching import TrainBatch
+from learners.finite import guarded_step
 from learners.logprobs import token_stats
 from learners.plan import Minibatch, micro_rows, plan_update
 from verl_async.algos.losses import explained_variance, value_loss
@@ -42,6 +43,10 @@ class CriticStats:
     # policy sure of every answer) cannot swing the way it swings vf_explained_var.
     values_mse: float = 0.0
     returns_var: float = 0.0
+    # Optimizer steps skipped for a value loss or a gradient norm that was not finite
+    # (learners/finite.py).
+    skipped_nonfinite_loss: int = 0
+    skipped_nonfinite_grad: int = 0
 
 
 def value_fit(
@@ -109,15 +114,17 @@ def critic_update(
     backward,
     clip_grad,
     plan: list[Minibatch] | None = None,
+    any_rank=None,
 ) -> CriticStats:
     """One AdamW step per minibatch of ``plan`` (learners/plan.py; by default
     ``algo.minibatches`` chunks of this batch) on the clipped value loss (verl's
     semantics: 0.5 * max((V - R)^2, (clip(V, V_old +- c) - R)^2), aggregated by
-    ``loss_agg_mode``). ``old_values`` and ``returns`` are this batch's rows."""
+    ``loss_agg_mode``). ``old_values`` and ``returns`` are this batch's rows. A minibatch
+    whose loss or gradient norm is not finite takes no step (``guarded_step``)."""
     mask = batch.loss_mask
     if plan is None:
         plan = plan_update(mask, batch.attention_mask, [len(mask)], 0, algo.minibatches)
-    losses, clips, grads = [], [], []
+    losses, clips, grads, skips = [], [], [], []
     for mb in plan:
         agg = mb.agg_kwargs(algo.loss_scale_factor)
         mb_loss = 0.0
@@ -133,9 +140,9 @@ def critic_update(
             if not rows.placeholder:
                 mb_loss += float(loss.detach())
                 clips.append((float(clipfrac), float(rows_mask.sum())))
-        grads.append(float(clip_grad()))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        grad, skip = guarded_step(optimizer, clip_grad, mb_loss, any_rank)
+        grads.append(grad)
+        skips.append(skip)
         losses.append(mb_loss)
     weight = sum(w for _, w in clips) or 1.0
     return CriticStats(
@@ -144,4 +151,6 @@ def critic_update(
         vf_explained_var=float(explained_variance(old_values, returns, mask)),
         grad_norm=sum(grads) / len(grads),
         values_mean=float(masked_mean(old_values, mask)),
+        skipped_nonfinite_loss=skips.count("nonfinite_loss"),
+        skipped_nonfinite_grad=skips.count("nonfinite_grad"),
     )

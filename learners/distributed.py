@@ -10,7 +10,9 @@ rank (``shard_sizes``). Each rank
   advantages (group baselines, batch whitening) and the KL controller are computed over
   the whole step, identically on every rank;
 - trains on its rows with the denominators of learners/plan.py;
-- averages its update statistics with the others (``mean_stats``) for rank 0's metrics.
+- averages its update statistics with the others (``mean_stats``) for rank 0's metrics;
+- takes the decisions every rank must take alike from what it sees alone (``any_rank``:
+  whether to skip an optimizer step, whether its weights may be published).
 
 With one rank every method is the identity and no process group is touched.
 """
@@ -122,6 +124,19 @@ class DataParallel:
         for name, value in zip(names, torch.where(is_max, peak, means).tolist(), strict=True):
             setattr(stats, name, value)
         return stats
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on any rank (a collective): for a decision every rank
+        must take alike from what it sees of its own (its loss, its shards)."""
+        if self.world == 1:
+            return flag
+        import torch.distributed as dist
+
+        # NCCL reduces CUDA tensors only; gloo (and a group with both) takes CPU ones.
+        nccl = dist.get_backend() == "nccl"
+        t = torch.tensor([float(flag)], device="cuda" if nccl else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
 
     def barrier(self) -> None:
         if self.world > 1:

@@ -63,6 +63,8 @@ def step_row(
         "is_weight_max": s.is_weight_max,
         "is_clipped_fraction": s.is_clipped_fraction,
         "grad_norm": s.grad_norm,
+        "skipped_steps/nonfinite_loss": round(s.skipped_nonfinite_loss),
+        "skipped_steps/nonfinite_grad": round(s.skipped_nonfinite_grad),
         "rollout_logp_diff_max": s.rollout_logp_diff_max,
         "rollout_fresh_fraction": round(s.rollout_fresh_fraction, 4),
         "padding_fraction": round(s.padding_fraction, 4),
@@ -110,6 +112,8 @@ def algo_metrics(batch: TrainBatch, s: StepStats, critic, adv, kl_ctrl) -> dict:
                 "critic/values/mean": critic.values_mean,
                 "critic/values/mse": critic.values_mse,
                 "critic/returns/var": critic.returns_var,
+                "critic/skipped_steps/nonfinite_loss": round(critic.skipped_nonfinite_loss),
+                "critic/skipped_steps/nonfinite_grad": round(critic.skipped_nonfinite_grad),
             }
         )
     return row
@@ -159,7 +163,9 @@ class GeneratorTiming:
     """The generators' part of a metrics line, from the buffer's ``Stats`` taken when the
     step's batch came: the generation rate (a gauge) and, per step, the seconds admission
     held generators back since the previous batch (summed over generators; ``gen_idle_s``
-    is the part with nothing in flight).
+    is the part with nothing in flight); and the buffer's lease counters as it reports them
+    (running totals: leases that ran out, renewals, rollouts dropped for coming after
+    their lease), which say whether generators lose work to their leases.
 
     The buffer's totals count from its process's start and no checkpoint carries them (nor
     this object's last totals): after a resume both start from zero. A total smaller than
@@ -173,7 +179,8 @@ class GeneratorTiming:
         self.last = (0.0, 0.0)  # (blocked, idle) totals at the previous batch
 
     def row(self, stats: P.Stats) -> dict:
-        """gen_tokens_per_s, gen_blocked_s and gen_idle_s of this step's metrics line."""
+        """gen_tokens_per_s, gen_blocked_s, gen_idle_s and the lease counters of this step's
+        metrics line."""
         totals = (stats.gen_blocked_s, stats.gen_idle_s)
         if any(t < last - self.SLACK_S for t, last in zip(totals, self.last, strict=True)):
             self.last = (0.0, 0.0)  # the buffer started again
@@ -183,4 +190,7 @@ class GeneratorTiming:
             "gen_tokens_per_s": round(stats.gen_tokens_per_s, 2),
             "gen_blocked_s": round(blocked, 4),
             "gen_idle_s": round(idle, 4),
+            "leases_expired": stats.leases_expired,
+            "leases_renewed": stats.leases_renewed,
+            "rollouts_dropped": stats.rollouts_dropped,
         }

@@ -33,6 +33,7 @@ from learners.critic import (
 )
 from learners.distributed import DataParallel
 from learners.evaluation import EvalTracker
+from learners.finite import SkipLog, require_finite, state_tensors
 from learners.plan import plan_update
 from learners.publish import WeightSync, gathered_buckets
 from learners.state_dicts import model_state
@@ -101,6 +102,7 @@ class Learner:
         # Running statistics of each reward source (``normalize: running``); checkpointed.
         self.running = {src.name: RunningStats() for src in self.cfg.rewards.sources}
         self.evals = EvalTracker(self.cfg, self.client, ctx.path) if main else None
+        self.skips = SkipLog() if main else None  # the first skipped step of each kind
         ck = self.cfg.checkpoint
         self.checkpointer = (
             checkpointing.Checkpointer(
@@ -249,7 +251,7 @@ class Learner:
                 dp.local_part(adv.returns, batch, local), self.algo, cfg.critic.cliprange_value,
                 backward=self.acc.backward,
                 clip_grad=lambda: self.clip_grad(self.critic, cfg.critic.grad_clip),
-                plan=plan,
+                plan=plan, any_rank=dp.any_rank,
             )  # fmt: skip
             critic_stats = dp.mean_stats(critic_stats, weight, sums=("vf_loss",))
             # Over the whole step, not averaged over ranks:
@@ -262,10 +264,12 @@ class Learner:
             clip_grad=lambda: self.clip_grad(self.model, cfg.learner.grad_clip),
             temperature=cfg.generators.temperature, logp_prox=local.logp_prox,
             logp_ref=local.logp_ref, step=not warming, plan=plan, version=self.version,
-            share_prefix=cfg.learner.share_prefix,
+            share_prefix=cfg.learner.share_prefix, any_rank=dp.any_rank,
         )  # fmt: skip
-        if self.scheduler is not None and not warming:
+        if self.scheduler is not None and stats.optimizer_steps:  # none: warming up or skipped
             self.scheduler.step()
+        if self.skips is not None:
+            self.skips.report(self.steps_done, stats, critic_stats)
         return dp.mean_stats(stats, weight, sums=("loss", "pg_loss", "kl_loss")), critic_stats
 
     def clip_grad(self, model, max_norm: float) -> float:
@@ -280,11 +284,14 @@ class Learner:
         and broadcasts each bucket (gathers and broadcasts never run at the same time).
 
         ``new_version=False`` re-sends the current version (after a restore: generators
-        start from the initial weights and must load the checkpoint's).
+        start from the initial weights and must load the checkpoint's). Weights that are
+        not finite are never sent: every rank raises ``NonFiniteWeights`` instead.
         """
         t0 = time.monotonic()
-        self.version += int(new_version)
         state, specs, plan = self.published()
+        version = self.version + int(new_version)
+        require_finite(f"publish weights version {version}", state.items(), self.dp.any_rank)
+        self.version = version
         self.publish_bytes = sum(t.numel() * t.element_size() for t in state.values())
         bucket = self.cfg.weights.bucket_mb << 20
         buckets = gathered_buckets(state, plan)
@@ -321,11 +328,15 @@ class Learner:
         seconds the step spent on it (None when no checkpoint was due).
 
         One rank writes full files (``checkpoint_full``); several write shards
-        (``checkpoint_shards``)."""
+        (``checkpoint_shards``). A state that is not finite is never written: every rank
+        raises ``NonFiniteWeights`` instead."""
         every = self.cfg.checkpoint.every_steps
         if not every or self.steps_done % every:
             return None
         t0 = time.monotonic()
+        actor = ("model", self.raw_model, self.optimizer)
+        named = state_tensors(actor, ("critic", self.raw_critic, self.critic_optimizer))
+        require_finite(f"checkpoint step {self.steps_done}", named, self.dp.any_rank)
         if self.shards is not None:
             self.checkpoint_shards(t0)
         else:

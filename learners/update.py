@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from learners.batching import TrainBatch
+from learners.finite import guarded_step
 from learners.logprobs import token_stats
 from learners.plan import Minibatch, micro_rows, plan_update
 from verl_async.algos import LossOutput, kl_k3, policy_loss
@@ -49,6 +50,11 @@ class StepStats:
     # The share of the gradient passes' real tokens not computed because rows of a pass
     # share their prompt (learners/logprobs.py: computed once per packed row).
     shared_prefix_fraction: float = 0.0
+    # Optimizer steps taken, and skipped for a loss or a gradient norm that was not finite
+    # (learners/finite.py): one each per minibatch.
+    optimizer_steps: int = 0
+    skipped_nonfinite_loss: int = 0
+    skipped_nonfinite_grad: int = 0
 
 
 def policy_update(
@@ -66,6 +72,7 @@ def policy_update(
     plan: list[Minibatch] | None = None,
     version: int | None = None,
     share_prefix: bool = True,
+    any_rank=None,
 ) -> StepStats:
     """pi_prox, then one optimizer step per minibatch of ``plan`` (learners/plan.py; by
     default ``algo.minibatches`` chunks of this batch on one rank, no micro-batching).
@@ -84,7 +91,8 @@ def policy_update(
     entropies are computed at the loss mask's positions only (learners/logprobs.py).
     ``version``: the weights' version (for the rollout-versus-learner log-prob check of
     ``StepStats``). ``share_prefix``: rows of a pass that share their prompt compute it
-    once (``token_stats``).
+    once (``token_stats``). A minibatch whose loss or gradient norm is not finite takes
+    no step (``guarded_step``; ``any_rank`` makes the verdict every rank's under FSDP2).
 
     Every loss term and statistic reads the positions of ``batch.loss_mask`` only: the
     sampled tokens (a multi-turn sample's observation tokens are 0 there, and ``collate``
@@ -144,15 +152,13 @@ def policy_update(
                 sums["pg_loss"] += float(pg_loss.detach())
                 sums["kl_loss"] += 0.0 if kl_loss is None else float(kl_loss.detach())
                 parts.append((out, float(rows_mask.sum())))
-        grad = 0.0
+        grad, skip = 0.0, None
         if step:
-            grad = float(clip_grad())
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            grad, skip = guarded_step(optimizer, clip_grad, sums["loss"], any_rank)
         clock.lap("optimizer_s")
         if logp_ref is None or algo.kl.loss_coef == 0:
             sums["kl_loss"] = None
-        grads.append({**sums, "grad": grad})
+        grads.append({**sums, "grad": grad, "stepped": step and skip is None, "skip": skip})
     stats = _step_stats(parts, grads, logp_prox, entropy, batch, version)
     return clock.fill(stats)
 
@@ -251,6 +257,9 @@ def _step_stats(
         is_clipped_fraction=mean(lambda o: o.is_clipped_fraction),
         grad_norm=per_mb("grad"),
         kl_loss=None if grads[0]["kl_loss"] is None else per_mb("kl_loss"),
+        optimizer_steps=sum(g["stepped"] for g in grads),
+        skipped_nonfinite_loss=sum(g["skip"] == "nonfinite_loss" for g in grads),
+        skipped_nonfinite_grad=sum(g["skip"] == "nonfinite_grad" for g in grads),
     )
 
 

@@ -7,6 +7,8 @@ from typing import Annotated
 
 import msgspec
 
+from verl_async.numerics import finite32
+
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
 PosFloat = Annotated[float, msgspec.Meta(gt=0)]
@@ -20,3 +22,14 @@ class ConfigError(ValueError):
 
 class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pass
+
+
+def check_finite32(key: str, value: float) -> None:
+    """Refuse, naming ``key``, a number that enters the rewards (a weight, a default score)
+    but is not finite in float32, the dtype they are trained in: NaN, an infinity, 1e39.
+    msgspec's float accepts all three, and YAML writes them ``.nan``, ``.inf``, ``1e39``."""
+    if not finite32(value):
+        raise ConfigError(
+            f"bad value for '{key}': {value!r} is not a finite number in float32 (rewards are "
+            "trained in float32, which holds magnitudes below 3.4e38)"
+        )

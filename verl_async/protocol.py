@@ -20,7 +20,7 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 4  # 4: multi-turn episodes (loss masks, turn rewards, episode stats)
+PROTOCOL_VERSION = 5  # 5: leases named in prompts and rollouts, renewed by their holder
 
 _DTYPES = {"float32", "float16", "int32", "int64", "uint8", "bool"}
 # dtype -> name and name -> itemsize, looked up per tensor (``ndarray.dtype.name`` is slow).
@@ -63,6 +63,9 @@ class PromptGroup(msgspec.Struct, frozen=True, kw_only=True):
     ground_truth: str
     data_source: str = ""
     extra_info: dict[str, Any] = {}
+    # The lease it was issued under (buffer/leases.py): its rollout names it, and its holder
+    # renews it (``RenewLeases``). 0: not leased (evaluation prompts).
+    lease: int = 0
 
 
 EPISODE_BUDGETS = ("turns", "turn_tokens", "episode_tokens", "episode_timeout")
@@ -98,6 +101,7 @@ class RolloutGroup(msgspec.Struct, frozen=True, kw_only=True):
     group_id: int
     prompt_id: int
     generator_id: int
+    lease: int  # the lease of the issue it samples (``PromptGroup.lease``); taken only while live
     prompt_ids: TensorRef  # [P] int32, identical for every sample of the group
     response_ids: TensorRef  # [sum(lengths)] int32
     behav_logprobs: TensorRef  # [sum(lengths)] float32, vLLM processed_logprobs
@@ -163,6 +167,15 @@ class PushRollouts(_Msg):
     """
 
     groups: list[RolloutGroup]
+
+
+class RenewLeases(_Msg):
+    """From a generator, every third of ``buffer.lease_timeout_s``: the leases of the groups
+    it is still sampling, scoring or pushing. Each one this connection holds runs
+    ``lease_timeout_s`` from now again, up to ``buffer.lease_max_s`` after its issue; the
+    others change nothing. Reply ``Renewed``."""
+
+    leases: list[int]
 
 
 class PushEval(_Msg):
@@ -301,12 +314,21 @@ class Ack(_Msg):
 
 
 class Dropped(_Msg):
-    """Reply to ``PushRollouts``: the groups ``group_ids`` were not taken because this
-    connection's lease on them had expired (they went to another generator); every other
-    group of the message was recorded, as with ``Ack``."""
+    """Reply to ``PushRollouts``: the groups ``group_ids`` were not taken because the lease
+    their rollout names is over (it ran out or its generator was restarted; the group was
+    issued again, perhaps to this very connection under a new lease, or was returned by
+    that newer copy); every other group of the message was recorded, as with ``Ack``."""
 
     group_ids: list[int]
     reason: str
+
+
+class Renewed(_Msg):
+    """Reply to ``RenewLeases``: ``lost`` are the leases named that this connection no
+    longer holds (ran out, revoked, returned, or never its own): their rollouts would be
+    dropped, so their holder stops working on them."""
+
+    lost: list[int]
 
 
 class SyncEpoch(_Msg):
@@ -397,6 +419,9 @@ class Stats(_Msg):
     dropped_stale: int
     admission_blocked: int
     leases_expired: int = 0  # groups taken back from a holder that did not return them in time
+    leases_renewed: int = 0  # renewals that extended a lease (RenewLeases)
+    renewals_refused: int = 0  # renewals of a lease the connection no longer held (no effect)
+    rollouts_dropped: int = 0  # rollouts that came after their lease was over (Dropped)
     generator_restarts: int = 0  # generator processes that joined again under a known id
     gen_tokens_per_s: float = 0.0  # generation rate over the last 20 s (buffer/telemetry.py)
     gen_blocked_s: float = 0.0  # generators' seconds refused by admission so far (all generators)
@@ -420,6 +445,7 @@ class RunInfo(_Msg):
 Body = Union[  # noqa: UP007 (msgspec needs a runtime Union of tagged Structs)
     GetPrompts,
     PushRollouts,
+    RenewLeases,
     PollVersion,
     GetBatch,
     AnnounceWeights,
@@ -440,6 +466,7 @@ Body = Union[  # noqa: UP007 (msgspec needs a runtime Union of tagged Structs)
     Prompts,
     Ack,
     Dropped,
+    Renewed,
     VersionStatus,
     Batch,
     BufferState,

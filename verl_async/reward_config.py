@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from verl_async.config_base import ConfigError, PosFloat, PosInt, _Section
+from verl_async.config_base import ConfigError, PosFloat, PosInt, _Section, check_finite32
 
 
 class _RewardSource(_Section, kw_only=True):
@@ -17,12 +17,13 @@ class _RewardSource(_Section, kw_only=True):
     name: str
     """Name of the source in metrics (``reward/<name>``)."""
     weight: float = 1.0
-    """Weight of the source in the combined reward."""
+    """Weight of the source in the combined reward (finite in float32)."""
     normalize: Literal["none", "group", "running"] = "none"
     """Scale before weighting: none; group = (x - group mean) / (group std + 1e-6);
     running = (x - mean) / (std + 1e-6) over every score of this source so far."""
     default_score: float = 0.0
-    """Score when the source fails (raises, times out, or its process dies)."""
+    """Score when the source fails (raises, times out, its process dies, or it gives a score
+    that is not finite in float32); finite in float32 itself."""
     data_sources: list[str] = []
     """Score only prompts whose ``data_source`` is listed (empty: every prompt)."""
 
@@ -94,7 +95,8 @@ class RewardsConfig(_Section):
 
 
 def check_rewards(rewards: RewardsConfig) -> None:
-    """Names unique, at least one source, regexes and import paths well formed."""
+    """Names unique, at least one source, weights and default scores finite in float32,
+    regexes and import paths well formed."""
     if not rewards.sources:
         raise ConfigError("bad value for 'rewards.sources': at least one reward source is needed")
     names = [src.name for src in rewards.sources]
@@ -107,6 +109,8 @@ def check_rewards(rewards: RewardsConfig) -> None:
             )
         if src.name in names[:i]:
             raise ConfigError(f"bad value for '{key}.name': '{src.name}' names two sources")
+        check_finite32(f"{key}.weight", src.weight)
+        check_finite32(f"{key}.default_score", src.default_score)
         if isinstance(src, FormatReward):
             try:
                 re.compile(src.pattern)

@@ -97,10 +97,17 @@ class BufferConfig(_Section):
     request_timeout_s: PosFloat = 60.0
     """A client gives up on the buffer (and says so) after this long without a reply."""
     lease_timeout_s: PosFloat = 300.0
-    """A prompt group not returned this long after it was issued goes to the next generator
-    that asks, and its holder's late rollout is dropped (work lost, logged): longer
-    than the slowest group takes to sample and score (raise it for long reasoning
-    responses), well below ``weights.join_timeout_s``, the learner's wait for one step."""
+    """A prompt group neither returned nor renewed for this long goes to the next generator
+    that asks, and its holder's late rollout is dropped (work lost, logged). The holder
+    renews every group it works on every third of this, so it bounds how long a dead or
+    stalled generator keeps its groups, not how long a group may take; keep it well below
+    ``weights.join_timeout_s``, the learner's wait for one step."""
+    lease_max_s: PosFloat = 1800.0
+    """No renewal keeps a group longer than this after its issue: a generator that goes on
+    renewing but never finishes (an engine stuck while its event loop runs) loses it then.
+    Longer than the slowest group takes to sample and score (for agent episodes
+    ``multiturn.episode_timeout_s`` plus scoring and weight swaps). A lease always lasts
+    ``lease_timeout_s`` from its issue: below that, renewals change nothing."""
     keys_dir: str = ""
     """CurveZMQ key set made by ``verl-async keys DIR`` (relative to the working directory):
     the buffer and reward models admit only its clients. Empty: no authentication."""
@@ -176,7 +183,7 @@ class MultiTurnConfig(_Section):
     """Deadline of one episode's environment calls together; past it the episode ends."""
     env_reward_weight: float = 1.0
     """Weight of the environment's per-turn rewards, added to the combined reward of the
-    ``rewards`` sources (those score the final turn)."""
+    ``rewards`` sources (those score the final turn); finite in float32."""
 
 
 class LearnerConfig(_Section):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import sys
 
 import msgspec
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from buffer.ledger import StoredGroup, shard_samples
 from learners.batching import collate
 from learners.distributed import DataParallel
+from learners.finite import NonFiniteWeights, require_finite
 from learners.logprobs import logits_of
 from learners.plan import Minibatch, plan_update
 from learners.setup import fsdp2, leave_job
@@ -196,6 +198,59 @@ def check_gather(base, batch, dp: DataParallel) -> float:
     return float(((gathered - whole) * batch.loss_mask).abs().max())
 
 
+ONE_MINIBATCH = msgspec.structs.replace(AlgoConfig(), minibatches=1)
+
+
+def local_state(model, opt) -> list[torch.Tensor]:
+    """This rank's shards of every weight and optimizer state tensor, copied."""
+    tensors = [t.to_local() if hasattr(t, "to_local") else t for t in model.state_dict().values()]
+    for state in opt.state.values():
+        tensors += [t.to_local() if hasattr(t, "to_local") else t for t in state.values()]
+    return [t.detach().clone() for t in tensors]
+
+
+def check_nonfinite(base, batch, dp: DataParallel) -> list[list[float]]:
+    """Rank 1's advantages are NaN (rank 0's are not): every rank must skip the step, for
+    the loss (the collective makes rank 1's NaN loss rank 0's verdict too), and keep its
+    shards of weights and AdamW state; then a NaN planted in rank 1's shard of a weight
+    must stop the publish on every rank. Per rank: [skipped for the loss, skipped for the
+    gradient, state unchanged, publish refused, refused naming a tensor of its own]."""
+    model = fsdp2(copy.deepcopy(base), torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    local = dp.local(batch)
+    adv = dp.local_part(torch.ones_like(batch.loss_mask), batch, local)
+
+    def update(adv):
+        def clip():
+            return torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).full_tensor()
+
+        return policy_update(
+            model, opt, local, adv, ONE_MINIBATCH, lambda loss: loss.backward(), clip,
+            any_rank=dp.any_rank,
+        )  # fmt: skip
+
+    update(adv)  # a good step first: AdamW has moments to keep
+    before = local_state(model, opt)
+    stats = update(adv * math.nan if dp.rank == 1 else adv)
+    after = local_state(model, opt)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    if dp.rank == 1:
+        with torch.no_grad():
+            next(model.parameters()).to_local().view(-1)[0] = math.nan
+    try:
+        require_finite("publish", model.state_dict().items(), dp.any_rank)
+        refused = own = False
+    except NonFiniteWeights as exc:
+        refused, own = True, "another rank" not in str(exc)
+    row = torch.tensor(
+        [stats.skipped_nonfinite_loss, stats.skipped_nonfinite_grad, unchanged, refused, own],
+        dtype=torch.float64,
+    )
+    rows = [torch.empty_like(row) for _ in range(dp.world)]
+    dist.all_gather(rows, row)
+    return [r.tolist() for r in rows]
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     dp = DataParallel.from_environment()
@@ -211,6 +266,7 @@ def main() -> None:
         "longest_row": int(batch.attention_mask.sum(dim=1).max()),
         "gather_max_abs_diff": check_gather(base, batch, dp),
         "cases": {name: run_case(name, spec, base, batch, dp) for name, spec in CASES.items()},
+        "nonfinite": check_nonfinite(base, batch, dp),
     }
     if dp.rank == 0:
         with open(sys.argv[1], "w") as f:

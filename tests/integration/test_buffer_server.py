@@ -69,6 +69,7 @@ def test_malformed_messages_get_errors_and_server_keeps_serving(buffer_proc):
         group_id=99,
         prompt_id=0,
         generator_id=0,
+        lease=1,
         prompt_ids=z,
         response_ids=z,
         behav_logprobs=frames.add(np.zeros(1, np.float32)),
@@ -88,7 +89,7 @@ def test_malformed_messages_get_errors_and_server_keeps_serving(buffer_proc):
     assert reply.blocked_by_admission
 
     # All or nothing: a message with a good group and a bad one records neither.
-    good = msgspec.structs.replace(bogus, group_id=0)
+    good = msgspec.structs.replace(bogus, group_id=0, lease=reply.groups[0].lease)
     with pytest.raises(BufferRejected, match="group 99 was never issued"):
         client.request(P.PushRollouts(groups=[good, bogus]), frames)
     stats, _ = client.request(P.GetStats())
@@ -118,6 +119,7 @@ def test_snapshot_cut_is_taken_at_the_barrier_and_encoded_when_fetched(buffer_pr
             group_id=group_id,
             prompt_id=reply.groups[group_id].prompt_id,
             generator_id=0,
+            lease=reply.groups[group_id].lease,
             prompt_ids=frames.add(np.array([1, 2], np.int32)),
             response_ids=frames.add(np.array([5, 6, 7], np.int32)),
             behav_logprobs=frames.add(np.array([-0.1, -0.2, -0.3], np.float32)),
@@ -165,6 +167,7 @@ def test_a_restarted_generator_gets_its_groups_reissued_and_a_new_sync_epoch(buf
 
     reply, _ = old.request(P.GetPrompts(generator_id=1, loaded_version=0, max_groups=8))
     held = [g.group_id for g in reply.groups]
+    old_lease = reply.groups[0].lease
     assert held == [0, 1]
     assert first(new) == P.SyncEpoch(current=0, wanted=1)  # restarted: epoch 1 is wanted
     assert learner.request(P.GetStats())[0].generator_restarts == 2
@@ -174,7 +177,8 @@ def test_a_restarted_generator_gets_its_groups_reissued_and_a_new_sync_epoch(buf
     frames = P.Frames()
     z = frames.add(np.zeros(1, np.int32))
     late = P.RolloutGroup(
-        group_id=0, prompt_id=reply.groups[0].prompt_id, generator_id=1, prompt_ids=z,
+        group_id=0, prompt_id=reply.groups[0].prompt_id, generator_id=1, lease=old_lease,
+        prompt_ids=z,
         response_ids=z, behav_logprobs=frames.add(np.zeros(1, np.float32)), token_versions=z,
         lengths=[1], scores=[[0.0]], failed=[0], data_source="default", gen_seconds=0.0,
     )  # fmt: skip

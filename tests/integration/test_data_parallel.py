@@ -58,6 +58,16 @@ def test_gathered_rows_equal_one_pass_over_the_step(report):
     assert report["gather_max_abs_diff"] <= 1e-6
 
 
+def test_a_nan_on_one_rank_skips_the_step_and_stops_the_publish_on_every_rank(report):
+    """Rank 1 alone has NaN advantages, then a NaN in its shard of a weight: both ranks skip
+    the step for the loss (rank 0's own loss was finite: the verdict is shared) and keep
+    their shards of weights and AdamW state; both refuse to publish, rank 0 without a bad
+    tensor of its own."""
+    rank0, rank1 = report["nonfinite"]
+    assert rank0 == [1, 0, 1, 1, 0], rank0
+    assert rank1 == [1, 0, 1, 1, 1], rank1
+
+
 def test_shards_balance_tokens_within_one_sequence(report):
     assert report["world"] == 2 and sum(report["shard_sizes"]) == 12
     tokens = report["shard_tokens"]

@@ -75,7 +75,7 @@ class Rogue:
         assert env.request_id == self.rid
         return env.body
 
-    def take(self, want: int, until_s: float) -> list[int]:
+    def take(self, want: int, until_s: float) -> list[P.PromptGroup]:
         """Ask until some groups come (admission hands them out a few at a time)."""
         deadline = time.monotonic() + until_s
         while time.monotonic() < deadline:
@@ -85,7 +85,7 @@ class Rogue:
             )
             assert isinstance(reply, P.Prompts), reply
             if reply.groups:
-                return [g.group_id for g in reply.groups]
+                return reply.groups
             time.sleep(0.01)
         raise AssertionError(f"the rogue got no groups in {until_s:.0f}s")
 
@@ -100,12 +100,15 @@ class Rogue:
         self.sock.close(linger=0)
 
 
-def _late_push(rogue: Rogue, group_id: int) -> str:
-    """A rollout of ``group_id`` that is valid in every field: only its lease is wrong."""
+def _late_push(rogue: Rogue, issued: P.PromptGroup) -> str:
+    """A rollout of ``issued`` that is valid in every field: only its lease ran out."""
     ver = np.zeros(2 * GROUP_SIZE, np.int32)
-    group, frames = make_group(k=group_id, n=GROUP_SIZE, tokens=2, generator_id=99, ver=ver)
+    k = issued.group_id
+    group, frames = make_group(
+        k=k, n=GROUP_SIZE, tokens=2, generator_id=99, lease=issued.lease, ver=ver
+    )
     reply = rogue.request(P.PushRollouts(groups=[group]), frames)
-    assert reply == P.Dropped(group_ids=[group_id], reason="lease expired"), reply
+    assert reply == P.Dropped(group_ids=[k], reason="lease expired"), reply
     return reply.reason
 
 
@@ -120,7 +123,7 @@ def _play_rogue(rogue: Rogue) -> tuple[list[list[int]], str, str]:
     for at_step in TAKES[1:]:
         rogue.wait_for(lambda s, at=at_step: s.consumed >= at * B)
         takes.append(rogue.take(4, until_s=60.0))
-    return takes, too_many.message, late
+    return [[g.group_id for g in t] for t in takes], too_many.message, late
 
 
 def _rows(path: Path) -> list[dict]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 
@@ -34,3 +35,23 @@ def returns_text(**kwargs) -> str:
 
 def returns_nan(**kwargs) -> float:
     return float("nan")
+
+
+def returns_1e39(**kwargs) -> float:
+    """Finite in float64 and infinite in float32, where rewards are trained."""
+    return 1e39
+
+
+# What ``sometimes_not_finite`` returns in turn, one in every ``_EVERY`` calls.
+_POISON = (1e39, float("nan"), float("inf"), -float("inf"), -1e39)
+_EVERY = 5
+_calls = itertools.count()  # this scoring process's calls so far
+
+
+def sometimes_not_finite(prompt, response, ground_truth, data_source, extra_info) -> float:
+    """As ``ok``, but every fifth call returns a value that is not finite in float32: by call
+    count, so a run of any speed gets its share of them."""
+    n = next(_calls)
+    if n % _EVERY == 0:
+        return _POISON[(n // _EVERY) % len(_POISON)]
+    return ok(prompt, response, ground_truth, data_source, extra_info)

@@ -54,10 +54,12 @@ def make_group(
     tokens: int = 3,
     generator_id: int = 0,
     frames: P.Frames | None = None,
+    lease: int = 0,
     **arrays,
 ) -> tuple[P.RolloutGroup, P.Frames]:
     """A valid group of ``n`` samples of ``tokens`` tokens each, with fields overridable:
-    arrays by keyword (prompt, resp, lp, ver as numpy arrays), the rest via replace()."""
+    arrays by keyword (prompt, resp, lp, ver as numpy arrays), the rest via replace().
+    Lease 0 is none (``Harness.push`` sends such a group under the lease it was issued with)."""
     frames = frames or P.Frames()
     total = n * tokens
     prompt = arrays.get("prompt", np.array([1, 2], np.int32))
@@ -68,6 +70,7 @@ def make_group(
         group_id=k,
         prompt_id=0,
         generator_id=generator_id,
+        lease=lease,
         prompt_ids=frames.add(prompt),
         response_ids=frames.add(resp),
         behav_logprobs=frames.add(lp),
@@ -181,12 +184,15 @@ def test_decode_raises_nothing_but_protocol_errors(parts):
 
 
 def test_check_issued_names_who_the_group_belongs_to():
-    group, _ = make_group(k=5, generator_id=0)
-    check_issued(group, Issued(0, 1, b"A"), b"A")
+    group, _ = make_group(k=5, generator_id=0, lease=9)
+    issued = Issued(0, 1, b"A", lease=9)
+    check_issued(group, issued, b"A")
     cases = [
         (None, b"A", group, "group 5 is not in flight (never issued, or already returned)"),
-        (Issued(0, 1, b"A"), b"B", group, "group 5 was issued to generator 0 on another connection"),
-        (Issued(0, 1, b"A"), b"A", replace(group, generator_id=7), "group 5 was issued to generator 0, not generator 7"),
+        (issued, b"B", group, "group 5 was issued to generator 0 on another connection"),
+        (issued, b"A", replace(group, generator_id=7), "group 5 was issued to generator 0, not generator 7"),
+        (issued, b"A", replace(group, lease=0), "group 5 was issued under lease 9, not lease 0"),
+        (issued, b"A", replace(group, lease=8), "group 5 was issued under lease 9, not lease 8"),
     ]  # fmt: skip
     for issued, client, g, message in cases:
         with pytest.raises(LedgerError) as err:
@@ -203,7 +209,8 @@ def test_check_returnable_says_why_a_group_cannot_come_back():
     ledger = _ledger()
     groups, _ = ledger.issue(0, 0, 4, client=b"A")
     assert [g.group_id for g in groups] == [0, 1, 2, 3]
-    assert ledger.in_flight[2] == Issued(0, 0, b"A")
+    assert [g.lease for g in groups] == [1, 2, 3, 4]  # a new lease for every issue
+    assert ledger.in_flight[2] == Issued(0, 0, b"A", lease=3)
     stored = unpack(*make_group(k=0, ver=np.zeros(6, np.int32)), versions=(0, 0))
     ledger.record_return(stored)
     cases = [
@@ -315,7 +322,13 @@ def _rejections():
     yield replace(g, failed=[]), f, f"{no_failed}, the run has 1 reward sources"
     yield replace(g, scores=[[1.0]]), f, "group 5: source 0 scored 1 samples of 2"
     yield replace(g, scores=[[1.0, NAN]]), f, "group 5: source 0 left some samples unscored (NaN)"
-    yield replace(g, scores=[[1.0, math.inf]]), f, "group 5: source 0 has an infinite score"
+    # 1e39 is a float64 and no float32: the learner would train on an infinity.
+    for bad in (math.inf, -math.inf, 1e39, -1e39):
+        yield (
+            replace(g, scores=[[1.0, bad]]),
+            f,
+            "group 5: source 0 has a score that is not a finite float32",
+        )
     yield replace(g, failed=[3]), f, "group 5: source 0 failed 3 samples of 2"
     yield replace(g, failed=[-1]), f, "group 5: source 0 failed -1 samples of 2"
 
@@ -560,7 +573,16 @@ class Harness:
         return replies[0][2]
 
     def push(self, identity: bytes, *groups: P.RolloutGroup, frames: P.Frames) -> P.Body:
-        return self.request(identity, P.PushRollouts(groups=list(groups)), frames)
+        """Push ``groups``; one without a lease (0) goes under the lease its group is in
+        flight under, as a generator's copy does (the tests whose subject is not leases)."""
+        in_flight = self.server.ledger.in_flight
+        groups = [
+            replace(g, lease=in_flight[g.group_id].lease)
+            if g.lease == 0 and g.group_id in in_flight
+            else g
+            for g in groups
+        ]
+        return self.request(identity, P.PushRollouts(groups=groups), frames)
 
     def state(self) -> tuple:
         """Everything a message could change."""
@@ -857,7 +879,18 @@ def wrong_requests() -> st.SearchStrategy[P.Body]:
         st.builds(P.StartEval, round=SMALL, step=SMALL, version=SMALL),  # no validation set
         st.builds(P.GetEval, round=SMALL),
         st.builds(P.PushEval, round=SMALL, results=st.lists(eval_result, max_size=3)),
+        wrong_renewals(),
     )
+
+
+def wrong_renewals() -> st.SearchStrategy[P.RenewLeases]:
+    """Renewals no generator sends: a lease number never granted (< 1), or more leases
+    than any connection may hold (thousands; the bound is twice max_inflight_groups)."""
+    never = st.lists(SMALL, max_size=4).flatmap(
+        lambda ok: st.integers(-(2**63), 0).map(lambda bad: [*ok, bad])
+    )
+    flood = st.integers(1, 2**40).map(lambda start: list(range(start, start + 5000)))
+    return st.builds(P.RenewLeases, leases=st.one_of(never, flood))
 
 
 def replies_as_requests() -> st.SearchStrategy[P.Body]:
@@ -892,7 +925,8 @@ def stranger_rollouts(draw, group_ids, group_size: int) -> list[bytes]:
         k=0, n=group_size, tokens=2, frames=frames, ver=np.zeros(2 * group_size, np.int32)
     )
     generator_id = draw(st.sampled_from([0, 0, 1, -1]))
-    groups = [replace(proto, group_id=k, generator_id=generator_id) for k in ids]
+    lease = draw(st.integers(0, 6))  # none, or one of the leases the buffer granted
+    groups = [replace(proto, group_id=k, generator_id=generator_id, lease=lease) for k in ids]
     rid = draw(REQUEST_ID)
     return [_envelope(P.PushRollouts(groups=groups), rid), *received(frames)]
 
@@ -938,7 +972,7 @@ def hostile_messages(group_ids=None, group_size: int = 2):
 def test_hostile_messages_get_one_error_each_and_change_nothing(messages):
     """The stranger's plausible rollouts are valid in every field (version 0, the run's
     group size): only the ledger's issuance and connection checks stand in their way."""
-    h = Harness()
+    h = Harness(leases=Leases(max_per_client=8))
     try:
         _issue_four(h, version=0)
         g, frames = make_group(k=0, ver=np.zeros(6, np.int32))

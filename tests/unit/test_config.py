@@ -72,6 +72,27 @@ def test_bad_input_is_one_error_naming_the_key(override, message):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf", "1e39", "-3.5e38"])
+@pytest.mark.parametrize(
+    ("template", "key"),
+    [
+        ("rewards.sources=[{{name: a, kind: exact, weight: {}}}]", "rewards.sources.0.weight"),
+        (
+            "rewards.sources=[{{name: a, kind: exact}}, {{name: b, kind: math, default_score: {}}}]",
+            "rewards.sources.1.default_score",
+        ),
+        ("multiturn.env_reward_weight={}", "multiturn.env_reward_weight"),
+    ],
+)
+def test_numbers_that_enter_the_rewards_must_be_finite_in_float32(template, key, value):
+    """msgspec takes NaN, infinities and 1e39 for a float; rewards are trained in float32."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [template.format(value)])
+    assert str(err.value).startswith(f"bad value for '{key}': ")
+    assert "is not a finite number in float32" in str(err.value)
+    load_config(None, [template.format("3.3e38")])  # the largest float32 is about 3.4e38
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [

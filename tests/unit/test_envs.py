@@ -175,8 +175,10 @@ def test_as_step_takes_steps_and_tuples():
         (("higher", 0.0, False), "observations must be a list of"),
         (([{"role": "user"}], 0.0, False), "observations must be a list of"),
         (([{"role": "user", "content": 3}], 0.0, False), "observations must be a list of"),
-        (([], "1.0", False), "reward must be a finite number or None"),
-        (([], float("nan"), False), "reward must be a finite number or None"),
+        (([], "1.0", False), "reward must be a number finite in float32 or None"),
+        (([], float("nan"), False), "reward must be a number finite in float32 or None"),
+        (([], 1e39, False), "reward must be a number finite in float32 or None"),  # float64's
+        (([], -float("inf"), False), "reward must be a number finite in float32 or None"),
         (([], 0.0, "yes"), "done and tool_call must be bools"),
         (Step([], 0.0, False, tool_call=1), "done and tool_call must be bools"),
     ],

@@ -147,6 +147,35 @@ def test_env_reward_weight_scales_turn_rewards_only():
     assert ep.stats.env_reward == pytest.approx(0.75)
 
 
+class HugeReward(Retry):
+    """A wrong answer's turn reward is ``huge`` (a float64; float32 may not hold it)."""
+
+    huge = 1e39
+
+    def step(self, text):
+        observations, reward, done = super().step(text)
+        return observations, reward if done else self.huge, done
+
+
+class Weighted(HugeReward):
+    huge = 1e38  # a float32, but not once multiplied by env_reward_weight 10
+
+
+@pytest.mark.parametrize("cls, weight", [(HugeReward, 1.0), (Weighted, 10.0)])
+def test_a_turn_reward_float32_cannot_hold_is_the_environment_s_fault(cls, weight):
+    """Not a turn reward of inf (the buffer would refuse the whole group): the step counts
+    as a failed environment call, whose turn gets no reward and an error observation, and
+    the episode goes on."""
+    tok, _, [ep] = run(["3", "7"], cls=cls, env_reward_weight=weight)
+    assert np.isfinite(np.asarray(ep.turn_rewards, np.float32)).all()
+    assert ep.turn_rewards[:2] == [0, 0]  # the wrong answer's turn: no reward
+    assert ep.turn_rewards[-1] == weight * 1.0  # the right answer's, as usual
+    assert ep.stats.tool_errors == 1 and ep.stats.turns == 2
+    assert ep.stats.env_reward == 1.0
+    error = tok.decode(ep.sample.token_ids[2:-2])
+    assert "error: TypeError:" in error and "float32" in error
+
+
 def test_max_turns():
     _, _, [ep] = run(["1", "2", "3"], max_turns=2)
     assert (ep.stats.turns, ep.stats.budget) == (2, "turns")

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from buffer.leases import MAX_LAPSED, Leases
-from buffer.ledger import LedgerError, PromptLedger, StoredGroup
+from buffer.ledger import Expired, LedgerError, PromptLedger, StoredGroup, check_issued
 from buffer.snapshot import rollouts_from_arrow, rollouts_to_arrow
 from verl_async import protocol as P
 from verl_async.data import PromptRecord
@@ -52,6 +52,10 @@ def _ids(groups) -> list[int]:
 # ----------------------------------------------------------------------------- the leases
 
 
+def _due(leases: Leases) -> dict[bytes, list[int]]:
+    return {c: [lease.group_id for lease in due] for c, due in leases.expire().items()}
+
+
 def test_leases_expire_in_grant_order_per_holder_and_only_when_due():
     clock = Clock()
     leases = Leases(10.0, None, clock)
@@ -61,43 +65,120 @@ def test_leases_expire_in_grant_order_per_holder_and_only_when_due():
     leases.grant(3, b"A")
     leases.end(1)  # returned in time: never expires
     clock.now += 5  # 0 and 2 are due (granted at t, deadline t + 10); 3 is not
-    assert leases.expire() == {b"A": [0, 2]}
-    assert leases.expire() == {}
+    assert _due(leases) == {b"A": [0, 2]}
+    assert _due(leases) == {}
     assert dict(leases.held) == {b"A": 1} and leases.expired_total == 2
     clock.now += 4.999
-    assert leases.expire() == {}
+    assert _due(leases) == {}
     clock.now += 0.001
-    assert leases.expire() == {b"A": [3]}
+    assert _due(leases) == {b"A": [3]}
     assert not leases.held and not leases.deadline
 
 
-def test_a_lapsed_lease_is_named_until_the_group_is_leased_to_that_connection_again():
+def test_a_lease_that_ran_out_stays_lapsed_when_its_group_goes_back_to_the_same_connection():
+    """The defect this pins: a group re-issued to the connection whose lease on it ran out
+    made that old lease live again, so the holder's first copy was taken for the new lease
+    and its second copy was refused as "already returned" (an Error, fatal to the
+    generator). Each issue is a lease of its own: the old copy stays late, by name."""
     clock = Clock()
     leases = Leases(10.0, None, clock)
-    leases.grant(7, b"A")
-    assert leases.lapsed_reason(7, b"A") is None
+    first = leases.grant(7, b"A")
+    assert leases.lapsed_reason(7, first, b"A") is None
     clock.now += 10
-    leases.expire()
+    assert _due(leases) == {b"A": [7]}
     clock.now += 3
-    assert leases.lapsed_reason(7, b"A") == (
-        "group 7: the lease of this connection on it expired 3s ago, 10s after it was issued; "
-        "the group was issued again and this rollout is not taken"
+    late = (
+        f"group 7: lease {first} of this connection ran out 3s ago; the group was issued "
+        "again and this rollout is not taken"
     )
-    assert leases.lapsed_reason(7, b"B") is None  # B never held it: not its lease
-    leases.grant(7, b"A")  # A asked again and got it back: its new lease is live
-    assert leases.lapsed_reason(7, b"A") is None
+    assert leases.lapsed_reason(7, first, b"A") == late
+    assert leases.lapsed_reason(7, first, b"B") is None  # B never held it: not its lease
+    assert leases.lapsed_reason(8, first, b"A") is None  # not that group's lease
+    second = leases.grant(7, b"A")  # A asked again and got the group back
+    assert second != first and leases.live[7].number == second
+    assert leases.lapsed_reason(7, first, b"A") == late  # its first copy is still late
+    assert leases.lapsed_reason(7, second, b"A") is None  # its second is live
 
 
 def test_lapsed_leases_remembered_are_bounded():
     clock = Clock()
     leases = Leases(1.0, None, clock)
-    for k in range(MAX_LAPSED + 5):
-        leases.grant(k, b"A")
+    numbers = [leases.grant(k, b"A") for k in range(MAX_LAPSED + 5)]
     clock.now += 1
     assert len(leases.expire()[b"A"]) == MAX_LAPSED + 5
     assert len(leases.lapsed) == MAX_LAPSED
-    assert leases.lapsed_reason(0, b"A") is None  # the oldest are forgotten first
-    assert leases.lapsed_reason(MAX_LAPSED + 4, b"A") is not None
+    assert leases.lapsed_reason(0, numbers[0], b"A") is None  # the oldest are forgotten first
+    assert leases.lapsed_reason(MAX_LAPSED + 4, numbers[-1], b"A") is not None
+
+
+def test_a_renewal_extends_only_what_the_connection_holds_and_never_past_max_s():
+    clock = Clock()
+    leases = Leases(10.0, None, clock, max_s=25.0)
+    a, b = leases.grant(0, b"A"), leases.grant(1, b"B")
+    clock.now += 8
+    # A renews its own lease, B's, one never granted and one that does not exist yet.
+    assert leases.renew(b"A", [a, b, 0, 99]) == [b, 0, 99]
+    assert leases.deadline == {0: 1018.0, 1: 1010.0}  # only A's moved
+    assert (leases.renewed_total, leases.refused_total) == (1, 3)
+    clock.now += 2  # B's runs out; A's was renewed
+    assert _due(leases) == {b"B": [1]}
+    assert leases.renew(b"B", [b]) == [b]  # too late: it is lapsed, and stays so
+    assert leases.lapsed_reason(1, b, b"B") is not None
+    clock.now += 7.5
+    assert leases.renew(b"A", [a]) == [] and leases.deadline == {0: 1025.0}  # the cap
+    clock.now += 5  # renewed in time, but max_s after its grant it runs out anyway
+    assert leases.renew(b"A", [a]) == [] and leases.deadline == {0: 1025.0}
+    clock.now += 2.5
+    assert leases.renew(b"A", [a]) == [a]  # due: not renewed, whether or not expired yet
+    [lapsed] = leases.expire()[b"A"]
+    assert lapsed.capped
+    assert "ran out at buffer.lease_max_s" in leases.lapsed_reason(0, a, b"A")
+    assert leases.renew(b"A", [a]) == [a] and not leases.live
+
+
+def test_a_cap_below_the_timeout_leaves_every_lease_its_timeout_and_no_renewal():
+    """A run that raised lease_timeout_s above lease_max_s (the advice before leases were
+    renewed) keeps leases of lease_timeout_s: the cap only bounds renewals."""
+    clock = Clock()
+    leases = Leases(3600.0, None, clock, max_s=1800.0)
+    n = leases.grant(0, b"A")
+    assert leases.deadline == {0: 4600.0}
+    clock.now += 2000
+    assert leases.renew(b"A", [n]) == [] and leases.deadline == {0: 4600.0}
+    clock.now += 1599.999
+    assert _due(leases) == {}
+    clock.now += 0.001
+    assert _due(leases) == {b"A": [0]}
+
+
+def test_a_renewed_lease_keeps_one_place_in_line_and_runs_out_only_when_due():
+    """A renewal moves the deadline only; the lease's entry goes back in line when its old
+    deadline comes up, so however many renewals come, each lease has one entry."""
+    clock = Clock()
+    leases = Leases(3.0, None, clock)
+    n = leases.grant(0, b"A")
+    for _ in range(10):
+        clock.now += 2
+        for _ in range(100):  # a flood of renewals costs no memory
+            assert leases.renew(b"A", [n]) == []
+        assert _due(leases) == {} and len(leases.due) == 1
+    clock.now += 2.999
+    assert _due(leases) == {}
+    clock.now += 0.001
+    assert _due(leases) == {b"A": [0]} and not leases.due
+
+
+def test_a_renewal_may_name_at_most_what_a_connection_may_hold():
+    leases = Leases(10.0, 4, Clock())
+    leases.check_renewal([1, 2, 3, 4])
+    for bad, message in (
+        ([1, 2, 3, 4, 5], "a renewal of 5 leases; a connection holds at most 4"),
+        ([1, 0], "lease 0 was never granted: leases are numbered from 1"),
+        ([-7], "lease -7 was never granted: leases are numbered from 1"),
+    ):
+        with pytest.raises(P.ProtocolError) as err:
+            leases.check_renewal(bad)
+        assert str(err.value) == message
 
 
 def test_a_connection_is_refused_more_than_its_bound():
@@ -128,10 +209,10 @@ def test_expiry_reissues_exactly_the_expired_groups_first_in_id_order():
     assert _ids(ledger.issue(1, 0, 2, client=b"B")[0]) == [2, 3]
     ledger.record_return(_stored(1))
     clock.now += 6  # A's lease on 0 is due (1 was returned); B's run 4 s more
-    assert ledger.expire_leases() == [(b"A", 0, [0])]
+    assert ledger.expire_leases() == [Expired(b"A", 0, [0], at_cap=0)]
     assert list(ledger.reissue) == [0] and sorted(ledger.in_flight) == [2, 3]
     clock.now += 4
-    assert ledger.expire_leases() == [(b"B", 1, [2, 3])]
+    assert ledger.expire_leases() == [Expired(b"B", 1, [2, 3], at_cap=0)]
     assert list(ledger.reissue) == [0, 2, 3] and not ledger.in_flight
     # Issued again before any fresh group, to whoever asks next (here: A again, then C).
     assert _ids(ledger.issue(2, 1, 2, client=b"C")[0]) == [0, 2]
@@ -140,38 +221,58 @@ def test_expiry_reissues_exactly_the_expired_groups_first_in_id_order():
     assert ledger.leases.expired_total == 3
 
 
-def test_a_late_rollout_is_refused_and_the_new_holders_is_taken_once():
+def _late(ledger: PromptLedger, k: int, lease: int, client: bytes) -> str | None:
+    return ledger.late(make_group(k=k, lease=lease)[0], client)
+
+
+def test_a_late_rollout_is_named_and_the_new_holders_is_taken_once():
     clock = Clock()
     ledger = _ledger(clock)
-    ledger.issue(0, 0, 2, client=b"A")
+    a_leases = [g.lease for g in ledger.issue(0, 0, 2, client=b"A")[0]]
     clock.now += 10
     ledger.expire_leases()
-    with pytest.raises(LedgerError, match="group 1: the lease of this connection on it expired"):
-        ledger.check_returnable([1], b"A")  # waiting in the queue
-    ledger.issue(1, 0, 2, client=b"B")
-    for ids in ([1], [0, 1]):  # in flight to B now; a message with one of them fails whole
-        with pytest.raises(LedgerError, match="lease of this connection on it expired 0s ago"):
-            ledger.check_returnable(ids, b"A")
-    ledger.check_returnable([0, 1], b"B")
+    assert "group 1: lease 2 of this connection ran out 0s ago" in _late(ledger, 1, 2, b"A")
+    b_leases = [g.lease for g in ledger.issue(1, 0, 2, client=b"B")[0]]
+    assert b_leases == [3, 4] and ledger.in_flight[1].lease == 4
+    for k, lease in zip((0, 1), a_leases, strict=True):
+        assert _late(ledger, k, lease, b"A") is not None  # A's copies, under A's old leases
+        assert _late(ledger, k, lease, b"B") is None  # not B's: a wrong message, not late
     ledger.record_return(_stored(0))
     ledger.record_return(_stored(1))
     with pytest.raises(LedgerError, match="group 1 was already returned"):
-        ledger.check_returnable([1], b"B")
-    with pytest.raises(LedgerError, match="lease of this connection on it expired"):
-        ledger.check_returnable([1], b"A")  # returned by B: still A's expired lease
+        ledger.check_returnable([1])
+    assert _late(ledger, 1, a_leases[1], b"A") is not None  # returned by B: A's is still late
     assert _ids(ledger.consume(0)) == [0, 1]
+
+
+def test_a_group_issued_again_to_its_holder_is_returned_once_under_its_new_lease():
+    """The holder is the only generator: its lease ran out while it still sampled, and the
+    group came back to it first in line. Its two copies are told apart by lease."""
+    clock = Clock()
+    ledger = _ledger(clock)
+    [first] = ledger.issue(0, 0, 1, client=b"A")[0]
+    clock.now += 10
+    assert ledger.expire_leases() == [Expired(b"A", 0, [0], at_cap=0)]
+    [second] = ledger.issue(0, 0, 1, client=b"A")[0]
+    assert first.group_id == second.group_id == 0 and first.lease != second.lease
+    assert _late(ledger, 0, first.lease, b"A") is not None
+    assert _late(ledger, 0, second.lease, b"A") is None
+    check_issued(make_group(k=0, lease=second.lease)[0], ledger.in_flight[0], b"A")
+    ledger.record_return(_stored(0))
+    assert _late(ledger, 0, first.lease, b"A") is not None  # still late after the return
 
 
 def test_a_restarted_generators_groups_are_taken_back_at_once_and_first_in_line():
     clock = Clock()
     ledger = _ledger(clock, b=2, eta=1, timeout_s=300.0)
-    ledger.issue(1, 0, 2, client=b"A")  # generator 1's old process
+    old = ledger.issue(1, 0, 2, client=b"A")[0]  # generator 1's old process
     ledger.issue(0, 0, 2, client=b"B")  # generator 0
     assert ledger.take_back(1) == [0, 1]  # no clock movement: not an expiry
     assert list(ledger.reissue) == [0, 1] and sorted(ledger.in_flight) == [2, 3]
     assert ledger.leases.held == {b"B": 2} and ledger.leases.expired_total == 0
-    with pytest.raises(LedgerError, match="group 0: the lease of this connection"):
-        ledger.check_returnable([0], b"A")
+    assert "lease 1 of this connection was revoked (its generator restarted)" in _late(
+        ledger, 0, old[0].lease, b"A"
+    )
     assert _ids(ledger.issue(1, 0, 2, client=b"C")[0]) == [0, 1]  # the new process
     assert ledger.take_back(7) == []  # an id holding nothing
     ledger.record_return(_stored(0))
@@ -228,28 +329,30 @@ def test_snapshot_after_expiry_reissues_every_unreturned_group_once():
     choices=st.lists(st.integers(0, 1_000_000), min_size=50, max_size=400),
 )
 def test_random_interleavings_with_expiry_train_each_group_once_within_eta(b, eta, steps, choices):
-    """Two connections take, return (also too late), lose work to expiry; steps consume."""
+    """Two connections take, renew, return (also too late, and copies of one group issued
+    to the same connection twice), lose work to expiry; steps consume. Every copy a
+    connection returns is either live (taken) or late (dropped), never both, never
+    neither; each group is trained once."""
     clock = Clock()
     ledger = _ledger(clock, b=b, eta=eta, steps=steps, n=5, timeout_s=3.0)
     clients, loaded, learner_version = (b"A", b"B"), [0, 0], 0
-    held: dict[bytes, list[tuple[int, int]]] = {b"A": [], b"B": []}  # (group, version) per holder
+    held: dict[bytes, list[tuple[int, int, int]]] = {b"A": [], b"B": []}  # (group, version, lease)
     trained: list[int] = []
     for c in choices:
-        op, who = c % 5, clients[(c // 5) % 2]
+        op, who = c % 6, clients[(c // 6) % 2]
         g = clients.index(who)
         if op == 0:
             groups, _ = ledger.issue(g, loaded[g], 1 + c % 3, client=who)
-            held[who] += [(x.group_id, loaded[g]) for x in groups]
+            held[who] += [(x.group_id, loaded[g], x.lease) for x in groups]
         elif op == 1 and held[who]:
-            k, v = held[who].pop((c // 10) % len(held[who]))
-            live = k in ledger.in_flight and ledger.in_flight[k].client == who
-            try:
-                ledger.check_returnable([k], who)
-            except LedgerError:
-                assert not live
-                continue
-            assert live
-            ledger.record_return(_stored(k, v))
+            k, v, lease = held[who].pop((c // 12) % len(held[who]))
+            issued = ledger.in_flight.get(k)
+            live = issued is not None and (issued.client, issued.lease) == (who, lease)
+            rollout = make_group(k=k, generator_id=g, lease=lease)[0]
+            assert (ledger.late(rollout, who) is not None) == (not live)
+            if live:
+                check_issued(rollout, issued, who)
+                ledger.record_return(_stored(k, v))
         elif op == 2:
             clock.now += c % 4
             ledger.expire_leases()
@@ -260,6 +363,11 @@ def test_random_interleavings_with_expiry_train_each_group_once_within_eta(b, et
             learner_version += 1
         elif op == 4:
             loaded[g] = min(learner_version, loaded[g] + 1)
+        elif op == 5:
+            ledger.expire_leases()  # as the server does before every request
+            mine = [lease for _, _, lease in held[who]]
+            live = {i.lease for i in ledger.in_flight.values() if i.client == who}
+            assert set(ledger.leases.renew(who, mine)) == set(mine) - live
     assert trained == list(range(learner_version * b))
     live = set(ledger.in_flight)
     assert not live & set(ledger.reissue) and not live & set(ledger.returned)
@@ -287,45 +395,116 @@ def _error(body: P.Body) -> str:
     return body.message
 
 
-def _take(h: Harness, client: bytes, n: int, generator_id: int = 0, version: int = 0) -> list[int]:
+def _issue(
+    h: Harness, client: bytes, n: int, generator_id: int = 0, version: int = 0
+) -> list[P.PromptGroup]:
     req = P.GetPrompts(generator_id=generator_id, loaded_version=version, max_groups=n)
     reply = h.request(client, req)
     assert isinstance(reply, P.Prompts), reply
-    return _ids(reply.groups)
+    return reply.groups
+
+
+def _take(h: Harness, client: bytes, n: int, generator_id: int = 0, version: int = 0) -> list[int]:
+    return _ids(_issue(h, client, n, generator_id, version))
+
+
+def _rollouts(*issued: P.PromptGroup, generator_id: int = 0) -> tuple[list, P.Frames]:
+    """Valid rollouts of ``issued``, each under the lease it came with (as a generator's)."""
+    frames = P.Frames()
+    groups = [
+        make_group(
+            k=g.group_id,
+            generator_id=generator_id,
+            lease=g.lease,
+            frames=frames,
+            ver=np.zeros(6, np.int32),
+        )[0]
+        for g in issued
+    ]
+    return groups, frames
+
+
+def _push(h: Harness, client: bytes, *issued: P.PromptGroup, generator_id: int = 0) -> P.Body:
+    groups, frames = _rollouts(*issued, generator_id=generator_id)
+    return h.push(client, *groups, frames=frames)
 
 
 def test_in_a_push_only_the_lapsed_groups_are_dropped(harness, clock):
     h = harness
-    assert _take(h, b"R", 2) == [0, 1]
+    lapsing = _issue(h, b"R", 2)
     clock.now += 10
     assert _take(h, b"G", 2, generator_id=1) == [0, 1]  # the expired ones, re-issued
-    assert _take(h, b"R", 1) == [2]  # the slow generator asks again: a fresh group
-    frames = P.Frames()
-    both = [make_group(k=k, frames=frames, ver=np.zeros(6, np.int32))[0] for k in (0, 2)]
-    assert h.push(b"R", *both, frames=frames) == P.Dropped(group_ids=[0], reason="lease expired")
+    fresh = _issue(h, b"R", 1)  # the slow generator asks again: a fresh group
+    assert _ids(fresh) == [2]
+    reply = _push(h, b"R", lapsing[0], fresh[0])
+    assert reply == P.Dropped(group_ids=[0], reason="lease expired")
     assert sorted(h.server.ledger.returned) == [2]  # its valid group was taken
     assert sorted(h.server.ledger.in_flight) == [0, 1]  # with G now
 
 
 def test_a_late_push_is_dropped_by_name_and_changes_nothing(harness, clock):
     h = harness
-    assert _take(h, b"R", 2) == [0, 1]  # the rogue takes two groups and never returns them
+    rogue = _issue(h, b"R", 2)  # the rogue takes two groups and never returns them in time
     clock.now += 10
-    assert _take(h, b"G", 3, generator_id=1) == [0, 1, 2]  # expired first, then fresh
+    mine = _issue(h, b"G", 3, generator_id=1)
+    assert _ids(mine) == [0, 1, 2]  # expired first, then fresh
     before = h.state()
-    frames = P.Frames()
-    late = [make_group(k=k, frames=frames, ver=np.zeros(6, np.int32))[0] for k in (0, 1)]
-    assert h.push(b"R", *late, frames=frames) == P.Dropped(group_ids=[0, 1], reason="lease expired")
+    assert _push(h, b"R", *rogue) == P.Dropped(group_ids=[0, 1], reason="lease expired")
     assert h.state() == before
-    frames = P.Frames()
-    mine = [
-        make_group(k=k, generator_id=1, frames=frames, ver=np.zeros(6, np.int32))[0] for k in (0, 1)
-    ]
-    assert isinstance(h.push(b"G", *mine, frames=frames), P.Ack)
-    assert _error(h.push(b"G", *mine, frames=frames)) == "group 0 was already returned"
+    # Under G's leases, from R, they are not late but someone else's: refused.
+    assert _error(_push(h, b"R", *mine[:2], generator_id=1)) == (
+        "group 0 was issued to generator 1 on another connection"
+    )
+    assert isinstance(_push(h, b"G", *mine[:2], generator_id=1), P.Ack)
+    assert _error(_push(h, b"G", *mine[:2], generator_id=1)) == "group 0 was already returned"
+    assert _push(h, b"R", *rogue) == P.Dropped(group_ids=[0, 1], reason="lease expired")
     assert sorted(h.server.ledger.returned) == [0, 1]
     stats = h.request(b"L", P.GetStats())
-    assert (stats.leases_expired, stats.returned) == (2, 2)
+    assert (stats.leases_expired, stats.returned, stats.rollouts_dropped) == (2, 2, 4)
+
+
+@pytest.mark.parametrize("late_first", [True, False])
+def test_a_group_issued_again_to_its_holder_takes_one_copy_and_drops_the_other(
+    harness, clock, late_first
+):
+    """The defect this pins, through the server: one generator's lease ran out while it
+    still sampled, the group came back to the same connection, and both copies were
+    pushed. Before leases were numbered the first copy was taken under the new lease and
+    the second was refused with an Error (group already returned), which stopped the
+    generator. Whichever copy comes first, one is taken and the other is dropped."""
+    h = harness
+    [first] = _issue(h, b"G", 1)
+    clock.now += 10
+    [second] = _issue(h, b"G", 1)
+    assert first.group_id == second.group_id == 0 and first.lease != second.lease
+    copies = (first, second) if late_first else (second, first)
+    replies = [_push(h, b"G", c) for c in copies]
+    dropped = P.Dropped(group_ids=[0], reason="lease expired")
+    assert replies == ([dropped, P.Ack()] if late_first else [P.Ack(), dropped])
+    assert sorted(h.server.ledger.returned) == [0] and not h.server.ledger.in_flight
+    stats = h.request(b"L", P.GetStats())
+    assert (stats.leases_expired, stats.returned, stats.rollouts_dropped) == (1, 1, 1)
+
+
+def test_renewals_keep_a_slow_holders_groups_and_only_its_own(harness, clock):
+    h = harness
+    slow = _issue(h, b"G", 2)
+    stranger = _issue(h, b"R", 1)
+    leases = [g.lease for g in slow]
+    for _ in range(5):  # 40 s of work on a 10 s lease, renewed every 8 s
+        clock.now += 8
+        assert h.request(b"G", P.RenewLeases(leases=leases)) == P.Renewed(lost=[])
+    assert sorted(h.server.ledger.in_flight) == [0, 1]  # 40 s after their issue
+    assert list(h.server.ledger.reissue) == [2]  # the stranger's ran out meanwhile
+    # A renewal of someone else's lease, or of one that ran out, changes nothing.
+    before = h.state()
+    reply = h.request(b"R", P.RenewLeases(leases=[*leases, stranger[0].lease]))
+    assert reply == P.Renewed(lost=[*leases, stranger[0].lease])
+    assert h.state() == before
+    assert isinstance(_push(h, b"G", *slow), P.Ack)
+    assert h.request(b"G", P.RenewLeases(leases=leases)) == P.Renewed(lost=leases)  # returned
+    stats = h.request(b"L", P.GetStats())
+    assert (stats.leases_renewed, stats.renewals_refused, stats.leases_expired) == (10, 5, 1)
 
 
 def test_leases_expire_on_the_ticker_without_any_request(harness, clock, caplog):
@@ -336,9 +515,30 @@ def test_leases_expire_on_the_ticker_without_any_request(harness, clock, caplog)
         h.server._expire_leases()  # what the server's 50 ms ticker does
     assert list(h.server.ledger.reissue) == [0, 1, 2] and not h.server.ledger.in_flight
     assert [r.getMessage() for r in caplog.records] == [
-        f"lease of 3 groups on connection {b'R'.hex()} (generator 0) expired after 10s "
-        "without their rollouts; groups [0, 1, 2] go to the next generator that asks"
+        f"lease of 3 groups on connection {b'R'.hex()} (generator 0) expired: not returned "
+        "within 10s of their issue or last renewal; groups [0, 1, 2] go to the next "
+        "generator that asks"
     ]
+
+
+def test_a_lease_renewed_to_its_cap_runs_out_and_says_so(clock, caplog):
+    h = Harness(leases=Leases(10.0, 6, clock, max_s=15.0))
+    try:
+        [group] = _issue(h, b"G", 1)
+        clock.now += 8
+        assert h.request(b"G", P.RenewLeases(leases=[group.lease])) == P.Renewed(lost=[])
+        assert h.server.ledger.leases.deadline == {0: 1015.0}  # not 1018: the cap
+        clock.now += 7
+        with caplog.at_level(logging.WARNING, logger="verl_async.buffer"):
+            reply = h.request(b"G", P.RenewLeases(leases=[group.lease]))
+        assert reply == P.Renewed(lost=[group.lease])  # ran out just before this renewal
+        assert (
+            " renewal (1 of them held buffer.lease_max_s = 15s, past which no renewal goes); "
+            in caplog.text
+        )
+        assert _push(h, b"G", group) == P.Dropped(group_ids=[0], reason="lease expired")
+    finally:
+        h.close()
 
 
 def test_expired_lease_lines_are_rate_limited(harness, clock, caplog):
@@ -353,7 +553,7 @@ def test_expired_lease_lines_are_rate_limited(harness, clock, caplog):
         clock.now += 1000
         log.flush()
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 21 and all(" expired after 10s " in line for line in lines[:20])
+    assert len(lines) == 21 and all(" expired: not returned " in line for line in lines[:20])
     assert lines[20] == "10 more expired leases in the last 1300s were not logged (10 lease)"
 
 

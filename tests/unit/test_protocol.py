@@ -25,6 +25,7 @@ def test_rollout_group_roundtrip_with_tensor_frames():
                 group_id=3,
                 prompt_id=11,
                 generator_id=0,
+                lease=4,
                 prompt_ids=frames.add(np.array([1, 3, 9], np.int32)),
                 response_ids=frames.add(resp),
                 behav_logprobs=frames.add(lp),
@@ -62,6 +63,9 @@ def test_rollout_group_roundtrip_with_tensor_frames():
             )
         ),
         P.VersionStatus(target_version=3, update=None, stop=False),
+        P.RenewLeases(leases=[3, 17]),
+        P.Renewed(lost=[17]),
+        P.Dropped(group_ids=[5], reason="lease expired"),
         P.Error(code="x", message="y"),
         P.Shutdown(),
     ],

@@ -78,6 +78,15 @@ def test_running_stats_match_numpy_and_round_trip_through_json():
     assert restored.mean == pytest.approx(np.append(values, 10.0).mean())
 
 
+def test_running_stats_never_absorb_a_value_float32_cannot_hold():
+    """One infinity would make the mean infinite for the rest of the run and in every
+    checkpoint; 1e39 is finite in the float64 the stats keep, but is no float32 score."""
+    stats = RunningStats()
+    stats.update(np.array([1.0, math.inf, 3.0, NAN, -1e39, -math.inf]))
+    assert (stats.count, stats.mean, stats.std) == (2, 2.0, 1.0)
+    assert all(math.isfinite(v) for v in stats.state_dict().values())
+
+
 def test_empty_running_stats():
     stats = RunningStats()
     stats.update(np.array([]))

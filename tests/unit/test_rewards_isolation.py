@@ -180,6 +180,8 @@ class FakeModel:
             await asyncio.sleep(60)
         if self.mode == "raise":
             raise ConnectionError("reward model down")
+        if self.mode == "1e39":  # a float64, and an infinity in float32
+            return [1e39] * len(conversations)
         return [float(len(c[-1]["content"])) for c in conversations]
 
 
@@ -258,6 +260,34 @@ def test_scorer_failures_give_defaults_count_and_log_once(tmp_path, caplog):
     for name in ("boom", "slow", "down"):
         assert sum(f"source '{name}' failed" in m for m in logged) == 1
     assert any("timed out after 0.5s" in m for m in logged)
+
+
+def test_scores_float32_cannot_hold_are_failures_of_their_source(tmp_path, caplog):
+    """1e39 (and NaN, inf) from a function or a reward model: the source's default score,
+    counted in ``failed`` and logged once, as any failure; the other sources are unaffected."""
+    cfg = RewardsConfig(
+        sources=[
+            FunctionReward(name="fn", function=f"{FNS}:returns_1e39", default_score=-1.0),
+            ModelReward(name="rm", path="x", default_score=0.5),
+            FunctionReward(name="ok", function=f"{FNS}:ok"),
+        ],
+        timeout_s=10.0,
+    )
+
+    async def main():
+        scorer = Scorer(tmp_path, cfg, {"rm": FakeModel("1e39")})
+        try:
+            return await scorer.score_group(group(), ["yes", "no"])
+        finally:
+            scorer.close()
+
+    with caplog.at_level(logging.WARNING, logger="verl_async.rewards"):
+        out = asyncio.run(main())
+    assert out.scores == [[-1.0, -1.0], [0.5, 0.5], [1.0, 0.0]]
+    assert out.failed == [2, 2, 0]
+    logged = [r.getMessage() for r in caplog.records if r.name == "verl_async.rewards"]
+    assert sum("source 'fn' failed" in m and "not a finite float32" in m for m in logged) == 1
+    assert sum("source 'rm' failed" in m and "not a finite float32" in m for m in logged) == 1
 
 
 def test_scorer_needs_a_client_per_model_source(tmp_path):

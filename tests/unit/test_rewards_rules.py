@@ -158,8 +158,9 @@ def test_function_source_gets_every_keyword_and_kwargs():
     assert set(state.functions) == {"tests.unit.reward_fns:ok", "tests.unit.reward_fns:echo_info"}
 
 
-@pytest.mark.parametrize("name", ["returns_text", "returns_nan"])
+@pytest.mark.parametrize("name", ["returns_text", "returns_nan", "returns_1e39"])
 def test_function_bad_result_is_an_error(name):
+    """1e39 is a float64 and no float32: it would reach the learner as an infinity."""
     src = FunctionReward(name="fn", function=f"tests.unit.reward_fns:{name}")
     with pytest.raises(RuleError):
         RuleScorerState().score(src, _item("r"))

@@ -18,11 +18,11 @@ from .test_buffer_validation import Harness, _issue_four
 CLOCK_FIELDS = {"gen_tokens_per_s", "gen_blocked_s", "gen_idle_s", "wait_s"}
 
 
-def _stats(tokens_per_s: float, blocked: float, idle: float) -> P.Stats:
+def _stats(tokens_per_s: float, blocked: float, idle: float, **leases) -> P.Stats:
     return P.Stats(
         issued=0, returned=0, consumed=0, stored_groups=0, target_version=0,
         dropped_stale=0, admission_blocked=0,
-        gen_tokens_per_s=tokens_per_s, gen_blocked_s=blocked, gen_idle_s=idle,
+        gen_tokens_per_s=tokens_per_s, gen_blocked_s=blocked, gen_idle_s=idle, **leases,
     )  # fmt: skip
 
 
@@ -32,9 +32,19 @@ def test_per_step_generator_timing_is_the_difference_of_the_totals():
         "gen_tokens_per_s": 100.0,
         "gen_blocked_s": 2.0,
         "gen_idle_s": 0.5,
+        "leases_expired": 0,
+        "leases_renewed": 0,
+        "rollouts_dropped": 0,
     }
-    row = timing.row(_stats(250.123, 5.0, 0.5))
-    assert row == {"gen_tokens_per_s": 250.12, "gen_blocked_s": 3.0, "gen_idle_s": 0.0}
+    row = timing.row(_stats(250.123, 5.0, 0.5, leases_expired=3, leases_renewed=40))
+    assert row == {
+        "gen_tokens_per_s": 250.12,
+        "gen_blocked_s": 3.0,
+        "gen_idle_s": 0.0,
+        "leases_expired": 3,  # running totals, as the buffer counts them
+        "leases_renewed": 40,
+        "rollouts_dropped": 0,
+    }
 
 
 def test_per_step_generator_timing_survives_a_restart_of_the_totals():

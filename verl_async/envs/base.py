@@ -18,13 +18,13 @@ runs the prompts of a data source.
 from __future__ import annotations
 
 import importlib
-import math
 import re
 from collections.abc import Awaitable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from verl_async.config_base import ConfigError
+from verl_async.config_base import ConfigError, check_finite32
+from verl_async.numerics import finite32
 from verl_async.schema import EnvironmentConfig, MultiTurnConfig
 
 Message = dict[str, str]
@@ -80,7 +80,8 @@ class Environment(Protocol):
 def as_step(result: Any) -> Step:
     """``result`` of an environment's ``step`` (already awaited) as a ``Step``: a tuple
     ``(observations, reward, done)`` is converted and the reward made a float; anything
-    else, or a field of the wrong type, raises TypeError saying what came back."""
+    else, a field of the wrong type, or a reward that is not finite in float32, raises
+    TypeError saying what came back."""
     if isinstance(result, Awaitable):
         raise TypeError("step returned an awaitable that was not awaited")
     if isinstance(result, tuple) and len(result) == 3:
@@ -100,9 +101,12 @@ def as_step(result: Any) -> Step:
             + repr(step.observations)[:200]
         )
     reward = step.reward
-    # int, float, numpy and torch scalars have __float__; str and None do not.
-    if reward is not None and not (hasattr(reward, "__float__") and math.isfinite(reward)):
-        raise TypeError(f"step's reward must be a finite number or None, got {reward!r:.200}")
+    # int, float, numpy and torch scalars have __float__; str and None do not. The reward is
+    # trained in float32, where 1e39 is infinite.
+    if reward is not None and not (hasattr(reward, "__float__") and finite32(reward)):
+        raise TypeError(
+            f"step's reward must be a number finite in float32 or None, got {reward!r:.200}"
+        )
     if not isinstance(step.done, bool) or not isinstance(step.tool_call, bool):
         raise TypeError(
             f"step's done and tool_call must be bools, got {step.done!r:.50} and "
@@ -148,9 +152,10 @@ def make_environment(cls: type, spec: EnvironmentConfig, key: str) -> Any:
 
 
 def check_environments(mt: MultiTurnConfig) -> None:
-    """The checks of ``multiturn.environments`` that import nothing: the form of every
-    ``env``, no data source named by two environments, at most one catch-all (an
-    environment with no ``data_sources``)."""
+    """The checks of ``multiturn`` that import nothing: ``env_reward_weight`` finite in
+    float32, the form of every ``env``, no data source named by two environments, at most
+    one catch-all (an environment with no ``data_sources``)."""
+    check_finite32("multiturn.env_reward_weight", mt.env_reward_weight)
     claimed: dict[str, int] = {}
     catch_all: int | None = None
     for i, spec in enumerate(mt.environments):

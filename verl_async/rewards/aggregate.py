@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from verl_async.numerics import finite32_mask
 from verl_async.reward_config import RewardSource
 
 EPS = 1e-6
@@ -31,7 +32,11 @@ EPS = 1e-6
 
 class RunningStats:
     """Mean and population std of every value seen (Welford, merged batch-wise by Chan's
-    formula: m2 = m2_a + m2_b + delta^2 * n_a * n_b / n)."""
+    formula: m2 = m2_a + m2_b + delta^2 * n_a * n_b / n).
+
+    A value that is not finite in float32 is left out: one infinity would make the mean
+    infinite for the rest of the run (and in every checkpoint after it), and scores are
+    finite by then anyway (the scorer and the buffer refuse the others)."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -40,6 +45,7 @@ class RunningStats:
 
     def update(self, values: np.ndarray) -> None:
         values = np.asarray(values, np.float64).ravel()
+        values = values[finite32_mask(values)]
         n_b = values.size
         if n_b == 0:
             return

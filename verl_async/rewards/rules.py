@@ -10,7 +10,8 @@ item or a failing user function raises (the scoring process turns that into the 
     math      1.0 if the response's final answer equals the ground truth's under math-verify,
               else 0.0; the numeric comparison of the last numbers decides when math-verify
               cannot (nothing parsed, an error, a timeout, or the package is missing)
-    function  float(fn(prompt=, response=, ground_truth=, data_source=, extra_info=, **kwargs))
+    function  float(fn(prompt=, response=, ground_truth=, data_source=, extra_info=, **kwargs));
+              a result that is not finite in float32 (NaN, inf, 1e39) raises
 
 math-verify bounds its own parsing and comparison with ``signal.alarm``, which only works in
 the main thread; elsewhere its timeouts are switched off and the scoring process's deadline
@@ -27,6 +28,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from verl_async.numerics import finite32
 from verl_async.protocol import ScoreItem
 from verl_async.reward_config import (
     ExactReward,
@@ -239,8 +241,8 @@ def call_function(fn: Callable[..., Any], source: FunctionReward, item: ScoreIte
     if not hasattr(result, "__float__"):
         raise RuleError(f"{source.function} returned {type(result).__name__}, not a number")
     value = float(result)
-    if not math.isfinite(value):
-        raise RuleError(f"{source.function} returned {value}")
+    if not finite32(value):  # trained in float32, where 1e39 is infinite
+        raise RuleError(f"{source.function} returned {value!r}, not a finite float32")
     return value
 
 

@@ -8,7 +8,8 @@
                    prompt messages + {"role": "assistant", "content": response}
 
 All sources of a group run concurrently; every one is bounded by ``rewards.timeout_s``. A
-source that raises, times out, returns garbage or whose process dies scores its
+source that raises, times out, returns garbage (a score that is not finite in float32, the
+dtype it is trained in, included) or whose process dies scores its
 ``default_score`` for the affected samples; those are counted in ``failed[s]`` (the
 learner's ``reward_failed/<name>``) and the first failure of each source is logged once.
 A source not routed to the group's data_source gets NaN.
@@ -41,6 +42,7 @@ import zmq
 import zmq.asyncio
 
 from verl_async import protocol as P
+from verl_async.numerics import finite32
 from verl_async.reward_config import ModelReward, RewardsConfig, RewardSource
 from verl_async.rewards.worker import ENV_REWARDS
 
@@ -189,6 +191,7 @@ class RuleScorer:
             not isinstance(reply, P.Scores)
             or len(reply.scores) != len(items)
             or len(reply.errors) not in (0, len(items))
+            or not all(map(finite32, reply.scores))
         ):
             return self.defaults(items, f"bad reply from the scoring process: {reply!r:.200}")
         errors = list(reply.errors) or [""] * len(items)
@@ -294,8 +297,10 @@ class Scorer:
             async with asyncio.timeout(self.timeout_s):  # not wait_for: see transport.py
                 values = await self.model_clients[source.name].score(convs)
             values = [float(v) for v in values]
-            if len(values) != len(responses) or not all(math.isfinite(v) for v in values):
-                raise ValueError(f"{len(values)} scores (non-finite?) for {len(responses)}")
+            if len(values) != len(responses):
+                raise ValueError(f"{len(values)} scores for {len(responses)} responses")
+            if not all(map(finite32, values)):  # trained in float32, where 1e39 is infinite
+                raise ValueError(f"a score that is not a finite float32 in {values!r:.200}")
         except Exception as exc:  # TimeoutError included; the run goes on with defaults
             if isinstance(exc, TimeoutError):
                 exc = TimeoutError(f"timed out after {self.timeout_s:g}s")

@@ -1,0 +1,254 @@
+"""The generator's side of leases (generators/leases.py, generators/main.py) against a real
+buffer: a late rollout is dropped and counted, never fatal; a group issued again to the
+generator that still holds it runs once, not twice at once; the held groups' leases are
+renewed.
+
+The buffer is a real ``BufferServer`` on a loopback TCP port, in this test's event loop,
+whose leases read a clock the test moves: a lease runs out exactly when the test says,
+whatever the machine's speed. The generator is the real ``Generator`` over an engine that
+holds the requests of the prompts the test picks until they are cancelled (a stalled
+engine, or an episode that outlives its lease).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+
+import msgspec
+import numpy as np
+import pytest
+
+from buffer.evaluation import EvalRounds
+from buffer.leases import Leases
+from buffer.ledger import PromptLedger
+from buffer.server import BufferServer
+from generators.episodes import Packed
+from generators.interface import Sample
+from generators.leases import HeldGroups, RolloutPusher
+from generators.main import Generator
+from verl_async import protocol as P
+from verl_async.config import load_config
+from verl_async.data import PromptRecord
+from verl_async.rewards.scorer import GroupScores
+from verl_async.runtime import Endpoints, RunContext
+from verl_async.staleness import Admission
+from verl_async.transport import AsyncBufferClient, BufferRejected
+
+from .test_leases import Clock
+
+GROUP_SIZE, B, ETA, STEPS = 2, 2, 1, 3  # groups 0..3 are admitted at version 0; 4, 5 never
+LEASE_S = 10.0  # the buffer's lease (on the test's clock)
+
+
+# ----------------------------------------------------------------------------- held groups
+
+
+def _group(k: int, lease: int) -> P.PromptGroup:
+    return P.PromptGroup(
+        group_id=k, prompt_id=k, epoch=0, prompt_ids=[1], prompt="p", ground_truth="", lease=lease
+    )
+
+
+def test_held_groups_keep_one_copy_per_group_and_cancel_the_lost():
+    async def scenario() -> None:
+        held = HeldGroups()
+        never = asyncio.Event()
+        tasks = [asyncio.create_task(never.wait()) for _ in range(4)]
+        held.hold(_group(0, lease=1), tasks[0])
+        held.hold(_group(1, lease=2), tasks[1])
+        assert held.cancel_older(_group(0, lease=1)) is None  # the same copy, moving on
+        assert sorted(held.leases()) == [1, 2]
+        old = held.cancel_older(_group(0, lease=3))  # issued here again
+        held.hold(_group(0, lease=3), tasks[2])
+        assert (old.lease, old.task) == (1, tasks[0]) and held.replaced == 1
+        held.release(tasks[0])  # the cancelled copy ends: the new one is still held
+        assert sorted(held.leases()) == [2, 3]
+        assert held.lose([2, 99]) == [1] and held.lost == 1 and held.leases() == [3]
+        held.hold(_group(0, lease=3), tasks[3])  # sampled: its scoring task carries it on
+        held.release(tasks[2])
+        assert held.leases() == [3]
+        held.release(tasks[3])
+        assert held.leases() == []
+        await asyncio.sleep(0)
+        assert [t.cancelled() for t in tasks] == [True, True, False, False]
+        for t in tasks:
+            t.cancel()
+
+    asyncio.run(scenario())
+
+
+# ----------------------------------------------------------------------------- a real buffer
+
+
+def _buffer(port: int, clock: Clock) -> BufferServer:
+    prompts = [PromptRecord(f"p{i}", "", prompt_ids=(10 + i,)) for i in range(B * STEPS)]
+    leases = Leases(LEASE_S, 16, clock)
+    ledger = PromptLedger(prompts, Admission(B, ETA), STEPS, seed=0, leases=leases)
+    return BufferServer(ledger, ETA, f"tcp://127.0.0.1:{port}", evals=EvalRounds([]))
+
+
+async def _until(what, timeout_s: float = 30.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not what():
+            await asyncio.sleep(0.01)
+
+
+def _packed(group: P.PromptGroup) -> Packed:
+    tokens = np.full(2 * GROUP_SIZE, 5, np.int32)
+    return Packed(
+        list(group.prompt_ids),
+        tokens,
+        np.full(tokens.size, -0.5, np.float32),
+        np.zeros(tokens.size, np.int32),
+        [2] * GROUP_SIZE,
+    )
+
+
+SCORED = GroupScores(scores=[[1.0] * GROUP_SIZE], failed=[0])
+
+
+def test_a_late_copy_is_dropped_and_counted_and_the_pusher_goes_on(free_port):
+    """One connection holds a group, its lease runs out, the group comes back to it: its
+    first copy's rollout is dropped (before the second's is taken, and after), the
+    pusher's task ends without an error each time; a rollout the buffer refuses is still
+    an error."""
+
+    async def scenario() -> None:
+        clock = Clock()
+        server = _buffer(free_port(), clock)
+        serving = asyncio.create_task(server.serve())
+        client = AsyncBufferClient(server.endpoint, 10.0)
+        errors = []
+        pusher = RolloutPusher(client, 0, on_error=lambda t: errors.append(t.exception()))
+        try:
+            ask = P.GetPrompts(generator_id=0, loaded_version=0, max_groups=1)
+            [first] = (await client.request(ask))[0].groups
+            clock.now += LEASE_S
+            [second] = (await client.request(ask))[0].groups
+            assert first.group_id == second.group_id and first.lease != second.lease
+            await pusher.push(first, _packed(first), SCORED, 1.0)
+            await pusher.push(second, _packed(second), SCORED, 1.0)
+            await pusher.push(first, _packed(first), SCORED, 1.0)
+            await _until(lambda: len(errors) == 3)  # each flusher task ended, and how
+            assert pusher.dropped == 2 and errors == [None, None, None]
+            stats = (await client.request(P.GetStats()))[0]
+            assert (stats.returned, stats.rollouts_dropped, stats.leases_expired) == (1, 2, 1)
+            [third] = (await client.request(ask))[0].groups
+            wrong = msgspec.structs.replace(third, lease=third.lease + 100)
+            with pytest.raises(TimeoutError):  # never acknowledged: the flusher failed
+                async with asyncio.timeout(2.0):
+                    await pusher.push(wrong, _packed(wrong), SCORED, 1.0)
+            assert isinstance(errors[-1], BufferRejected)
+            assert f"issued under lease {third.lease}, not lease {third.lease + 100}" in str(
+                errors[-1]
+            )
+        finally:
+            client.close()
+            server.terminated = True
+            await serving
+
+    asyncio.run(scenario())
+
+
+class StallingEngine:
+    """A one-token-per-sample engine whose first ``GROUP_SIZE`` requests of each prompt in
+    ``stalled`` wait until cancelled; it records how many requests of a prompt were live
+    at once."""
+
+    def __init__(self, stalled: set[int]) -> None:
+        self.loaded_version = 0
+        self.version_changed = asyncio.Event()
+        self.sync_epoch = 0
+        self.weights_lost = False
+        self.resubmitted = 0
+        self.stalled = stalled  # prompt ids
+        self.seen: Counter[int] = Counter()
+        self.live: Counter[int] = Counter()
+        self.most_live = 0
+
+    async def sample(self, prompt_ids: list[int], how) -> Sample:
+        [p] = prompt_ids
+        self.seen[p] += 1
+        self.live[p] += 1
+        self.most_live = max(self.most_live, self.live[p])
+        try:
+            if p in self.stalled and self.seen[p] <= GROUP_SIZE:
+                await asyncio.Event().wait()  # stalled: only a cancel ends it
+            return Sample([5, 2], [-0.5, -0.5], [0, 0], list(prompt_ids))
+        finally:
+            self.live[p] -= 1
+
+
+class Scorer:
+    async def score_group(self, group, texts, conversations=None) -> GroupScores:
+        return GroupScores(scores=[[1.0] * len(texts)], failed=[0])
+
+
+class Tokenizer:
+    def decode(self, ids, skip_special_tokens=False) -> str:
+        return "x"
+
+
+@pytest.mark.parametrize("renew_every_s", [0.1, 20.0])
+def test_a_group_back_at_its_stalled_generator_runs_once_and_the_generator_lives(
+    free_port, renew_every_s, caplog
+):
+    """Groups 2 and 3 stall in the engine; their leases run out and they are issued again.
+    The generator learns it from a renewal's reply (renewals every 0.1 s: the copies are
+    cancelled as lost) or from the re-issue itself (renewals every 20 s: the copies are
+    cancelled as replaced), samples each group again once, and keeps running: every
+    group is returned once, no copy ran beside another, the run ends without a failure."""
+
+    async def scenario() -> None:
+        clock = Clock()
+        server = _buffer(free_port(), clock)
+        stalled = {10 + server.ledger.prompt_of(k)[1] for k in (2, 3)}
+        engine = StallingEngine(stalled)
+        cfg = load_config(
+            None,
+            [
+                f"generators.group_size={GROUP_SIZE}",
+                "generators.max_inflight_groups=4",
+                f"learner.groups_per_step={B}",
+                f"staleness.max={ETA}",
+                f"trainer.total_steps={STEPS}",
+                f"buffer.lease_timeout_s={3 * renew_every_s}",
+            ],
+        )
+        ctx = RunContext(
+            run_dir=".",
+            cfg=cfg,
+            endpoints=Endpoints(
+                buffer=server.endpoint, weights_host="", weights_port=0, model_path=""
+            ),
+        )
+        serving = asyncio.create_task(server.serve())
+        gen = Generator(ctx, 0, engine, Tokenizer(), Scorer())
+        running = asyncio.create_task(gen.run())
+        try:
+            await _until(lambda: sum(engine.seen[p] for p in stalled) == 2 * GROUP_SIZE)
+            await _until(lambda: sorted(server.ledger.returned) == [0, 1])
+            clock.now += LEASE_S  # 2 and 3 run out (the engine holds them)
+            await _until(lambda: len(server.ledger.returned) == 4)
+            assert gen.held.lost + gen.held.replaced == 2
+            if renew_every_s > 10:
+                assert gen.held.replaced == 2
+            stop = AsyncBufferClient(server.endpoint, 10.0)
+            await stop.request(P.Shutdown())
+            stop.close()
+            async with asyncio.timeout(30):
+                await running  # raises the generator's failure, if any
+        finally:
+            running.cancel()
+            server.terminated = True
+            await serving
+        assert server.ledger.leases.expired_total == 2
+        assert all(engine.seen[p] == 2 * GROUP_SIZE for p in stalled)  # sampled again once
+        assert engine.most_live == GROUP_SIZE  # never two copies of a group at once
+        assert gen.pusher.dropped == 0 and gen.failure is None
+
+    with caplog.at_level(logging.WARNING, logger="verl_async.generator"):
+        asyncio.run(scenario())
+    assert ("cancelled" in caplog.text) and "failed" not in caplog.text
