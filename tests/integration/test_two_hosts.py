@@ -40,7 +40,7 @@ import pytest
 from .conftest import ROOT, process_tree, processes_mentioning, run_cli
 from .test_role_commands import start, wait_all
 
-STEPS = 60
+STEPS = 30
 SLOW_STEPS = 20  # over a slowed link every step waits for its weights: 20 show it as well
 
 
