@@ -1,11 +1,15 @@
 # Two targets do all set-up on a fresh CPU machine (see README.md):
 #   make train   builds .venv on first use, then trains configs/tiny.yaml
-#   make test    builds .venv on first use, then runs the whole test suite
+#   make test    builds .venv on first use, then runs the whole test suite (TEST_WORKERS=2 at once)
 #   make test-bench  the benchmark scripts' smoke runs (opt-in: they prove the scripts, not the system)
 #   make smollm2 builds models/smollm2-135m (a real 135M-parameter model) for the CPU recipe
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
+# make test runs the suite in this many pytest processes (pytest-xdist): most tests wait on
+# processes of their own, so two keep a 2-core machine busy. Tests that share a resource
+# carry the same xdist_group mark and run in one process (--dist loadgroup).
+TEST_WORKERS ?= 2
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +27,7 @@ train: $(VENV)/.installed
 	$(BIN)/verl-async train configs/tiny.yaml
 
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup tests
 
 test-bench: $(VENV)/.installed
 	$(BIN)/python -m pytest tests -m bench
