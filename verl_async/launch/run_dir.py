@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 from rich.markup import escape
 
-from verl_async.checkpoint import MANIFEST, list_checkpoints, newest_valid, spare_dir
+from verl_async.checkpoint import MANIFEST, list_checkpoints, newest_valid, set_aside, spare_dir
 from verl_async.config import ConfigError, load_config
 from verl_async.metrics import complete_lines
 from verl_async.schema import DataConfig, RunConfig
@@ -122,7 +122,7 @@ def choose_checkpoint(cfg: RunConfig, run_dir: Path, console) -> Path:
     ckpt, manifest = found
     for later in [d for d in list_checkpoints(run_dir) if d > ckpt]:
         if (later / MANIFEST).is_file():
-            later.rename(later.with_name(f"damaged_{later.name}"))
+            set_aside(later)  # damaged_step_N: kept for a look, pruned once old
         else:
             shutil.rmtree(later)
     for name in ("metrics.jsonl", "trained.jsonl", "eval.jsonl"):
