@@ -406,6 +406,69 @@ def test_export_into_a_new_or_empty_directory_needs_no_force(run_with_checkpoint
         assert (out / "config.json").is_file()
 
 
+def test_export_reads_the_checkpoint_it_verified_while_the_run_writes_on(tmp_path, monkeypatch):
+    """A run writing checkpoints beside an export (keep_last=1, recycling) prunes nothing
+    while the export reads: the export gets the weights it verified, and the checkpoint
+    goes at the first prune after it (on the code before, the writer recycled the
+    directory under the export, which then failed)."""
+    import threading
+
+    import torch
+    from safetensors.torch import load_file, save
+    from transformers import AutoModelForCausalLM
+
+    from learners.checkpointing import Checkpointer, Snapshot
+    from verl_async.checkpoint import list_checkpoints
+    from verl_async.launch import export
+    from verl_async.launch.tiny_model import build_tiny_model
+    from verl_async.schema import TinyModelConfig
+
+    run_dir = tmp_path / "run"
+    model = build_tiny_model(run_dir / "model", TinyModelConfig())
+    state = {
+        k: v.contiguous()
+        for k, v in AutoModelForCausalLM.from_pretrained(model).state_dict().items()
+    }
+    writer = Checkpointer(run_dir, keep_last=1, timeout_s=30, meta={"model_path": str(model)})
+
+    def write(step: int) -> None:
+        weights = {k: v + step for k, v in state.items()}  # each step's own weights
+        writer.save(Snapshot(step, step, {"learner/model.safetensors": [save(weights)]}))
+        assert writer.wait()
+
+    write(1)
+    verified, go, result = threading.Event(), threading.Event(), {}
+    real = export._write_model
+
+    def held(*args):  # the export has verified step 1; the run writes on meanwhile
+        verified.set()
+        assert go.wait(60)
+        return real(*args)
+
+    monkeypatch.setattr(export, "_write_model", held)
+
+    def run_export():
+        try:
+            result["ckpt"] = export.export(run_dir, tmp_path / "out", step=1)[0]
+        except Exception as exc:  # noqa: BLE001 (reported by the assertion below)
+            result["error"] = exc
+
+    reader = threading.Thread(target=run_export)
+    reader.start()
+    assert verified.wait(60)
+    write(2)
+    write(3)  # with step 1 pruned at step 2, this would overwrite its files
+    go.set()
+    reader.join(60)
+    assert "error" not in result, result
+    out = load_file(tmp_path / "out" / "model.safetensors")
+    name = "model.embed_tokens.weight"
+    assert torch.equal(out[name], state[name] + 1)
+    write(4)
+    assert [p.name for p in list_checkpoints(run_dir)] == ["step_00000004"]
+    writer.stop()
+
+
 def test_plain_progress_prints_every_due_step_even_when_several_land_between_polls():
     import io
 
