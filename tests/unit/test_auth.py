@@ -111,6 +111,15 @@ def test_non_loopback_host_needs_keys():
     assert "verl-async keys" in message and "buffer.keys_dir" in message
 
 
+@pytest.mark.parametrize("key", ["buffer.host", "weights.host"])
+def test_ipv6_hosts_are_refused_where_they_are_set(key):
+    """Ports are picked and endpoints written for IPv4: '::1' used to pass as loopback and
+    fail in the launcher (an IPv4 socket cannot bind it)."""
+    with pytest.raises(ConfigError, match=f"bad value for '{key}': '::1' is an IPv6 address"):
+        load_config(None, [f"{key}=::1"])
+    assert load_config(None, ["buffer.host=127.0.0.2"]).buffer.host == "127.0.0.2"  # loopback
+
+
 def _config_error(tmp_path, *overrides) -> str:
     with pytest.raises(ConfigError) as err:
         load_config(None, list(overrides))
