@@ -116,6 +116,7 @@ def test_pipeline(tmp_path):
     assert "overlap efficiency" in out
 
 
+@pytest.mark.bench
 def test_checkpoint(tmp_path):
     out = _run("checkpoint.py", ["--steps", "6", "--repeats", "1", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "checkpoint.json").read_text())
@@ -126,6 +127,7 @@ def test_checkpoint(tmp_path):
     assert "checkpoint every 1 step(s)" in out and "median pair ratio" in out
 
 
+@pytest.mark.bench
 def test_checkpoint_alternating_blocks(tmp_path):
     out = _run(
         "checkpoint.py",
@@ -224,6 +226,7 @@ def test_rewards(tmp_path):
     assert result["ratio"] > 0 and "with a reward model" in out
 
 
+@pytest.mark.bench
 def test_estimators(tmp_path):
     val = ROOT / "configs/data/max_digit_val.jsonl"
     out = _run(
@@ -290,6 +293,7 @@ def test_peers(tmp_path):
     assert "| trl |" in out
 
 
+@pytest.mark.bench
 def test_startup(tmp_path):
     out = _run("startup.py", ["--repeats", "1", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "startup.json").read_text())
@@ -297,6 +301,7 @@ def test_startup(tmp_path):
     assert "learner first step" in out  # the milestones the roles marked
 
 
+@pytest.mark.bench
 def test_soak(tmp_path):
     out = _run("soak.py", ["--minutes", "0.4", "--every", "3", "--out", str(tmp_path / "run")])
     result = json.loads((tmp_path / "run" / "soak.json").read_text())
