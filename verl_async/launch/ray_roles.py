@@ -45,6 +45,7 @@ from verl_async import placement
 from verl_async.config import ConfigError, is_loopback
 from verl_async.launch.plan import Role, RolePlan, plan_roles, stop_roles
 from verl_async.launch.run_dir import RoleFailed
+from verl_async.lifetime import tethered
 from verl_async.schema import RunConfig
 
 RAY_MIN = (2, 9)
@@ -153,7 +154,7 @@ class RoleActor:
             log.write(header.encode())
             log.flush()
             self.proc = subprocess.Popen(
-                [sys.executable, *self.argv[1:]],  # this node's interpreter
+                tethered([sys.executable, *self.argv[1:]]),  # this node's interpreter
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

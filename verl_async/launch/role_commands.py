@@ -86,7 +86,7 @@ def buffer_command(cfg, run_dir_arg: str | None, resume: bool, console) -> None:
     from verl_async import placement
     from verl_async.launch.plan import role_argv
     from verl_async.launch.prepare import check_data, prepare
-    from verl_async.launch.run_dir import RoleFailed, open_run_dir
+    from verl_async.launch.run_dir import RoleFailed, claim, open_run_dir
     from verl_async.reward_config import ModelReward
 
     if any(isinstance(s, ModelReward) for s in cfg.rewards.sources):
@@ -95,6 +95,8 @@ def buffer_command(cfg, run_dir_arg: str | None, resume: bool, console) -> None:
             "with `verl-async train`, or without its 'model' reward sources"
         )
     check_data(cfg)
+    run_dir_arg, lock = claim(cfg, run_dir_arg, resume)
+    lock.keep_across_exec()  # the buffer process holds it for the run's life
     run_dir, ckpt = open_run_dir(cfg, run_dir_arg, console, resume)
     endpoints = prepare(cfg, run_dir, ckpt, data_checked=True)
     address = endpoints.buffer
@@ -276,9 +278,14 @@ def learner_command(args) -> None:
 
 
 def _become(argv: list[str], env: dict[str, str]) -> None:
+    """Replace this process with the role's (``TETHER_PID``: torchrun's ranks must find
+    this process, which torchrun becomes, as their parent)."""
+    from verl_async.lifetime import TETHER_PID
+
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(argv[0], argv, {**os.environ, "PYTHONUNBUFFERED": "1", **env})
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **env, TETHER_PID: str(os.getpid())}
+    os.execve(argv[0], argv, env)
 
 
 def run_join(args: argparse.Namespace) -> int:

@@ -20,6 +20,7 @@ from rich.markup import escape
 
 from verl_async.checkpoint import MANIFEST, list_checkpoints, newest_valid, set_aside, spare_dir
 from verl_async.config import ConfigError, load_config
+from verl_async.lifetime import RunDirInUse, RunLock, claim_run_dir
 from verl_async.metrics import complete_lines
 from verl_async.schema import DataConfig, RunConfig
 
@@ -34,10 +35,25 @@ class RoleFailed(RuntimeError):
         self.cause = cause or message.splitlines()[0]
 
 
+def claim(cfg: RunConfig, run_dir_arg: str | None, resume: bool) -> tuple[str, RunLock]:
+    """Claim the directory a command names (a new run's default one when none) for this
+    launcher, before anything in it changes: (its path, the lock to hold for the run's
+    life). ``RoleFailed`` when a live run, or a process left of one, holds it."""
+    path = Path(run_dir_arg or default_run_dir(cfg)).resolve()
+    if resume and not path.is_dir():
+        raise RoleFailed(f"cannot resume: '{path}' is not a directory")
+    try:
+        return str(path), claim_run_dir(path)
+    except RunDirInUse as exc:
+        raise RoleFailed(str(exc)) from None
+
+
+def default_run_dir(cfg: RunConfig) -> str:
+    return f"runs/{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}"
+
+
 def make_run_dir(cfg: RunConfig, run_dir: str | None) -> Path:
-    if run_dir is None:
-        run_dir = f"runs/{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}"
-    path = Path(run_dir).resolve()
+    path = Path(run_dir or default_run_dir(cfg)).resolve()
     if (path / "metrics.jsonl").exists():
         raise RoleFailed(f"run directory '{path}' already holds a run; choose another --run-dir")
     (path / "logs").mkdir(parents=True, exist_ok=True)

@@ -34,7 +34,7 @@ from verl_async.launch.local import local_roles
 from verl_async.launch.plan import Role, stop_roles
 from verl_async.launch.prepare import check_data, prepare
 from verl_async.launch.progress import ProgressReport, summarize
-from verl_async.launch.run_dir import RoleFailed, open_run_dir, reopen_after_failure
+from verl_async.launch.run_dir import RoleFailed, claim, open_run_dir, reopen_after_failure
 from verl_async.launch.startup import report_start_up
 from verl_async.metrics import read_metrics
 from verl_async.runtime import mark
@@ -135,6 +135,16 @@ def train(cfg: RunConfig, run_dir_arg: str | None, console, resume: bool = False
     if cfg.launcher == "local" or not cfg.ray.address:  # a cluster's devices: Ray places them
         placement.check_devices_exist(cfg)  # before anything is written or started
     check_data(cfg)
+    run_dir_arg, lock = claim(cfg, run_dir_arg, resume)  # held until the run ends
+    try:
+        return run_in(cfg, run_dir_arg, console, resume, t0)
+    finally:
+        lock.release()
+
+
+def run_in(cfg: RunConfig, run_dir_arg: str, console, resume: bool, t0: float | None) -> Path:
+    """``train`` in the directory it claimed: resume or start the run, restart it after a
+    death of the learner or the buffer, summarize it."""
     run_dir, ckpt = open_run_dir(cfg, run_dir_arg, console, resume)
     console.print(f"run directory: [bold]{escape(str(run_dir))}[/]", soft_wrap=True)
     restarts = 0
