@@ -410,7 +410,9 @@ class CheckpointConfig(_Section):
     """Committed checkpoints kept in ``<run_dir>/checkpoints``; older ones are deleted."""
     resume: bool = False
     """With ``--run-dir``: resume that run from its newest valid checkpoint if it has one,
-    start it if the directory holds no run yet (the same command restarts a preempted job)."""
+    start it if the directory holds no run yet (the same command restarts a preempted job).
+    A directory with a run's files (``metrics.jsonl``, ``tensorboard/``, ...) but no run's
+    ``config.yaml`` is refused, and nothing in it is deleted."""
     write_timeout_s: PosFloat = 300.0
     """Longest wait for the previous checkpoint write before the next snapshot, or at exit."""
 

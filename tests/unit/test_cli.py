@@ -195,6 +195,23 @@ def test_checkpoint_resume_starts_over_a_run_stopped_before_its_first_checkpoint
     assert log.startswith("step 1 done\n") and "starts over" in log
 
 
+def test_checkpoint_resume_deletes_nothing_from_a_directory_that_holds_no_run(tmp_path):
+    """A --run-dir that is somebody's own directory (no run's config.yaml) is refused
+    whole: its tensorboard/ and *.jsonl are not the run's to clear."""
+    from verl_async.launch.run_dir import RoleFailed, open_run_dir
+
+    cfg = load_config(None, ["checkpoint.resume=true"])
+    mine = tmp_path / "mine"
+    (mine / "tensorboard").mkdir(parents=True)
+    (mine / "tensorboard" / "events.out").write_text("x")
+    (mine / "metrics.jsonl").write_text('{"step": 0}\n')
+    (mine / "config.yaml").write_text("not: [a, run, config]\n")
+    with pytest.raises(RoleFailed, match="holds metrics.jsonl, tensorboard but no run"):
+        open_run_dir(cfg, str(mine), _plain_console(), resume=False)
+    assert (mine / "tensorboard" / "events.out").read_text() == "x"
+    assert (mine / "metrics.jsonl").read_text() == '{"step": 0}\n'
+
+
 def test_checkpoint_resume_resumes_when_a_checkpoint_exists(tmp_path):
     from verl_async.launch.run_dir import open_run_dir
 

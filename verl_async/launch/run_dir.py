@@ -69,6 +69,16 @@ def resumable(run_dir: Path) -> bool:
     )
 
 
+def holds_run(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds a run: its ``config.yaml`` (written before any role
+    starts) is a run config."""
+    try:
+        load_config(run_dir / "config.yaml")
+    except (ConfigError, OSError):
+        return False
+    return True
+
+
 PARTIAL = ("metrics.jsonl", "trained.jsonl", "eval.jsonl", "tensorboard")
 
 
@@ -76,9 +86,16 @@ def start_over(run_dir: Path, console) -> None:
     """checkpoint.resume=true on a run stopped before its first checkpoint: nothing to resume
     from, so the run starts again in ``run_dir``. What it wrote per step (metrics, trail,
     uncommitted checkpoint directories) goes; every log gets a note, and the new run's
-    output is appended below it."""
-    if not any((run_dir / name).exists() for name in PARTIAL):
+    output is appended below it. Nothing is deleted from a directory that holds no run
+    (its ``config.yaml`` a run config): ``RoleFailed`` says so."""
+    found = [name for name in PARTIAL if (run_dir / name).exists()]
+    if not found:
         return  # stopped before its first step: nothing to clear
+    if not holds_run(run_dir):
+        raise RoleFailed(
+            f"run directory '{run_dir}' holds {', '.join(found)} but no run (no "
+            "config.yaml of a run): nothing there is deleted; choose another --run-dir"
+        )
     note = (
         f"no checkpoint in '{run_dir}' to resume from: the run starts over there "
         "(its metrics and trail so far are cleared)"
