@@ -414,7 +414,9 @@ class CheckpointConfig(_Section):
     A directory with a run's files (``metrics.jsonl``, ``tensorboard/``, ...) but no run's
     ``config.yaml`` is refused, and nothing in it is deleted."""
     write_timeout_s: PosFloat = 300.0
-    """Longest wait for the previous checkpoint write before the next snapshot, or at exit."""
+    """Longest wait for the previous checkpoint write before the next snapshot, or at exit
+    (a launcher stopping the roles during a write stops the learner first and the buffer
+    once the write has committed, at most this long later)."""
 
 
 class RayConfig(_Section):

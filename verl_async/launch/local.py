@@ -73,4 +73,4 @@ def local_roles(cfg: RunConfig, run_dir: Path) -> Iterator[list[Role]]:
     try:
         yield roles
     finally:
-        stop_roles(roles)
+        stop_roles(roles, run_dir=run_dir, write_grace_s=cfg.checkpoint.write_timeout_s)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Protocol
 
 from verl_async import placement
+from verl_async.checkpoint import MANIFEST, list_checkpoints
 from verl_async.reward_config import ModelReward
 from verl_async.runtime import device_env, ranks_env
 from verl_async.schema import RunConfig
@@ -117,8 +118,40 @@ def plan_roles(cfg: RunConfig, run_dir: Path) -> list[RolePlan]:
     return plans
 
 
-def stop_roles(roles: list[Role], grace_s: float = 10.0) -> None:
-    """SIGTERM each role's whole process group (vLLM's engine processes included), then SIGKILL."""
+def stop_roles(
+    roles: list[Role],
+    grace_s: float = 10.0,
+    run_dir: Path | None = None,
+    write_grace_s: float = 0.0,
+) -> None:
+    """SIGTERM each role's whole process group (vLLM's engine processes included), then
+    SIGKILL. While a checkpoint write is under way in ``run_dir`` the learner goes first,
+    with the buffer still serving the cut the write fetches: the others are stopped once
+    the learner has exited or the write has committed (its writer thread goes on while
+    the main thread is held in native code), or after ``write_grace_s``."""
+    learner = [r for r in roles if r.name == "learner" and r.proc.poll() is None]
+    buffer = [r for r in roles if r.name == "buffer"]
+    if learner and run_dir is not None and writing_checkpoint(run_dir):
+        learner[0].proc.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + write_grace_s
+        while (
+            learner[0].proc.poll() is None
+            and writing_checkpoint(run_dir)
+            and all(b.proc.poll() is None for b in buffer)  # else the cut cannot come
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.1)
+    _stop(roles, grace_s)
+
+
+def writing_checkpoint(run_dir: Path) -> bool:
+    """Whether a checkpoint write is under way in ``run_dir``: its newest checkpoint
+    directory has no manifest yet."""
+    dirs = list_checkpoints(run_dir)
+    return bool(dirs) and not (dirs[-1] / MANIFEST).is_file()
+
+
+def _stop(roles: list[Role], grace_s: float) -> None:
     for role in roles:
         role.proc.signal_group(signal.SIGTERM)
     deadline = time.monotonic() + grace_s

@@ -249,7 +249,7 @@ def ray_roles(cfg: RunConfig, run_dir: Path, console) -> Iterator[list[Role]]:
         failed = True  # an interrupt is no failure: Ray's logs go with the rest
         raise
     finally:
-        stop_roles(roles)
+        stop_roles(roles, run_dir=run_dir, write_grace_s=cfg.checkpoint.write_timeout_s)
         for role in roles:
             with contextlib.suppress(Exception):  # gone already: nothing to kill
                 ray.kill(role.proc.actor)
