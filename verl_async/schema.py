@@ -149,8 +149,9 @@ class GeneratorConfig(_Section):
     """Fraction of GPU memory vLLM may take (GPU only)."""
     max_restarts: NonNegInt = 3
     """Times the launcher starts a generator process again after it died (``launcher:
-    local``); the run stops at the next death. Its groups are issued again and the
-    weight-sync group is rebuilt with it (docs/faults.md)."""
+    local``), after 1 s, then 2, 4, ... s (at most 30 s); the run stops at the next death.
+    Its groups are issued again and the weight-sync group is rebuilt with it
+    (docs/faults.md)."""
 
 
 class EnvironmentConfig(_Section):
@@ -398,8 +399,8 @@ class TrainerConfig(_Section):
     max_restarts: NonNegInt = 2
     """Times the run resumes by itself after its learner (any rank) or its buffer died: the
     launcher stops the other roles and resumes from the newest checkpoint that verifies (the
-    run starts over if it has none yet), exactly once as with ``--resume``. 0: such a death
-    ends the run (docs/faults.md)."""
+    run starts over if it has none yet), exactly once as with ``--resume``, after 1 s, then
+    2, 4, ... s (at most 30 s). 0: such a death ends the run (docs/faults.md)."""
 
 
 class CheckpointConfig(_Section):

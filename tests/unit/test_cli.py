@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from importlib.metadata import version
 from pathlib import Path
 
@@ -18,7 +19,8 @@ from verl_async import placement
 from verl_async.checkpoint import commit, step_dir
 from verl_async.config import load_config, to_yaml
 from verl_async.launch import cli, local, train
-from verl_async.launch.plan import Role
+from verl_async.launch.local import LocalProcess
+from verl_async.launch.plan import Role, backoff_s
 from verl_async.launch.progress import ProgressReport, snapshot
 from verl_async.launch.run_dir import RoleFailed
 from verl_async.launch.train import watch
@@ -518,7 +520,10 @@ class _Exited:
         self.signals.append(sig)
 
 
-def test_a_role_is_restarted_on_a_nonzero_exit_up_to_its_limit_and_never_after_exit_0(tmp_path):
+def test_a_role_is_restarted_on_a_nonzero_exit_up_to_its_limit_and_never_after_exit_0(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(train, "backoff_s", lambda n: 0.0)  # the wait: the next test
     console = Console(file=io.StringIO(), width=200)
     starts = []
     role = Role(
@@ -535,6 +540,26 @@ def test_a_role_is_restarted_on_a_nonzero_exit_up_to_its_limit_and_never_after_e
     assert not train.restarted(fixed, 1, console)
     out = console.file.getvalue()
     assert "the generator1 process exited with code -9; restarting it (2/2)" in out
+
+
+def test_a_role_is_restarted_only_after_a_growing_wait(tmp_path):
+    """Real processes that exit 1 at once, each stamping the time first: each restart
+    starts ``backoff_s`` or more after the death before it (1 s, then 2 s)."""
+    console = Console(file=io.StringIO(), width=200)
+    stamps = tmp_path / "stamps"
+    dies = "import sys, time; open(sys.argv[1], 'a').write(f'{time.monotonic()}\\n'); sys.exit(1)"
+
+    def start() -> LocalProcess:
+        return LocalProcess([sys.executable, "-c", dies, str(stamps)], start_new_session=True)
+
+    role = Role("generator0", start(), tmp_path / "g.log", start, 0, 2)
+    while (code := role.proc.poll()) is None or train.restarted(role, code, console):
+        time.sleep(0.02)  # as watch() polls
+    died = [float(line) for line in stamps.read_text().split()]
+    assert len(died) == 3 and role.restarts == 2
+    assert died[1] - died[0] >= backoff_s(1) == 1.0
+    assert died[2] - died[1] >= backoff_s(2) == 2.0
+    assert "restarting it (2/2) in 2 s" in console.file.getvalue()
 
 
 class _ExitsAfter:

@@ -42,9 +42,19 @@ class Role:
     restart: Callable[[], RoleProcess] | None = None  # start it again (if it may be)
     restarts: int = 0
     max_restarts: int = 0
+    restart_due: float | None = None  # time.monotonic() of a restart that waits (backoff_s)
 
 
 MAX_RESTARTS = 5  # per reward-model process; a model that keeps dying stops the run
+BACKOFF_FIRST_S = 1.0  # the wait before the first restart of a role, or of the run
+BACKOFF_MAX_S = 30.0
+
+
+def backoff_s(restart: int) -> float:
+    """The wait before restart number ``restart`` (from 1) of a role or of the run: 1 s,
+    doubling, at most 30 s. A cause that passes (a port, device memory a killed process
+    still held) gets the time to; one that does not uses up the restarts less quickly."""
+    return min(BACKOFF_FIRST_S * 2 ** (restart - 1), BACKOFF_MAX_S)
 
 
 def role_argv(module: str, run_dir: Path, extra: list[str] = ()) -> list[str]:
