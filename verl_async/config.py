@@ -137,6 +137,12 @@ def check_consistency(cfg: RunConfig) -> None:
     check_loggers(cfg.trainer.loggers)
     check_rewards(cfg.rewards)
     check_ipv4("weights.host", cfg.weights.host)
+    if cfg.weights.host and not is_loopback(cfg.weights.host) and not cfg.buffer.keys_dir:
+        raise ConfigError(
+            f"bad value for 'weights.host': '{cfg.weights.host}' is not loopback, and endpoints "
+            "off loopback need CurveZMQ keys: run `verl-async keys DIR` and set "
+            "buffer.keys_dir=DIR (docs/security.md)"
+        )
     if cfg.weights.host and not is_loopback(cfg.weights.host) and not cfg.weights.port:
         raise ConfigError(
             "bad value for 'weights.port': set it when weights.host names another machine "

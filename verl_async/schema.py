@@ -360,7 +360,8 @@ class WeightsConfig(_Section):
     host: str = ""
     """Address learner rank 0 serves the weight-sync rendezvous on; every generator must
     reach it (default: buffer.host). Set it, with ``port``, when the learner runs on another
-    machine than the buffer (``verl-async learner``)."""
+    machine than the buffer (``verl-async learner``); off loopback it needs
+    ``buffer.keys_dir``, as the buffer's own address does."""
 
 
 class PlacementConfig(_Section):
