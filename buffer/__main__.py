@@ -14,6 +14,7 @@ from buffer.rollouts import RolloutLimits, max_response_tokens
 from buffer.server import BufferServer
 from verl_async import protocol as P
 from verl_async.auth import server_keys
+from verl_async.checkpoint import in_run, require_valid
 from verl_async.config import ConfigError
 from verl_async.data import PromptRecord, load_prompts, max_prompt_tokens, render_prompts
 from verl_async.runtime import load_context, mark, mark_cpu, start_role
@@ -101,7 +102,9 @@ async def serve(run_dir: str, exit_after_stop_s: float | None = None) -> None:
         curve=server_keys(cfg),
     )
     if ctx.endpoints.resume_from:
-        server.restore(Path(ctx.endpoints.resume_from) / "buffer")
+        ckpt = in_run(run_dir, ctx.endpoints.resume_from)
+        require_valid(ckpt, "buffer")  # before a byte of it is read
+        server.restore(ckpt / "buffer")
     mark(run_dir, "buffer", "serving")
 
     asyncio.get_running_loop().add_signal_handler(

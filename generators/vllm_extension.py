@@ -110,7 +110,10 @@ class WeightSyncExtension:
 
 def _write_atomically(path: Path, tensors: dict[str, torch.Tensor], cfg: LoraConfig, base: str):
     """``lora.write_adapter_dir`` into a sibling, then renamed to ``path``: a reader sees
-    the whole adapter or none (a directory left by an earlier try is replaced)."""
+    the whole adapter or none (a directory left by an earlier try is replaced). The
+    engine's directory of adapters (in /dev/shm) is this user's alone, so no other local
+    user can read an adapter or swap it before vLLM loads it."""
+    lora.private_dir(path.parent)
     part = path.with_name(f"{path.name}.part{os.getpid()}")
     shutil.rmtree(part, ignore_errors=True)
     lora.write_adapter_dir(part, tensors, cfg, base)

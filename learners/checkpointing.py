@@ -70,6 +70,7 @@ from verl_async.checkpoint import (
     fsync_dir,
     is_sharded,
     prune,
+    require_valid,
     sha256_file,
     step_dir,
     take_spare,
@@ -485,9 +486,13 @@ def load(
     (written by several, learners/sharded.py; ``group``: the gloo group DCP reads over).
     ``critic`` is (critic model, critic optimizer) when the run trains one; a checkpoint
     written without a critic cannot resume a run with one (and the other way round).
-    ``world`` > 1: every rank of an FSDP2 job calls this and keeps its shards."""
+    ``world`` > 1: every rank of an FSDP2 job calls this and keeps its shards.
+
+    The learner's files are verified against the manifest before any is opened (a
+    ``CheckpointError`` otherwise): DCP's ``.metadata`` is a pickle."""
     from safetensors.torch import load_file
 
+    require_valid(ckpt, "learner")
     learner = ckpt / "learner"
     state = json.loads((learner / "trainer_state.json").read_text())
     shards = is_sharded(ckpt)

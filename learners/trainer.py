@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -42,7 +41,7 @@ from learners.update import StepStats, policy_update, prox_pass
 from verl_async import lora
 from verl_async import protocol as P
 from verl_async.auth import CurveKeys, client_keys
-from verl_async.checkpoint import SHARDS, step_dir
+from verl_async.checkpoint import SHARDS, in_run, step_dir
 from verl_async.metrics import MetricsWriter
 from verl_async.rewards.aggregate import RunningStats, combine, summarize
 from verl_async.runtime import RunContext, mark
@@ -428,10 +427,11 @@ class Learner:
 
     def restore(self) -> bool:
         """Load the checkpoint the launcher chose (``endpoints.resume_from``), if any (every
-        rank reads it and keeps its own shards)."""
+        rank reads it and keeps its own shards). It must be one of this run's checkpoints:
+        a role started with ``--buffer`` took the path from the buffer."""
         if not self.ctx.endpoints.resume_from:
             return False
-        ckpt = Path(self.ctx.endpoints.resume_from)
+        ckpt = in_run(self.ctx.path, self.ctx.endpoints.resume_from)
         critic = None if self.critic is None else (self.raw_critic, self.critic_optimizer)
         group = None if self.shards is None else self.shards.group
         info = checkpointing.load(

@@ -9,8 +9,23 @@ Layout (part of the run directory, docs/run_dir.md)::
 A checkpoint exists only once its ``manifest.json`` does. The manifest is written to a
 temporary name, flushed to disk and renamed into place (``os.replace`` is atomic on POSIX),
 so a crash leaves either no manifest or a complete one. ``verify`` re-hashes every file:
-a truncated or altered file is reported, and ``newest_valid`` then falls back to the next
-older checkpoint with a log line saying why.
+a truncated or altered file, or one the manifest does not list, is reported, and
+``newest_valid`` then falls back to the next older checkpoint with a log line saying why.
+
+Reading. A checkpoint is untrusted until its manifest verifies: every reader calls
+``require_valid`` on the part it reads before it opens any of its files (DCP's
+``.metadata`` is a pickle, and unpickling runs code), and a checkpoint a peer names
+(``endpoints.resume_from``) must be a step directory of the run's own ``checkpoints/``
+(``in_run``). A file the manifest does not list fails verification rather than being
+ignored: readers find some files by listing a directory (DCP reads what its
+``.metadata`` names, ``join_optimizer`` takes every tensor of a file), and the writer
+never leaves such a file behind, so one is either damage or somebody else's.
+
+``reading`` holds a run's checkpoints still while a process outside the run reads one
+(``verl-async export``): ``prune`` leaves every checkpoint in place while a reader holds
+it, and prunes at the next commit instead. A checkpoint that fails verification when a
+run resumes is renamed ``damaged_step_N`` and kept for a look; ``prune`` deletes it once
+it is older than every checkpoint kept.
 
 ``<run_dir>/checkpoints/spare/`` (when the learner prunes) is a retired checkpoint kept for
 its files: its manifest is deleted first, so it is never a checkpoint, and the next write
@@ -21,11 +36,15 @@ costs the file system less than creating and deleting a set of files per checkpo
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
+import re
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -36,6 +55,8 @@ MANIFEST = "manifest.json"
 SPARE = "spare"
 SHARDS = "learner/shards"  # the DCP files of a learner of several ranks (learners/sharded.py)
 _PREFIX = "step_"
+_STEP_NAME = re.compile(r"step_(\d+)")  # what ``step_dir`` makes; nothing else is a checkpoint
+DAMAGED = "damaged_"  # a committed checkpoint that failed verification at a resume
 
 
 class CheckpointError(RuntimeError):
@@ -164,31 +185,78 @@ def read_manifest(ckpt: Path) -> Manifest:
         raise CheckpointError(f"{ckpt.name}: unreadable {MANIFEST}: {exc}") from None
 
 
-def verify(ckpt: Path) -> list[str]:
-    """Problems with ``ckpt`` (empty when every listed file has its size and sha256)."""
+def verify(ckpt: Path, part: str = "") -> list[str]:
+    """Problems with ``ckpt`` (empty when every listed file has its size and sha256 and
+    no other file is there). ``part``: only the files under that subdirectory (a reader
+    checks what it reads: ``learner``, ``buffer``)."""
     try:
         manifest = read_manifest(ckpt)
     except CheckpointError as exc:
         return [str(exc)]
+    prefix = f"{part}/" if part else ""
+    listed = {rel: entry for rel, entry in manifest.files.items() if rel.startswith(prefix)}
     problems = []
-    for rel, entry in manifest.files.items():
+    for rel, entry in listed.items():
         path = ckpt / rel
-        if not path.is_file():
+        if not _inside(ckpt, path):
+            problems.append(f"{rel}: outside the checkpoint directory")
+        elif path.is_symlink() or not path.is_file():
             problems.append(f"{rel}: missing")
         elif path.stat().st_size != entry.bytes:
             problems.append(f"{rel}: {path.stat().st_size} bytes, manifest says {entry.bytes}")
         elif sha256_file(path) != entry.sha256:
             problems.append(f"{rel}: sha256 differs from the manifest (file altered)")
+    root = ckpt / part if part else ckpt
+    for path in sorted(root.rglob("*")) if root.is_dir() else []:
+        rel = str(path.relative_to(ckpt))
+        if rel not in listed and rel != MANIFEST and not path.is_dir():
+            problems.append(f"{rel}: not in the manifest (the writer never wrote it)")
     return problems
 
 
+def _inside(ckpt: Path, path: Path) -> bool:
+    """Whether ``path`` (a manifest entry joined to ``ckpt``) stays inside ``ckpt``: an
+    altered manifest must not make ``verify`` hash, or a reader open, files elsewhere."""
+    return path.resolve().is_relative_to(ckpt.resolve())
+
+
+def require_valid(ckpt: Path, part: str = "") -> Manifest:
+    """The manifest of ``ckpt`` once ``part`` of it verifies (``verify``); a
+    ``CheckpointError`` naming the problems otherwise. Every reader calls this before it
+    opens a file of the checkpoint."""
+    problems = verify(ckpt, part)
+    if problems:
+        what = f"{ckpt.name}/{part}" if part else ckpt.name
+        raise CheckpointError(f"{what} fails verification: {'; '.join(problems[:5])}")
+    return read_manifest(ckpt)
+
+
+def in_run(run_dir: str | Path, ckpt: str | Path) -> Path:
+    """``ckpt`` (a path a peer or a file named) as a step directory directly inside the
+    run's ``checkpoints/``, symlinks resolved; a ``CheckpointError`` for anything else."""
+    path, root = Path(ckpt).resolve(), checkpoints_root(run_dir).resolve()
+    if path.parent != root or step_of(path.name) is None:
+        raise CheckpointError(
+            f"'{ckpt}' is not a checkpoint of the run in '{Path(run_dir)}' (a checkpoint "
+            f"is a step_NNNNNNNN directory in {root})"
+        )
+    return path
+
+
+def step_of(name: str) -> int | None:
+    """The step of a checkpoint directory's name (None: not a checkpoint's name)."""
+    match = _STEP_NAME.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Checkpoint directories, oldest first (committed or not)."""
+    """Checkpoint directories, oldest first (committed or not). Only names ``step_dir``
+    makes count: a ``step_00000003.bak`` left by hand is not a checkpoint."""
     root = checkpoints_root(run_dir)
     if not root.is_dir():
         return []
-    dirs = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX)]
-    return sorted(dirs, key=lambda p: int(p.name[len(_PREFIX) :]))
+    dirs = [p for p in root.iterdir() if p.is_dir() and step_of(p.name) is not None]
+    return sorted(dirs, key=lambda p: step_of(p.name))
 
 
 def newest_valid(run_dir: str | Path, report=None) -> tuple[Path, Manifest] | None:
@@ -207,14 +275,24 @@ def newest_valid(run_dir: str | Path, report=None) -> tuple[Path, Manifest] | No
 
 
 def prune(run_dir: str | Path, keep_last: int, recycle: bool = False) -> list[Path]:
-    """Delete all but the newest ``keep_last`` committed checkpoints, and uncommitted
-    directories older than the newest committed one (abandoned writes). Returns what went.
+    """Delete all but the newest ``keep_last`` committed checkpoints, uncommitted
+    directories older than the newest committed one (abandoned writes) and damaged ones
+    older than every checkpoint kept. Returns what went; nothing while a reader holds the
+    checkpoints (``reading``): the next prune does it.
 
     ``recycle``: the first committed checkpoint to go becomes the spare (``retire``) instead
     of being deleted, unless there is one already."""
+    with _pruning(run_dir) as allowed:
+        if not allowed:
+            log.info("a reader holds the checkpoints (verl-async export?); pruning later")
+            return []
+        return _prune(run_dir, keep_last, recycle)
+
+
+def _prune(run_dir: str | Path, keep_last: int, recycle: bool) -> list[Path]:
     dirs = list_checkpoints(run_dir)
     committed = [d for d in dirs if (d / MANIFEST).is_file()]
-    keep = set(committed[-keep_last:]) if keep_last > 0 else set(committed)
+    keep = committed[-keep_last:] if keep_last > 0 else committed
     newest = committed[-1] if committed else None
     removed = []
     for d in dirs:
@@ -226,7 +304,58 @@ def prune(run_dir: str | Path, keep_last: int, recycle: bool = False) -> list[Pa
             else:
                 shutil.rmtree(d, ignore_errors=True)
             removed.append(d)
+    oldest_kept = step_of(keep[0].name) if keep else None
+    for d in damaged(run_dir):
+        if oldest_kept is not None and step_of(d.name.removeprefix(DAMAGED)) < oldest_kept:
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
     return removed
+
+
+def damaged(run_dir: str | Path) -> list[Path]:
+    """The ``damaged_step_N`` directories of a run (set aside by a resume), oldest first."""
+    root = checkpoints_root(run_dir)
+    found = [p for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
+    dirs = [p for p in found if step_of(p.name.removeprefix(DAMAGED)) is not None]
+    dirs = [p for p in dirs if p.name.startswith(DAMAGED)]
+    return sorted(dirs, key=lambda p: step_of(p.name.removeprefix(DAMAGED)))
+
+
+def set_aside(ckpt: Path) -> Path:
+    """Rename a committed checkpoint that failed verification to ``damaged_step_N`` (one
+    set aside earlier at the same step is replaced)."""
+    target = ckpt.with_name(DAMAGED + ckpt.name)
+    if target.exists():
+        shutil.rmtree(target)
+    ckpt.rename(target)
+    return target
+
+
+@contextlib.contextmanager
+def reading(run_dir: str | Path) -> Iterator[None]:
+    """Hold the run's checkpoints still while a process outside the run reads one: a
+    shared lock on ``checkpoints/`` that ``prune`` does not wait for (it skips)."""
+    fd = os.open(checkpoints_root(run_dir), os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _pruning(run_dir: str | Path) -> Iterator[bool]:
+    """The writer's side of ``reading``: True when no reader holds the checkpoints."""
+    fd = os.open(checkpoints_root(run_dir), os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+        else:
+            yield True
+    finally:
+        os.close(fd)
 
 
 def retire(ckpt: Path) -> None:

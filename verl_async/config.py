@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import functools
 import importlib.util
+import ipaddress
 import re
 from pathlib import Path
 from types import UnionType
@@ -135,7 +136,14 @@ def check_consistency(cfg: RunConfig) -> None:
     placement.validate(cfg)
     check_loggers(cfg.trainer.loggers)
     check_rewards(cfg.rewards)
-    if cfg.weights.host not in ("", "127.0.0.1", "localhost", "::1") and not cfg.weights.port:
+    check_ipv4("weights.host", cfg.weights.host)
+    if cfg.weights.host and not is_loopback(cfg.weights.host) and not cfg.buffer.keys_dir:
+        raise ConfigError(
+            f"bad value for 'weights.host': '{cfg.weights.host}' is not loopback, and endpoints "
+            "off loopback need CurveZMQ keys: run `verl-async keys DIR` and set "
+            "buffer.keys_dir=DIR (docs/security.md)"
+        )
+    if cfg.weights.host and not is_loopback(cfg.weights.host) and not cfg.weights.port:
         raise ConfigError(
             "bad value for 'weights.port': set it when weights.host names another machine "
             "(a free port there cannot be picked from here)"
@@ -209,15 +217,37 @@ def vllm_lora_ranks() -> tuple[int, ...]:
     return VLLM_LORA_RANKS
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is this machine only: ``localhost`` or an address of 127.0.0.0/8."""
+    if host == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return address.version == 4 and address.is_loopback
+
+
+def check_ipv4(key: str, host: str) -> None:
+    """Endpoints are IPv4 (``tcp://HOST:PORT``, ports picked with an IPv4 socket): an IPv6
+    address, ``::1`` included, is refused here rather than failing in a role."""
+    if ":" in host:
+        raise ConfigError(
+            f"bad value for '{key}': '{host}' is an IPv6 address, and endpoints are IPv4 "
+            "only; use 127.0.0.1 (this machine) or an IPv4 address or host name"
+        )
+
+
 def check_endpoints(buffer: BufferConfig) -> None:
     """Endpoints off loopback only with CurveZMQ keys; a key set that is named must load."""
+    check_ipv4("buffer.host", buffer.host)
     if buffer.keys_dir:
         from verl_async.auth import check_keys_dir  # imports zmq: only when keys are set
 
         check_keys_dir(buffer)
     elif buffer.client_key:
         raise ConfigError("bad value for 'buffer.client_key': set buffer.keys_dir first")
-    elif buffer.host not in ("127.0.0.1", "localhost", "::1"):
+    elif not is_loopback(buffer.host):
         raise ConfigError(
             f"bad value for 'buffer.host': '{buffer.host}' is not loopback, and endpoints off "
             "loopback need CurveZMQ keys: run `verl-async keys DIR` and set "

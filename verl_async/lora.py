@@ -13,6 +13,8 @@ whatever ``lora_A``'s random start: generators need no initial adapter.
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import torch
@@ -90,6 +92,21 @@ def load_adapter(model, tensors: dict[str, torch.Tensor]) -> None:
         for name, tensor in tensors.items():
             param = own[model_name(name)]
             param.copy_(tensor.to(param.dtype))
+
+
+def private_dir(path: Path) -> Path:
+    """``path`` as a directory only this user may enter (0700 whatever the umask), made
+    if missing. In a directory anyone may write (``/dev/shm``, ``/tmp``) another user could
+    make the name first and then swap the files a reader loads: a ``PermissionError``
+    when it exists and is not a directory of this user's closed to others."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(
+            f"'{path}' exists and is not a private directory of this user "
+            f"(mode {stat.filemode(st.st_mode)}, owner uid {st.st_uid}): refusing to write there"
+        )
+    return path
 
 
 def write_adapter_dir(path: Path, tensors: dict[str, torch.Tensor], lora, base_path: str) -> Path:

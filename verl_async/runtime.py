@@ -8,12 +8,10 @@ config field is ever filled in after validation.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import faulthandler
 import json
 import logging
 import os
-import signal
 import socket
 import time
 from collections.abc import Callable
@@ -22,6 +20,7 @@ from pathlib import Path
 import msgspec
 
 from verl_async.config import load_config
+from verl_async.lifetime import die_with_parent, hold_run_dir
 from verl_async.placement import device_index, is_cuda
 from verl_async.schema import RunConfig
 
@@ -81,15 +80,6 @@ def role_args(
     if more is not None:
         more(parser)
     return parser.parse_args()
-
-
-def die_with_parent() -> None:
-    """Ask Linux to SIGTERM this process when the launcher dies (no orphans after kill -9)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def setup_logging(role: str) -> logging.Logger:
@@ -197,11 +187,12 @@ def start_role(
     ``with_index``: one of several alike (``--index``, generators); ``with_name``: the
     process serving one named reward source (``--name``, reward models); ``more`` adds a
     role's own options to the parser."""
+    die_with_parent()  # first: a launcher that died meanwhile leaves nothing behind
     args = role_args(description, with_index, with_name, more)
+    hold_run_dir(args.run_dir)  # no other run starts in the directory while this one lives
     # A crash in native code (SIGSEGV, SIGABRT, ...) leaves every thread's Python stack in
     # the role's log instead of a bare exit code.
     faulthandler.enable()
-    die_with_parent()
     suffix = str(args.index) if with_index else f"[{args.name}]" if with_name else ""
     setup_logging(name + suffix)
     apply_cpu_pinning()

@@ -149,8 +149,9 @@ class GeneratorConfig(_Section):
     """Fraction of GPU memory vLLM may take (GPU only)."""
     max_restarts: NonNegInt = 3
     """Times the launcher starts a generator process again after it died (``launcher:
-    local``); the run stops at the next death. Its groups are issued again and the
-    weight-sync group is rebuilt with it (docs/faults.md)."""
+    local``), after 1 s, then 2, 4, ... s (at most 30 s); the run stops at the next death.
+    Its groups are issued again and the weight-sync group is rebuilt with it
+    (docs/faults.md)."""
 
 
 class EnvironmentConfig(_Section):
@@ -359,7 +360,8 @@ class WeightsConfig(_Section):
     host: str = ""
     """Address learner rank 0 serves the weight-sync rendezvous on; every generator must
     reach it (default: buffer.host). Set it, with ``port``, when the learner runs on another
-    machine than the buffer (``verl-async learner``)."""
+    machine than the buffer (``verl-async learner``); off loopback it needs
+    ``buffer.keys_dir``, as the buffer's own address does."""
 
 
 class PlacementConfig(_Section):
@@ -398,8 +400,8 @@ class TrainerConfig(_Section):
     max_restarts: NonNegInt = 2
     """Times the run resumes by itself after its learner (any rank) or its buffer died: the
     launcher stops the other roles and resumes from the newest checkpoint that verifies (the
-    run starts over if it has none yet), exactly once as with ``--resume``. 0: such a death
-    ends the run (docs/faults.md)."""
+    run starts over if it has none yet), exactly once as with ``--resume``, after 1 s, then
+    2, 4, ... s (at most 30 s). 0: such a death ends the run (docs/faults.md)."""
 
 
 class CheckpointConfig(_Section):
@@ -410,9 +412,13 @@ class CheckpointConfig(_Section):
     """Committed checkpoints kept in ``<run_dir>/checkpoints``; older ones are deleted."""
     resume: bool = False
     """With ``--run-dir``: resume that run from its newest valid checkpoint if it has one,
-    start it if the directory holds no run yet (the same command restarts a preempted job)."""
+    start it if the directory holds no run yet (the same command restarts a preempted job).
+    A directory with a run's files (``metrics.jsonl``, ``tensorboard/``, ...) but no run's
+    ``config.yaml`` is refused, and nothing in it is deleted."""
     write_timeout_s: PosFloat = 300.0
-    """Longest wait for the previous checkpoint write before the next snapshot, or at exit."""
+    """Longest wait for the previous checkpoint write before the next snapshot, or at exit
+    (a launcher stopping the roles during a write stops the learner first and the buffer
+    once the write has committed, at most this long later)."""
 
 
 class RayConfig(_Section):

@@ -111,6 +111,29 @@ def test_non_loopback_host_needs_keys():
     assert "verl-async keys" in message and "buffer.keys_dir" in message
 
 
+def test_a_non_loopback_weight_sync_host_needs_keys(tmp_path):
+    """The weight-sync rendezvous off loopback, with the buffer on loopback and no keys,
+    used to pass: every endpoint off loopback needs the run's keys."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["weights.host=10.0.0.2", "weights.port=29600"])
+    message = str(err.value)
+    assert message.startswith("bad value for 'weights.host': '10.0.0.2' is not loopback")
+    assert "verl-async keys" in message and "buffer.keys_dir" in message
+    make_keys(tmp_path / "k", ["a"])
+    keyed = [f"buffer.keys_dir={tmp_path / 'k'}", "weights.host=10.0.0.2", "weights.port=29600"]
+    assert load_config(None, keyed).weights.host == "10.0.0.2"
+    assert load_config(None, ["weights.host=127.0.0.1"]).weights.host == "127.0.0.1"
+
+
+@pytest.mark.parametrize("key", ["buffer.host", "weights.host"])
+def test_ipv6_hosts_are_refused_where_they_are_set(key):
+    """Ports are picked and endpoints written for IPv4: '::1' used to pass as loopback and
+    fail in the launcher (an IPv4 socket cannot bind it)."""
+    with pytest.raises(ConfigError, match=f"bad value for '{key}': '::1' is an IPv6 address"):
+        load_config(None, [f"{key}=::1"])
+    assert load_config(None, ["buffer.host=127.0.0.2"]).buffer.host == "127.0.0.2"  # loopback
+
+
 def _config_error(tmp_path, *overrides) -> str:
     with pytest.raises(ConfigError) as err:
         load_config(None, list(overrides))

@@ -1,4 +1,5 @@
-"""Checkpoint manifests: commit last, verify every byte, fall back past a damaged one."""
+"""Checkpoint manifests: commit last, verify every byte (and nothing unlisted), fall back
+past a damaged one, prune what is old, never what a reader holds."""
 
 import json
 import logging
@@ -7,11 +8,17 @@ import pytest
 
 from verl_async.checkpoint import (
     MANIFEST,
+    CheckpointError,
     commit,
+    damaged,
+    in_run,
     list_checkpoints,
     newest_valid,
     prune,
     read_manifest,
+    reading,
+    require_valid,
+    set_aside,
     spare_dir,
     step_dir,
     take_spare,
@@ -111,3 +118,73 @@ def test_jsonl_readers_skip_a_torn_last_line(tmp_path):
     truncate_steps(path, 3)
     assert path.read_text() == "".join(json.dumps(r) + "\n" for r in rows[:3])
     assert read_metrics(path) == rows[:3]
+
+
+def test_a_file_the_manifest_does_not_list_fails_verification(tmp_path):
+    """Readers find some files by listing (DCP reads what its .metadata names): a file the
+    writer never wrote is damage or somebody else's, never ignored."""
+    ckpt = _write(tmp_path, 1)
+    commit(ckpt, 1, 1)
+    (ckpt / "learner" / "extra.distcp").write_bytes(b"planted")
+    assert verify(ckpt) == ["learner/extra.distcp: not in the manifest (the writer never wrote it)"]
+    assert verify(ckpt, "learner") == verify(ckpt)
+    assert verify(ckpt, "buffer") == []  # a reader of another part is not concerned
+    with pytest.raises(CheckpointError, match="step_00000001/learner fails verification"):
+        require_valid(ckpt, "learner")
+
+
+def test_a_manifest_entry_outside_the_checkpoint_is_never_opened(tmp_path):
+    ckpt = _write(tmp_path, 1)
+    commit(ckpt, 1, 1)
+    manifest = json.loads((ckpt / MANIFEST).read_text())
+    manifest["files"]["../../secret"] = {"bytes": 1, "sha256": "0" * 64}
+    (ckpt / MANIFEST).write_text(json.dumps(manifest))
+    (tmp_path / "secret").write_bytes(b"s")
+    assert verify(ckpt) == ["../../secret: outside the checkpoint directory"]
+
+
+def test_only_step_directories_are_checkpoints(tmp_path):
+    """A copy left by hand (step_*.bak) is neither listed nor a reason to fail."""
+    commit(_write(tmp_path, 2), 2, 2)
+    (tmp_path / "checkpoints" / "step_00000002.bak").mkdir()
+    (tmp_path / "checkpoints" / "step_x").mkdir()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002"]
+    assert newest_valid(tmp_path)[1].step == 2
+
+
+def test_damaged_checkpoints_are_pruned_once_older_than_every_kept_one(tmp_path):
+    for step in (1, 2):
+        commit(_write(tmp_path, step), step, step)
+    first = set_aside(step_dir(tmp_path, 2))
+    assert first.name == "damaged_step_00000002" and damaged(tmp_path) == [first]
+    commit(_write(tmp_path, 2), 2, 2)  # written again after the resume from step 1 ...
+    set_aside(step_dir(tmp_path, 2))  # ... and damaged again: it replaces the first
+    assert damaged(tmp_path) == [first]
+    for step in (2, 3, 4):
+        commit(_write(tmp_path, step), step, step)
+        prune(tmp_path, keep_last=2)
+    assert damaged(tmp_path) == []  # older than step 3, the oldest kept
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000003", "step_00000004"]
+
+
+def test_prune_leaves_every_checkpoint_in_place_while_a_reader_holds_them(tmp_path):
+    for step in (1, 2, 3):
+        commit(_write(tmp_path, step), step, step)
+    with reading(tmp_path):
+        assert prune(tmp_path, keep_last=1, recycle=True) == []
+        assert verify(step_dir(tmp_path, 1)) == []
+    removed = prune(tmp_path, keep_last=1, recycle=True)
+    assert [p.name for p in removed] == ["step_00000001", "step_00000002"]
+
+
+def test_a_checkpoint_a_peer_names_must_be_a_step_directory_of_the_run(tmp_path):
+    ckpt = _write(tmp_path, 3)
+    commit(ckpt, 3, 3)
+    assert in_run(tmp_path, str(ckpt)) == ckpt.resolve()
+    outside = tmp_path / "elsewhere" / "step_00000003"
+    outside.mkdir(parents=True)
+    link = tmp_path / "checkpoints" / "step_00000009"
+    link.symlink_to(outside)
+    for path in (outside, link, tmp_path / "checkpoints" / "spare", tmp_path / "checkpoints"):
+        with pytest.raises(CheckpointError, match="is not a checkpoint of the run"):
+            in_run(tmp_path, path)

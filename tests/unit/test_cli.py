@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from importlib.metadata import version
 from pathlib import Path
 
@@ -18,7 +19,8 @@ from verl_async import placement
 from verl_async.checkpoint import commit, step_dir
 from verl_async.config import load_config, to_yaml
 from verl_async.launch import cli, local, train
-from verl_async.launch.plan import Role
+from verl_async.launch.local import LocalProcess
+from verl_async.launch.plan import Role, backoff_s
 from verl_async.launch.progress import ProgressReport, snapshot
 from verl_async.launch.run_dir import RoleFailed
 from verl_async.launch.train import watch
@@ -193,6 +195,23 @@ def test_checkpoint_resume_starts_over_a_run_stopped_before_its_first_checkpoint
     assert not step_dir(run_dir, 3).exists()
     log = (run_dir / "logs" / "learner.log").read_text()
     assert log.startswith("step 1 done\n") and "starts over" in log
+
+
+def test_checkpoint_resume_deletes_nothing_from_a_directory_that_holds_no_run(tmp_path):
+    """A --run-dir that is somebody's own directory (no run's config.yaml) is refused
+    whole: its tensorboard/ and *.jsonl are not the run's to clear."""
+    from verl_async.launch.run_dir import RoleFailed, open_run_dir
+
+    cfg = load_config(None, ["checkpoint.resume=true"])
+    mine = tmp_path / "mine"
+    (mine / "tensorboard").mkdir(parents=True)
+    (mine / "tensorboard" / "events.out").write_text("x")
+    (mine / "metrics.jsonl").write_text('{"step": 0}\n')
+    (mine / "config.yaml").write_text("not: [a, run, config]\n")
+    with pytest.raises(RoleFailed, match="holds metrics.jsonl, tensorboard but no run"):
+        open_run_dir(cfg, str(mine), _plain_console(), resume=False)
+    assert (mine / "tensorboard" / "events.out").read_text() == "x"
+    assert (mine / "metrics.jsonl").read_text() == '{"step": 0}\n'
 
 
 def test_checkpoint_resume_resumes_when_a_checkpoint_exists(tmp_path):
@@ -406,6 +425,69 @@ def test_export_into_a_new_or_empty_directory_needs_no_force(run_with_checkpoint
         assert (out / "config.json").is_file()
 
 
+def test_export_reads_the_checkpoint_it_verified_while_the_run_writes_on(tmp_path, monkeypatch):
+    """A run writing checkpoints beside an export (keep_last=1, recycling) prunes nothing
+    while the export reads: the export gets the weights it verified, and the checkpoint
+    goes at the first prune after it (on the code before, the writer recycled the
+    directory under the export, which then failed)."""
+    import threading
+
+    import torch
+    from safetensors.torch import load_file, save
+    from transformers import AutoModelForCausalLM
+
+    from learners.checkpointing import Checkpointer, Snapshot
+    from verl_async.checkpoint import list_checkpoints
+    from verl_async.launch import export
+    from verl_async.launch.tiny_model import build_tiny_model
+    from verl_async.schema import TinyModelConfig
+
+    run_dir = tmp_path / "run"
+    model = build_tiny_model(run_dir / "model", TinyModelConfig())
+    state = {
+        k: v.contiguous()
+        for k, v in AutoModelForCausalLM.from_pretrained(model).state_dict().items()
+    }
+    writer = Checkpointer(run_dir, keep_last=1, timeout_s=30, meta={"model_path": str(model)})
+
+    def write(step: int) -> None:
+        weights = {k: v + step for k, v in state.items()}  # each step's own weights
+        writer.save(Snapshot(step, step, {"learner/model.safetensors": [save(weights)]}))
+        assert writer.wait()
+
+    write(1)
+    verified, go, result = threading.Event(), threading.Event(), {}
+    real = export._write_model
+
+    def held(*args):  # the export has verified step 1; the run writes on meanwhile
+        verified.set()
+        assert go.wait(60)
+        return real(*args)
+
+    monkeypatch.setattr(export, "_write_model", held)
+
+    def run_export():
+        try:
+            result["ckpt"] = export.export(run_dir, tmp_path / "out", step=1)[0]
+        except Exception as exc:  # noqa: BLE001 (reported by the assertion below)
+            result["error"] = exc
+
+    reader = threading.Thread(target=run_export)
+    reader.start()
+    assert verified.wait(60)
+    write(2)
+    write(3)  # with step 1 pruned at step 2, this would overwrite its files
+    go.set()
+    reader.join(60)
+    assert "error" not in result, result
+    out = load_file(tmp_path / "out" / "model.safetensors")
+    name = "model.embed_tokens.weight"
+    assert torch.equal(out[name], state[name] + 1)
+    write(4)
+    assert [p.name for p in list_checkpoints(run_dir)] == ["step_00000004"]
+    writer.stop()
+
+
 def test_plain_progress_prints_every_due_step_even_when_several_land_between_polls():
     import io
 
@@ -438,7 +520,10 @@ class _Exited:
         self.signals.append(sig)
 
 
-def test_a_role_is_restarted_on_a_nonzero_exit_up_to_its_limit_and_never_after_exit_0(tmp_path):
+def test_a_role_is_restarted_on_a_nonzero_exit_up_to_its_limit_and_never_after_exit_0(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(train, "backoff_s", lambda n: 0.0)  # the wait: the next test
     console = Console(file=io.StringIO(), width=200)
     starts = []
     role = Role(
@@ -455,6 +540,26 @@ def test_a_role_is_restarted_on_a_nonzero_exit_up_to_its_limit_and_never_after_e
     assert not train.restarted(fixed, 1, console)
     out = console.file.getvalue()
     assert "the generator1 process exited with code -9; restarting it (2/2)" in out
+
+
+def test_a_role_is_restarted_only_after_a_growing_wait(tmp_path):
+    """Real processes that exit 1 at once, each stamping the time first: each restart
+    starts ``backoff_s`` or more after the death before it (1 s, then 2 s)."""
+    console = Console(file=io.StringIO(), width=200)
+    stamps = tmp_path / "stamps"
+    dies = "import sys, time; open(sys.argv[1], 'a').write(f'{time.monotonic()}\\n'); sys.exit(1)"
+
+    def start() -> LocalProcess:
+        return LocalProcess([sys.executable, "-c", dies, str(stamps)], start_new_session=True)
+
+    role = Role("generator0", start(), tmp_path / "g.log", start, 0, 2)
+    while (code := role.proc.poll()) is None or train.restarted(role, code, console):
+        time.sleep(0.02)  # as watch() polls
+    died = [float(line) for line in stamps.read_text().split()]
+    assert len(died) == 3 and role.restarts == 2
+    assert died[1] - died[0] >= backoff_s(1) == 1.0
+    assert died[2] - died[1] >= backoff_s(2) == 2.0
+    assert "restarting it (2/2) in 2 s" in console.file.getvalue()
 
 
 class _ExitsAfter:

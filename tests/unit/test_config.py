@@ -174,10 +174,15 @@ def test_learner_model_directories_are_checked_before_the_run(overrides, key):
     resolve_learner_models(load_config(None, [overrides[1]]))
 
 
-def test_a_remote_weight_sync_host_needs_its_port():
+def test_a_remote_weight_sync_host_needs_its_port(tmp_path):
+    from verl_async.auth import make_keys
+
+    make_keys(tmp_path / "keys", ["default"])
+    keys = f"buffer.keys_dir={tmp_path / 'keys'}"  # off loopback: test_auth.py
     with pytest.raises(ConfigError, match="'weights.port': set it when weights.host names"):
-        load_config(None, ["weights.host=10.0.0.7"])
-    assert load_config(None, ["weights.host=10.0.0.7", "weights.port=29600"]).weights.port == 29600
+        load_config(None, [keys, "weights.host=10.0.0.7"])
+    remote = load_config(None, [keys, "weights.host=10.0.0.7", "weights.port=29600"])
+    assert remote.weights.port == 29600
     assert load_config(None, ["weights.host=127.0.0.1"]).weights.host == "127.0.0.1"
 
 

@@ -1,6 +1,7 @@
 """The learner's checkpoint files: written behind, committed, restored to the same state."""
 
 import json
+import pickle  # to plant a hostile DCP index: the system itself never unpickles
 import random
 import weakref
 
@@ -9,7 +10,14 @@ import torch
 
 from learners import checkpointing
 from tests.slow_learner import SlowCheckpointer
-from verl_async.checkpoint import list_checkpoints, read_manifest, step_dir, verify
+from verl_async.checkpoint import (
+    CheckpointError,
+    commit,
+    list_checkpoints,
+    read_manifest,
+    step_dir,
+    verify,
+)
 
 
 def _trainer(seed: int):
@@ -217,3 +225,57 @@ def test_the_critic_and_its_optimizer_are_restored_with_the_actor(tmp_path):
     # A run without a critic cannot take this checkpoint (nor the other way round).
     with pytest.raises(ValueError, match="written with a critic"):
         checkpointing.load(ckpt, fresh, fresh_opt, fresh_sched)
+
+
+def _committed(tmp_path, model, opt, sched):
+    writer = checkpointing.Checkpointer(tmp_path, keep_last=2, timeout_s=30, meta={})
+    snap = checkpointing.take_snapshot(
+        writer.stager(), 1, 1, model.state_dict(), opt.state_dict(), sched.state_dict(),
+        {"wall_s": 0.0}, lambda: {"ledger.json": b"{}"},
+    )  # fmt: skip
+    writer.save(snap)
+    assert writer.wait()
+    return step_dir(tmp_path, 1)
+
+
+def test_an_altered_weight_file_is_refused_and_nothing_is_loaded(tmp_path):
+    model, opt, sched = _trainer(0)
+    ckpt = _committed(tmp_path, model, opt, sched)
+    weights = ckpt / "learner" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x40  # one bit of the last tensor: still a valid safetensors file
+    weights.write_bytes(bytes(data))
+    fresh, fresh_opt, fresh_sched = _trainer(1)
+    before = [p.detach().clone() for p in fresh.parameters()]
+    with pytest.raises(CheckpointError, match="model.safetensors: sha256 differs"):
+        checkpointing.load(ckpt, fresh, fresh_opt, fresh_sched)
+    assert all(torch.equal(a, b) for a, b in zip(before, fresh.parameters(), strict=True))
+
+
+class _Planted:
+    """What a planted DCP ``.metadata`` does when unpickled: touch a file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (type(self.marker).touch, (self.marker,))
+
+
+def test_a_planted_shard_index_is_never_unpickled(tmp_path):
+    """DCP's .metadata is a pickle: a replaced one must fail verification before DCP
+    reads it (on the code before this check, loading ran the planted code)."""
+    ckpt = step_dir(tmp_path, 1)
+    shards = ckpt / "learner" / "shards"
+    shards.mkdir(parents=True)
+    state = {"step": 1, "version": 1, "wall_s": 0.0, "optimizer_groups": [],
+             "python_rng": list(random.getstate()[1]), "scheduler": None}  # fmt: skip
+    (ckpt / "learner" / "trainer_state.json").write_text(json.dumps(state))
+    (shards / ".metadata").write_bytes(b"the index the writer wrote")
+    commit(ckpt, 1, 1)
+    marker = tmp_path / "unpickled"
+    (shards / ".metadata").write_bytes(pickle.dumps(_Planted(marker)))
+    model, opt, sched = _trainer(0)
+    with pytest.raises(CheckpointError, match="learner/shards/.metadata"):
+        checkpointing.load(ckpt, model, opt, sched)
+    assert not marker.exists()

@@ -131,3 +131,43 @@ def test_a_weight_update_leaves_out_the_tied_head(tie):
     peft_model = lora.apply(model, LoraConfig(rank=4))
     dropped = set(peft_model.state_dict()) - set(without_tied(peft_model, peft_model.state_dict()))
     assert dropped == ({"base_model.model.lm_head.weight"} if tie else set())
+
+
+def _adapter(cfg: LoraConfig) -> dict[str, torch.Tensor]:
+    return lora.adapter_state(_trained(cfg).state_dict())
+
+
+def test_a_generators_adapters_are_written_where_only_its_user_may_enter(tmp_path):
+    """Whatever the umask (0 here: everything world-writable), the engine's adapter
+    directory is 0700, so no other user can read an adapter or swap its files before
+    vLLM loads them."""
+    import os
+    import stat
+
+    from generators.vllm_extension import _write_atomically
+
+    cfg = LoraConfig(rank=4, target_modules=["all-linear"])
+    base_dir = tmp_path / "base"
+    _base().save_pretrained(base_dir)
+    old = os.umask(0)
+    try:
+        _write_atomically(tmp_path / "shm" / "engine" / "v1", _adapter(cfg), cfg, str(base_dir))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "shm" / "engine").stat().st_mode) == 0o700
+    assert (tmp_path / "shm" / "engine" / "v1" / "adapter_model.safetensors").is_file()
+
+
+def test_an_adapter_directory_someone_else_could_enter_is_refused(tmp_path):
+    """A name made first by somebody else (here: left open to everyone) is not written."""
+    import os
+
+    from generators.vllm_extension import _write_atomically
+
+    cfg = LoraConfig(rank=4, target_modules=["all-linear"])
+    planted = tmp_path / "shm" / "engine"
+    planted.mkdir(parents=True)
+    os.chmod(planted, 0o777)
+    with pytest.raises(PermissionError, match="not a private directory"):
+        _write_atomically(planted / "v1", _adapter(cfg), cfg, str(tmp_path))
+    assert list(planted.iterdir()) == []

@@ -9,6 +9,10 @@ LoRA run's checkpoint holds the peft model (frozen base and adapter): the export
 the adapter into the weights, and with ``--adapter DIR`` also writes it as a peft adapter
 directory that peft and vLLM (``LoRARequest``) load on top of the base model.
 
+The checkpoint is verified against its manifest before any of its files is read, and
+held while it is read (``checkpoint.reading``): a run still writing checkpoints beside
+the export prunes nothing meanwhile, so the files read are the files verified.
+
 An existing non-empty output directory is refused (files of another model would stay
 beside the new ones) unless ``force``; then the model is written to a temporary directory
 beside it and swapped in, so the output directory never holds a mix of the two.
@@ -24,12 +28,14 @@ from pathlib import Path
 from verl_async import lora
 from verl_async.checkpoint import (
     CheckpointError,
+    Manifest,
+    checkpoints_root,
     is_sharded,
     newest_valid,
-    read_manifest,
     read_sharded_model,
+    reading,
+    require_valid,
     step_dir,
-    verify,
 )
 from verl_async.config import load_config
 
@@ -48,17 +54,35 @@ def export(
     check_out_dir(out_dir, force)
     if adapter_dir is not None:
         check_out_dir(Path(adapter_dir), force)
+    if not checkpoints_root(run_dir).is_dir():
+        raise CheckpointError(f"'{run_dir}' holds no checkpoints (no checkpoints/ directory)")
+    with reading(run_dir):  # a live run's writer leaves the checkpoint where it is
+        ckpt, manifest = _chosen(run_dir, step)
+        base = _base_model(run_dir, manifest)
+        tmp = _beside(out_dir, "export")
+        tmp.mkdir(parents=True)
+        try:
+            _write_model(ckpt, base, tmp, run_dir, adapter_dir)
+            swap_in(tmp, out_dir)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # gone already unless the write failed
+    return ckpt, out_dir
+
+
+def _chosen(run_dir: Path, step: int | None) -> tuple[Path, Manifest]:
+    """Checkpoint ``step`` of the run (default: the newest that verifies), verified."""
     if step is None:
         found = newest_valid(run_dir)
         if found is None:
             raise CheckpointError(f"no checkpoint in {run_dir / 'checkpoints'} verifies")
-        ckpt = found[0]
-    else:
-        ckpt = step_dir(run_dir, step)
-        problems = verify(ckpt)
-        if problems:
-            raise CheckpointError(f"{ckpt.name} fails verification: {'; '.join(problems)}")
-    manifest = read_manifest(ckpt)
+        return found
+    ckpt = step_dir(run_dir, step)
+    return ckpt, require_valid(ckpt)
+
+
+def _base_model(run_dir: Path, manifest: Manifest) -> Path:
+    """The run's initial model (config and tokenizer): where the manifest says, or
+    ``<run_dir>/model`` when that directory moved with the run."""
     base = Path(str(manifest.meta.get("model_path", "")))
     if not (base / "config.json").is_file():
         base = run_dir / "model"
@@ -66,14 +90,7 @@ def export(
         raise CheckpointError(
             f"the run's initial model (for config and tokenizer) is gone: {manifest.meta.get('model_path')}"
         )
-    tmp = _beside(out_dir, "export")
-    tmp.mkdir(parents=True)
-    try:
-        _write_model(ckpt, base, tmp, run_dir, adapter_dir)
-        swap_in(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # gone already unless the write failed
-    return ckpt, out_dir
+    return base
 
 
 def check_out_dir(out_dir: Path, force: bool) -> None:

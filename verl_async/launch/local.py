@@ -2,7 +2,8 @@
 
 Each role is ``python -m <role> --run-dir DIR`` in its own session (so a Ctrl-C in the
 terminal reaches only the launcher, which then stops the roles in order), with its output
-in ``logs/<role>.log``. Roles also die with the launcher (PR_SET_PDEATHSIG).
+in ``logs/<role>.log``. Roles die with the launcher, torchrun's ranks included: each is
+tethered to it before its command runs (verl_async/lifetime.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from verl_async.launch.plan import Role, plan_roles, role_argv, stop_roles
+from verl_async.lifetime import tethered
 from verl_async.schema import RunConfig
 
 
@@ -45,7 +47,7 @@ def spawn(
     def start() -> LocalProcess:
         with open(log_path, "ab") as log_file:
             return LocalProcess(
-                argv,
+                tethered(argv),
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -71,4 +73,4 @@ def local_roles(cfg: RunConfig, run_dir: Path) -> Iterator[list[Role]]:
     try:
         yield roles
     finally:
-        stop_roles(roles)
+        stop_roles(roles, run_dir=run_dir, write_grace_s=cfg.checkpoint.write_timeout_s)

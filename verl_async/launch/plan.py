@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Protocol
 
 from verl_async import placement
+from verl_async.checkpoint import MANIFEST, list_checkpoints
 from verl_async.reward_config import ModelReward
 from verl_async.runtime import device_env, ranks_env
 from verl_async.schema import RunConfig
@@ -41,9 +42,19 @@ class Role:
     restart: Callable[[], RoleProcess] | None = None  # start it again (if it may be)
     restarts: int = 0
     max_restarts: int = 0
+    restart_due: float | None = None  # time.monotonic() of a restart that waits (backoff_s)
 
 
 MAX_RESTARTS = 5  # per reward-model process; a model that keeps dying stops the run
+BACKOFF_FIRST_S = 1.0  # the wait before the first restart of a role, or of the run
+BACKOFF_MAX_S = 30.0
+
+
+def backoff_s(restart: int) -> float:
+    """The wait before restart number ``restart`` (from 1) of a role or of the run: 1 s,
+    doubling, at most 30 s. A cause that passes (a port, device memory a killed process
+    still held) gets the time to; one that does not uses up the restarts less quickly."""
+    return min(BACKOFF_FIRST_S * 2 ** (restart - 1), BACKOFF_MAX_S)
 
 
 def role_argv(module: str, run_dir: Path, extra: list[str] = ()) -> list[str]:
@@ -117,8 +128,40 @@ def plan_roles(cfg: RunConfig, run_dir: Path) -> list[RolePlan]:
     return plans
 
 
-def stop_roles(roles: list[Role], grace_s: float = 10.0) -> None:
-    """SIGTERM each role's whole process group (vLLM's engine processes included), then SIGKILL."""
+def stop_roles(
+    roles: list[Role],
+    grace_s: float = 10.0,
+    run_dir: Path | None = None,
+    write_grace_s: float = 0.0,
+) -> None:
+    """SIGTERM each role's whole process group (vLLM's engine processes included), then
+    SIGKILL. While a checkpoint write is under way in ``run_dir`` the learner goes first,
+    with the buffer still serving the cut the write fetches: the others are stopped once
+    the learner has exited or the write has committed (its writer thread goes on while
+    the main thread is held in native code), or after ``write_grace_s``."""
+    learner = [r for r in roles if r.name == "learner" and r.proc.poll() is None]
+    buffer = [r for r in roles if r.name == "buffer"]
+    if learner and run_dir is not None and writing_checkpoint(run_dir):
+        learner[0].proc.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + write_grace_s
+        while (
+            learner[0].proc.poll() is None
+            and writing_checkpoint(run_dir)
+            and all(b.proc.poll() is None for b in buffer)  # else the cut cannot come
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.1)
+    _stop(roles, grace_s)
+
+
+def writing_checkpoint(run_dir: Path) -> bool:
+    """Whether a checkpoint write is under way in ``run_dir``: its newest checkpoint
+    directory has no manifest yet."""
+    dirs = list_checkpoints(run_dir)
+    return bool(dirs) and not (dirs[-1] / MANIFEST).is_file()
+
+
+def _stop(roles: list[Role], grace_s: float) -> None:
     for role in roles:
         role.proc.signal_group(signal.SIGTERM)
     deadline = time.monotonic() + grace_s

@@ -42,12 +42,12 @@ from typing import Any
 from rich.markup import escape
 
 from verl_async import placement
-from verl_async.config import ConfigError
+from verl_async.config import ConfigError, is_loopback
 from verl_async.launch.plan import Role, RolePlan, plan_roles, stop_roles
 from verl_async.launch.run_dir import RoleFailed
+from verl_async.lifetime import tethered
 from verl_async.schema import RunConfig
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 RAY_MIN = (2, 9)
 INSTALL = "pip install 'verl-async[ray]'"
 LOST = -1  # the exit code reported for a role whose actor is gone
@@ -87,10 +87,10 @@ def node_pins(
 ) -> dict[str, str]:
     """The node address each role must run on, by role name ('' for anywhere); ``here``
     is the launcher's node."""
-    if cfg.buffer.host in LOOPBACK:  # nothing off this node could reach the buffer
+    if is_loopback(cfg.buffer.host):  # nothing off this node could reach the buffer
         return {p.name: here for p in plans}
     weights = cfg.weights.host
-    learner = resolve(weights) if weights and weights not in LOOPBACK else here
+    learner = resolve(weights) if weights and not is_loopback(weights) else here
     return {
         p.name: learner if p.name == "learner" else "" if p.name.startswith("generator") else here
         for p in plans
@@ -154,7 +154,7 @@ class RoleActor:
             log.write(header.encode())
             log.flush()
             self.proc = subprocess.Popen(
-                [sys.executable, *self.argv[1:]],  # this node's interpreter
+                tethered([sys.executable, *self.argv[1:]]),  # this node's interpreter
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -249,7 +249,7 @@ def ray_roles(cfg: RunConfig, run_dir: Path, console) -> Iterator[list[Role]]:
         failed = True  # an interrupt is no failure: Ray's logs go with the rest
         raise
     finally:
-        stop_roles(roles)
+        stop_roles(roles, run_dir=run_dir, write_grace_s=cfg.checkpoint.write_timeout_s)
         for role in roles:
             with contextlib.suppress(Exception):  # gone already: nothing to kill
                 ray.kill(role.proc.actor)

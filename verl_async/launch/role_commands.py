@@ -14,6 +14,13 @@ their own run directory (by default the buffer's path, which on a shared filesys
 the same directory), place themselves as ``placement`` says for their role, and become that
 role's process (``exec``): from there on they run exactly the code ``train`` runs.
 
+A role trusts the buffer it joins: the config it serves names the code the role runs
+(reward functions, environments). So a buffer off loopback is joined only with its
+CurveZMQ keys (``--keys-dir``), which prove the buffer is the run's own; without keys
+every endpoint the buffer names must be loopback too. The checkpoint a resumed run names
+is taken by its name only, from this role's own ``checkpoints/`` directory, and verified
+there before anything of it is read.
+
 What every machine must see at the same path: ``model.path`` (or nothing, for the tiny
 model, which is rebuilt identically from its seed), the data files are read by the buffer
 alone, and checkpoints are written by the learner into its run directory and read back by
@@ -79,7 +86,7 @@ def buffer_command(cfg, run_dir_arg: str | None, resume: bool, console) -> None:
     from verl_async import placement
     from verl_async.launch.plan import role_argv
     from verl_async.launch.prepare import check_data, prepare
-    from verl_async.launch.run_dir import RoleFailed, open_run_dir
+    from verl_async.launch.run_dir import RoleFailed, claim, open_run_dir
     from verl_async.reward_config import ModelReward
 
     if any(isinstance(s, ModelReward) for s in cfg.rewards.sources):
@@ -88,6 +95,8 @@ def buffer_command(cfg, run_dir_arg: str | None, resume: bool, console) -> None:
             "with `verl-async train`, or without its 'model' reward sources"
         )
     check_data(cfg)
+    run_dir_arg, lock = claim(cfg, run_dir_arg, resume)
+    lock.keep_across_exec()  # the buffer process holds it for the run's life
     run_dir, ckpt = open_run_dir(cfg, run_dir_arg, console, resume)
     endpoints = prepare(cfg, run_dir, ckpt, data_checked=True)
     address = endpoints.buffer
@@ -108,10 +117,16 @@ def fetch_run(args):
     ``args.keys_dir`` when given); ``JoinFailed`` naming the address if it does not answer."""
     from verl_async import protocol as P
     from verl_async.auth import load_client_keys
-    from verl_async.config import ConfigError
+    from verl_async.config import ConfigError, is_loopback
     from verl_async.transport import BufferClient, BufferRejected, BufferUnavailable
 
     address = args.buffer
+    if not args.keys_dir and not is_loopback(_host(address)):
+        raise JoinFailed(
+            f"--buffer {address} is not on this machine, and a buffer off loopback is joined "
+            "only with its CurveZMQ keys: pass --keys-dir DIR (this machine's side of the "
+            "run's key set, `verl-async keys`; docs/security.md)"
+        )
     try:
         curve = load_client_keys(args.keys_dir, args.client_key) if args.keys_dir else None
     except ConfigError as exc:
@@ -154,6 +169,8 @@ def join_run(
     cfg = load_config(served, overrides)
     _write_if_changed(run_dir / "config.yaml", to_yaml(cfg))
     endpoints = msgspec.json.decode(info.endpoints_json, type=Endpoints)
+    if not keys_dir:
+        _require_loopback(endpoints)
     model = Path(endpoints.model_path)
     if not (model / "config.json").is_file():
         if cfg.model.path:
@@ -164,14 +181,49 @@ def join_run(
         from verl_async.launch.tiny_model import build_tiny_model
 
         model = build_tiny_model(run_dir / "model", cfg.model.tiny)
-    if endpoints.resume_from and not Path(endpoints.resume_from).is_dir():
-        raise JoinFailed(
-            f"the run resumes from '{endpoints.resume_from}', which this machine does not "
-            "see; put the run directory on a shared filesystem (or copy the checkpoint)"
-        )
-    endpoints = msgspec.structs.replace(endpoints, model_path=str(model))
+    resume_from = _local_checkpoint(run_dir, endpoints.resume_from)
+    endpoints = msgspec.structs.replace(endpoints, model_path=str(model), resume_from=resume_from)
     _write_if_changed(run_dir / "endpoints.json", msgspec.json.encode(endpoints).decode())
     return run_dir, cfg
+
+
+def _host(address: str) -> str:
+    """HOST of ``tcp://HOST:PORT``."""
+    return address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+
+
+def _require_loopback(endpoints) -> None:
+    """Joined without keys: every endpoint the buffer names must be this machine's too (an
+    unauthenticated connection off it could be anybody's)."""
+    from verl_async.config import is_loopback
+
+    hosts = [_host(endpoints.buffer), endpoints.weights_host]
+    hosts += [_host(e) for e in endpoints.reward_models.values()]
+    away = [h for h in hosts if not is_loopback(h)]
+    if away:
+        raise JoinFailed(
+            f"the buffer names endpoints off this machine ({', '.join(sorted(set(away)))}) "
+            "and was joined without keys; join it with --keys-dir DIR (docs/security.md)"
+        )
+
+
+def _local_checkpoint(run_dir: Path, resume_from: str) -> str:
+    """The checkpoint a resumed run names, as this role's own: the same name in this run
+    directory's ``checkpoints/`` (a path from the buffer is never opened as it is)."""
+    from verl_async.checkpoint import checkpoints_root, step_of
+
+    if not resume_from:
+        return ""
+    name = Path(resume_from).name
+    if step_of(name) is None:
+        raise JoinFailed(f"the buffer names '{resume_from}' as the checkpoint to resume from")
+    ckpt = checkpoints_root(run_dir) / name
+    if not ckpt.is_dir():
+        raise JoinFailed(
+            f"the run resumes from '{resume_from}', which this machine does not see at "
+            f"'{ckpt}'; put the run directory on a shared filesystem (or copy the checkpoint)"
+        )
+    return str(ckpt)
 
 
 def _write_if_changed(path: Path, text: str) -> None:
@@ -226,9 +278,14 @@ def learner_command(args) -> None:
 
 
 def _become(argv: list[str], env: dict[str, str]) -> None:
+    """Replace this process with the role's (``TETHER_PID``: torchrun's ranks must find
+    this process, which torchrun becomes, as their parent)."""
+    from verl_async.lifetime import TETHER_PID
+
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(argv[0], argv, {**os.environ, "PYTHONUNBUFFERED": "1", **env})
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **env, TETHER_PID: str(os.getpid())}
+    os.execve(argv[0], argv, env)
 
 
 def run_join(args: argparse.Namespace) -> int:

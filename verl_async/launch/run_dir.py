@@ -18,8 +18,9 @@ from pathlib import Path
 import msgspec
 from rich.markup import escape
 
-from verl_async.checkpoint import MANIFEST, list_checkpoints, newest_valid, spare_dir
+from verl_async.checkpoint import MANIFEST, list_checkpoints, newest_valid, set_aside, spare_dir
 from verl_async.config import ConfigError, load_config
+from verl_async.lifetime import RunDirInUse, RunLock, claim_run_dir
 from verl_async.metrics import complete_lines
 from verl_async.schema import DataConfig, RunConfig
 
@@ -34,10 +35,25 @@ class RoleFailed(RuntimeError):
         self.cause = cause or message.splitlines()[0]
 
 
+def claim(cfg: RunConfig, run_dir_arg: str | None, resume: bool) -> tuple[str, RunLock]:
+    """Claim the directory a command names (a new run's default one when none) for this
+    launcher, before anything in it changes: (its path, the lock to hold for the run's
+    life). ``RoleFailed`` when a live run, or a process left of one, holds it."""
+    path = Path(run_dir_arg or default_run_dir(cfg)).resolve()
+    if resume and not path.is_dir():
+        raise RoleFailed(f"cannot resume: '{path}' is not a directory")
+    try:
+        return str(path), claim_run_dir(path)
+    except RunDirInUse as exc:
+        raise RoleFailed(str(exc)) from None
+
+
+def default_run_dir(cfg: RunConfig) -> str:
+    return f"runs/{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}"
+
+
 def make_run_dir(cfg: RunConfig, run_dir: str | None) -> Path:
-    if run_dir is None:
-        run_dir = f"runs/{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}"
-    path = Path(run_dir).resolve()
+    path = Path(run_dir or default_run_dir(cfg)).resolve()
     if (path / "metrics.jsonl").exists():
         raise RoleFailed(f"run directory '{path}' already holds a run; choose another --run-dir")
     (path / "logs").mkdir(parents=True, exist_ok=True)
@@ -53,6 +69,16 @@ def resumable(run_dir: Path) -> bool:
     )
 
 
+def holds_run(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds a run: its ``config.yaml`` (written before any role
+    starts) is a run config."""
+    try:
+        load_config(run_dir / "config.yaml")
+    except (ConfigError, OSError):
+        return False
+    return True
+
+
 PARTIAL = ("metrics.jsonl", "trained.jsonl", "eval.jsonl", "tensorboard")
 
 
@@ -60,9 +86,16 @@ def start_over(run_dir: Path, console) -> None:
     """checkpoint.resume=true on a run stopped before its first checkpoint: nothing to resume
     from, so the run starts again in ``run_dir``. What it wrote per step (metrics, trail,
     uncommitted checkpoint directories) goes; every log gets a note, and the new run's
-    output is appended below it."""
-    if not any((run_dir / name).exists() for name in PARTIAL):
+    output is appended below it. Nothing is deleted from a directory that holds no run
+    (its ``config.yaml`` a run config): ``RoleFailed`` says so."""
+    found = [name for name in PARTIAL if (run_dir / name).exists()]
+    if not found:
         return  # stopped before its first step: nothing to clear
+    if not holds_run(run_dir):
+        raise RoleFailed(
+            f"run directory '{run_dir}' holds {', '.join(found)} but no run (no "
+            "config.yaml of a run): nothing there is deleted; choose another --run-dir"
+        )
     note = (
         f"no checkpoint in '{run_dir}' to resume from: the run starts over there "
         "(its metrics and trail so far are cleared)"
@@ -122,7 +155,7 @@ def choose_checkpoint(cfg: RunConfig, run_dir: Path, console) -> Path:
     ckpt, manifest = found
     for later in [d for d in list_checkpoints(run_dir) if d > ckpt]:
         if (later / MANIFEST).is_file():
-            later.rename(later.with_name(f"damaged_{later.name}"))
+            set_aside(later)  # damaged_step_N: kept for a look, pruned once old
         else:
             shutil.rmtree(later)
     for name in ("metrics.jsonl", "trained.jsonl", "eval.jsonl"):

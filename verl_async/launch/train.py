@@ -31,10 +31,10 @@ from rich.markup import escape
 from verl_async import placement
 from verl_async.checkpoint import MANIFEST, list_checkpoints
 from verl_async.launch.local import local_roles
-from verl_async.launch.plan import Role, stop_roles
+from verl_async.launch.plan import Role, backoff_s, stop_roles
 from verl_async.launch.prepare import check_data, prepare
 from verl_async.launch.progress import ProgressReport, summarize
-from verl_async.launch.run_dir import RoleFailed, open_run_dir, reopen_after_failure
+from verl_async.launch.run_dir import RoleFailed, claim, open_run_dir, reopen_after_failure
 from verl_async.launch.startup import report_start_up
 from verl_async.metrics import read_metrics
 from verl_async.runtime import mark
@@ -96,19 +96,25 @@ def restarted(role: Role, code: int, console) -> bool:
     """Start a role again after it died, up to its ``max_restarts``: a reward model (its
     clients' requests meanwhile time out and score the source's default) or a generator
     (the buffer issues its groups again and the learner rebuilds the weight-sync group
-    with it). False for every other role, for an exit with code 0, or past the limit."""
-    if role.restart is None or code == 0 or role.restarts >= role.max_restarts:
-        return False
-    role.restarts += 1
-    console.print(
-        f"the {role.name} process exited with code {code}; restarting it "
-        f"({role.restarts}/{role.max_restarts}); see {role.log_path}",
-        style="yellow",
-        markup=False,
-        soft_wrap=True,
-    )
-    role.proc.signal_group(signal.SIGKILL)  # anything it left behind
-    role.proc = role.restart()
+    with it). The restart waits ``backoff_s`` (True meanwhile: the watch goes on). False
+    for every other role, for an exit with code 0, or past the limit."""
+    if role.restart_due is None:
+        if role.restart is None or code == 0 or role.restarts >= role.max_restarts:
+            return False
+        role.restarts += 1
+        wait_s = backoff_s(role.restarts)
+        console.print(
+            f"the {role.name} process exited with code {code}; restarting it "
+            f"({role.restarts}/{role.max_restarts}) in {wait_s:.0f} s; see {role.log_path}",
+            style="yellow",
+            markup=False,
+            soft_wrap=True,
+        )
+        role.proc.signal_group(signal.SIGKILL)  # anything it left behind
+        role.restart_due = time.monotonic() + wait_s
+    if time.monotonic() >= role.restart_due:
+        role.restart_due = None
+        role.proc = role.restart()
     return True
 
 
@@ -135,6 +141,16 @@ def train(cfg: RunConfig, run_dir_arg: str | None, console, resume: bool = False
     if cfg.launcher == "local" or not cfg.ray.address:  # a cluster's devices: Ray places them
         placement.check_devices_exist(cfg)  # before anything is written or started
     check_data(cfg)
+    run_dir_arg, lock = claim(cfg, run_dir_arg, resume)  # held until the run ends
+    try:
+        return run_in(cfg, run_dir_arg, console, resume, t0)
+    finally:
+        lock.release()
+
+
+def run_in(cfg: RunConfig, run_dir_arg: str, console, resume: bool, t0: float | None) -> Path:
+    """``train`` in the directory it claimed: resume or start the run, restart it after a
+    death of the learner or the buffer, summarize it."""
     run_dir, ckpt = open_run_dir(cfg, run_dir_arg, console, resume)
     console.print(f"run directory: [bold]{escape(str(run_dir))}[/]", soft_wrap=True)
     restarts = 0
@@ -148,6 +164,7 @@ def train(cfg: RunConfig, run_dir_arg: str | None, console, resume: bool = False
                 raise
             restarts += 1
             note_restart(run_dir, console, failure, restarts, cfg.trainer.max_restarts)
+            time.sleep(backoff_s(restarts))  # every role is stopped: nothing to watch
             ckpt = reopen_after_failure(cfg, run_dir, console)
             t0 = None  # the start-up breakdown is the first start's
     summarize(run_dir, console)
@@ -179,7 +196,8 @@ def note_restart(run_dir: Path, console, failure: RoleFailed, n: int, limit: int
     """Say why the run restarts: on the console (with the dead role's last log lines), in
     ``startup.jsonl`` (event ``restart``) and at the end of every role's log."""
     console.print(
-        f"restart {n}/{limit}: {failure}\nresuming the run from its newest checkpoint",
+        f"restart {n}/{limit}: {failure}\nresuming the run from its newest checkpoint "
+        f"in {backoff_s(n):.0f} s",
         style="yellow",
         markup=False,
         soft_wrap=True,

@@ -1,0 +1,158 @@
+"""A run's processes die with whoever started them, and a run directory holds one live run
+(verl_async/lifetime.py), with real processes: a few small Python children each."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from verl_async.lifetime import (
+    TETHER_PID,
+    RunDirInUse,
+    claim_run_dir,
+    tethered,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _gone(pid: int, timeout_s: float) -> bool:
+    """Whether ``pid`` has left (or is a zombie, dead and waiting to be reaped)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _python(code: str, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        **kwargs,
+    )
+
+
+def _middle(child_code: str) -> subprocess.Popen:
+    """A process that starts ``child_code`` tethered to itself, prints the child's pid,
+    and sleeps (the test SIGKILLs it, as a launcher killed with -9)."""
+    return _python(f"""
+        import subprocess, sys, time
+        from verl_async.lifetime import tethered
+        child = subprocess.Popen(tethered([sys.executable, "-c", {child_code!r}]))
+        print(child.pid, flush=True)
+        time.sleep(600)
+    """)
+
+
+def test_a_tethered_child_dies_with_the_process_that_started_it():
+    """The parent-death signal is asked for before the command runs: the child here
+    never asks for it itself (as torchrun never does)."""
+    middle = _middle("import time; time.sleep(600)")
+    child = int(middle.stdout.readline())
+    assert not _gone(child, 0.5)
+    middle.kill()
+    middle.wait()
+    assert _gone(child, 10), "the child outlived its SIGKILLed parent"
+
+
+def test_the_tether_keeps_the_pid_and_names_it_for_the_command():
+    out = subprocess.run(
+        tethered(
+            [sys.executable, "-c", f"import os; print(os.getpid(), os.environ['{TETHER_PID}'])"]
+        ),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert out[0] == out[1]
+
+
+def test_a_child_whose_tethered_parent_is_already_gone_exits_at_start_up():
+    """A rank started by a torchrun that died before the rank asked for the signal."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    code = "from verl_async.lifetime import die_with_parent; die_with_parent(); print('ran')"
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env={**os.environ, TETHER_PID: str(dead.pid)},
+        capture_output=True,
+        text=True,
+    )
+    assert (res.returncode, res.stdout) == (1, "")
+    alive = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert alive.stdout == "ran\n"
+
+
+def test_an_orphan_that_ignores_sigterm_is_killed_after_the_grace():
+    """SIGTERM cannot stop a process whose main thread is held by native code (or that
+    ignores it): its own watcher kills it once the parent is gone."""
+    stubborn = """
+import signal, time
+from verl_async.lifetime import die_with_parent
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+die_with_parent(grace_s=5.0)
+print("ready", flush=True)
+time.sleep(600)
+"""
+    middle = _python(f"""
+        import subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", {stubborn!r}])
+        print(child.pid, flush=True)
+        time.sleep(600)
+    """)
+    lines = {middle.stdout.readline().strip() for _ in range(2)}  # the child shares stdout
+    lines.discard("ready")  # the child has asked for the signal and ignores SIGTERM
+    child = int(lines.pop())
+    middle.kill()
+    middle.wait()
+    assert not _gone(child, 0.5)  # SIGTERM came and was ignored; the grace runs
+    assert _gone(child, 60), "the orphan was not killed after its grace"
+
+
+def test_a_second_launcher_is_refused_while_the_first_holds_the_run_dir(tmp_path):
+    first = claim_run_dir(tmp_path / "run")
+    with pytest.raises(RunDirInUse, match="in use by a live run: its launcher still runs"):
+        claim_run_dir(tmp_path / "run")
+    first.release()
+    claim_run_dir(tmp_path / "run").release()
+
+
+def test_a_role_left_of_a_dead_launcher_keeps_the_run_dir_taken(tmp_path):
+    """A role shares the directory with its launcher; once the launcher is gone, a role
+    of its run still running keeps any new run out, until it dies too."""
+    run_dir = tmp_path / "run"
+    launcher = claim_run_dir(run_dir)
+    role = _python(f"""
+        import time
+        from verl_async.lifetime import hold_run_dir
+        hold_run_dir({str(run_dir)!r})
+        print("holding", flush=True)
+        time.sleep(600)
+    """)
+    try:
+        assert role.stdout.readline() == "holding\n"  # beside its launcher's claim
+        launcher.release()  # the launcher died
+        with pytest.raises(
+            RunDirInUse, match=f"a process of it still runs \\(process {role.pid}\\)"
+        ):
+            claim_run_dir(run_dir)
+    finally:
+        role.send_signal(signal.SIGKILL)
+        role.wait()
+    claim_run_dir(run_dir).release()  # it died: the directory is free again
