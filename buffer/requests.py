@@ -12,7 +12,6 @@ from verl_async import protocol as P
 
 MAX_WAIT_S = 300.0  # the longest long poll (clients poll for 1-30 s; see learners/batching.py)
 MAX_WORLD_SIZE = 4096  # learner ranks a GetBatch may name (shards are allocated per rank)
-MAX_PARKED_PER_CLIENT = 16  # long polls one connection may have waiting (real ones: 1-2)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -32,15 +31,6 @@ def check_wait(wait_s: float) -> None:
     """A long poll's wait: a deadline that can be reached (NaN and inf never are)."""
     if not 0.0 <= wait_s <= MAX_WAIT_S:  # NaN fails both comparisons
         raise P.ProtocolError(f"wait_s {wait_s!r} is outside 0..{MAX_WAIT_S:g} seconds")
-
-
-def check_parked(waiting: int) -> None:
-    """A connection parks a handful of long polls at most (each holds buffer memory)."""
-    if waiting >= MAX_PARKED_PER_CLIENT:
-        raise P.ProtocolError(
-            f"{waiting} long polls of this connection are waiting already "
-            f"(at most {MAX_PARKED_PER_CLIENT})"
-        )
 
 
 def check_loaded(loaded_version: int, target_version: int) -> None:

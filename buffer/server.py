@@ -38,9 +38,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
@@ -49,13 +49,13 @@ import zmq.asyncio
 from buffer.batches import StepBatches, encode_step
 from buffer.evaluation import EvalRounds
 from buffer.ledger import LedgerError, PromptLedger, StepBatch, check_issued
+from buffer.polls import MAX_PARKED, Parked, ParkedPolls
 from buffer.requests import (
     check_announce,
     check_eval_results,
     check_get_batch,
     check_loaded,
     check_non_negative,
-    check_parked,
     check_wait,
 )
 from buffer.rollouts import RolloutLimits, unpack_rollout
@@ -68,14 +68,6 @@ from verl_async.ratelimit import RateLimitedLog, short
 from verl_async.transport.server import RouterSocket
 
 log = logging.getLogger("verl_async.buffer")
-
-
-@dataclass
-class Parked:
-    identity: bytes
-    request_id: int
-    body: P.PollVersion | P.GetBatch
-    deadline: float
 
 
 class BufferServer:
@@ -91,6 +83,7 @@ class BufferServer:
         run_info: P.RunInfo | None = None,
         exit_after_stop_s: float | None = None,
         curve: ServerKeys | None = None,
+        max_parked: int = MAX_PARKED,
     ) -> None:
         self.ledger = ledger
         self.run_info = run_info  # answers GetRun (roles started on their own)
@@ -114,7 +107,8 @@ class BufferServer:
         self.sync = SyncEpochs()
         self.target_version = 0
         self.batches = StepBatches(ledger, max_staleness)  # the steps handed to the learner
-        self.parked: list[Parked] = []
+        self.parked = ParkedPolls(max_total=max_parked)  # long polls (buffer/polls.py)
+        self.versions_changed = False  # parked version polls may be answerable now
         self.rate = TokenRate()
         self.admission_blocked = 0
         self.rollouts_dropped = 0  # rollouts under a lease that had ended (Dropped)
@@ -210,12 +204,13 @@ class BufferServer:
                 if ready is not None:
                     return ready
                 now = time.monotonic()
-                self.parked.append(Parked(identity, request_id, body, now + body.wait_s))
+                self.parked.add(Parked(identity, request_id, body, now + body.wait_s))
                 return None, None
             case P.AnnounceWeights():
                 self.update = body.update
                 self.target_version = body.update.version
                 self.sync.announced(body.update.epoch)
+                self.versions_changed = True
                 return P.Ack(), None
             case P.JoinSync():
                 return self._join_sync(body.generator_id), None
@@ -238,7 +233,7 @@ class BufferServer:
             case P.FetchSnapshot():
                 return self.cuts.files(body.step)
             case P.Shutdown():
-                self.stopping = True
+                self.stopping = self.versions_changed = True
                 self.stopped_at = self.stopped_at or time.monotonic()
                 return P.Ack(), None
             case P.GetRun() if self.run_info is not None:
@@ -277,7 +272,7 @@ class BufferServer:
             case P.StartEval() | P.GetEval() | P.SnapshotBuffer() | P.FetchSnapshot():
                 check_non_negative(body, *body.__struct_fields__)  # rounds, steps, versions
         if isinstance(body, P.PollVersion | P.GetBatch):
-            check_parked(sum(1 for p in self.parked if p.identity == identity))
+            self.parked.check(identity, body)
 
     def _get_prompts(self, identity: bytes, req: P.GetPrompts) -> P.Prompts:
         if self.stopping:
@@ -406,18 +401,23 @@ class BufferServer:
     # ------------------------------------------------------------------ long polls
 
     def _serve_parked(self) -> None:
-        still: list[Parked] = []
-        for p in self.parked:
+        """Answer the parked polls that can be answered now: the learner's batch polls
+        (a few) after every drain, the generators' version polls only when what answers
+        them changed (an announcement, a shutdown)."""
+        polls = self.parked.batch_polls()
+        if self.versions_changed:
+            self.versions_changed = False
+            polls = itertools.chain(self.parked.version_polls(), polls)
+        for number, p in polls:
             try:
                 ready = self._try_answer(p.body)
             except Exception as exc:  # noqa: BLE001 (e.g. its step was dropped meanwhile)
                 ready = self._error_reply(p.identity, p.body, exc), None
             if ready is None:
-                still.append(p)
                 continue
+            self.parked.take(number)
             reply, frames = ready
             self.router.reply(p.identity, p.request_id, reply, frames)
-        self.parked = still
 
     async def _tick(self) -> None:
         """Every 50 ms: end the log windows, take back expired leases (whether or not their
@@ -427,11 +427,12 @@ class BufferServer:
             self.rejections.flush()
             self.lease_log.flush()
             self._expire_leases()
-            now = time.monotonic()
-            expired = [p for p in self.parked if p.deadline <= now or self.stopping]
+            if self.stopping:
+                expired = self.parked.take_all()
+            else:
+                expired = self.parked.expired(time.monotonic())
             if not expired:
                 continue
-            self.parked = [p for p in self.parked if p not in expired]
             for p in expired:
                 self.router.reply(p.identity, p.request_id, self._timeout_reply(p.body))
             # Sends can consume the edge of ZMQ's edge-triggered fd: serve what arrived.

@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 from buffer.evaluation import EvalRounds
 from buffer.leases import Leases
 from buffer.ledger import Issued, LedgerError, PromptLedger, check_issued
+from buffer.polls import MAX_PARKED_PER_CLIENT
 from buffer.requests import (
-    MAX_PARKED_PER_CLIENT,
     check_announce,
     check_eval_results,
     check_get_batch,
