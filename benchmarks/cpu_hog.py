@@ -20,14 +20,18 @@ from collections.abc import Iterator
 
 @contextlib.contextmanager
 def cpu_hog(core: int = 1) -> Iterator[None]:
-    """A busy loop pinned to ``core`` while the block runs."""
-    loop = f"import os\nos.sched_setaffinity(0, {{{core}}})\nwhile True: pass"
-    hog = subprocess.Popen([sys.executable, "-c", loop])
+    """A busy loop pinned to ``core`` while the block runs (the block starts once the loop
+    is pinned: it says so on its output)."""
+    loop = f"import os\nos.sched_setaffinity(0, {{{core}}})\nprint(flush=True)\nwhile True: pass"
+    hog = subprocess.Popen([sys.executable, "-c", loop], stdout=subprocess.PIPE)
     try:
+        if hog.stdout.readline() != b"\n":  # empty: it died before pinning itself
+            raise SystemExit(f"the busy loop could not be pinned to core {core}")
         yield
     finally:
         hog.kill()
         hog.wait()
+        hog.stdout.close()
 
 
 def main() -> int:

@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,48 +141,61 @@ def _train_across(h: Hosts, tmp: Path, keys: Path, steps: int = STEPS) -> str:
     run_dir = tmp / "run"
     logs = {name: tmp / f"{name}.out" for name in ("buffer", "learner", "generator", "keyless")}
     join = ["--buffer", address, "--keys-dir", str(keys)]
-    procs = {
-        "buffer": _start(
-            h.a,
-            [
-                "buffer",
-                "configs/tiny.yaml",
-                f"trainer.total_steps={steps}",
-                f"buffer.host={h.addr_a}",
-                f"buffer.port={port}",
-                f"buffer.keys_dir={keys}",
-                f"weights.host={h.addr_a}",
-                f"weights.port={port + 1}",
-                "weights.shared_memory=false",  # one machine: memory would skip the link
-                "checkpoint.every_steps=0",
-                "--run-dir",
-                str(run_dir),
-            ],
-            logs["buffer"],
-        ),  # fmt: skip
-        "learner": _start(h.a, ["learner", *join, "--timeout-s", "120"], logs["learner"]),
-        "generator": _start(
+    buffer = _start(
+        h.a,
+        [
+            "buffer",
+            "configs/tiny.yaml",
+            f"trainer.total_steps={steps}",
+            f"buffer.host={h.addr_a}",
+            f"buffer.port={port}",
+            f"buffer.keys_dir={keys}",
+            f"weights.host={h.addr_a}",
+            f"weights.port={port + 1}",
+            "weights.shared_memory=false",  # one machine: memory would skip the link
+            "checkpoint.every_steps=0",
+            "--run-dir",
+            str(run_dir),
+        ],
+        logs["buffer"],
+    )  # fmt: skip
+    procs = {"buffer": buffer}
+
+    def buffer_log() -> str:  # the role command's output, then the buffer's own log
+        log = run_dir / "logs" / "buffer.log"
+        return logs["buffer"].read_text() + (log.read_text() if log.is_file() else "")
+
+    # libzmq does not name the peer of a handshake that fails before authentication
+    refusal = f"refused a client on {address}: it"
+    keyless = None
+    try:  # a client on B without the run's keys, before the run's own roles join: the
+        # buffer refuses it and says so (a client that gave up before the buffer served is
+        # started again), then the run goes on beside it
+        deadline = time.monotonic() + 180
+        while refusal not in buffer_log():
+            if keyless is None or keyless.poll() is not None:
+                keyless = _start(
+                    h.b,
+                    ["generator", "--buffer", address, "--timeout-s", "15",
+                     "--run-dir", str(tmp / "x")],
+                    logs["keyless"],
+                )  # fmt: skip
+            assert buffer.poll() is None, f"the buffer ended:\n{buffer_log()[-3000:]}"
+            assert time.monotonic() < deadline, "the buffer logged no refusal in 180 s"
+            time.sleep(0.1)
+        procs["learner"] = _start(h.a, ["learner", *join, "--timeout-s", "120"], logs["learner"])
+        procs["generator"] = _start(
             h.b,
             ["generator", *join, "--index", "0", "--run-dir", str(tmp / "b")],
             logs["generator"],
-        ),
-    }
-    try:  # a client on B without the run's keys: refused, and the run goes on
-        keyless = _start(
-            h.b,
-            ["generator", "--buffer", address, "--timeout-s", "8", "--run-dir", str(tmp / "x")],
-            logs["keyless"],
         )
         refused = keyless.wait(timeout=120)
     finally:
+        if keyless is not None and keyless.poll() is None:
+            keyless.kill()
         wait_all(procs, logs, timeout=420)
     assert refused == 1, logs["keyless"].read_text()[-2000:]
     assert f"cannot join the run at {address}" in logs["keyless"].read_text()
-    buffer_log = logs["buffer"].read_text()
-    if (run_dir / "logs" / "buffer.log").is_file():
-        buffer_log += (run_dir / "logs" / "buffer.log").read_text()
-    # libzmq does not name the peer of a handshake that fails before authentication
-    assert f"refused a client on {address}: it" in buffer_log, buffer_log[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(steps))
     trail = [json.loads(line) for line in (run_dir / "trained.jsonl").read_text().splitlines()]
