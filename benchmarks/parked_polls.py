@@ -35,6 +35,11 @@ from verl_async import protocol as P  # noqa: E402
 from verl_async.data import PromptRecord  # noqa: E402
 from verl_async.staleness import Admission  # noqa: E402
 
+try:
+    from verl_async.transport.server import Request  # noqa: E402
+except ImportError:  # before roles: _dispatch took the decoded parts
+    Request = None
+
 PER_CONNECTION = 16
 WAIT_S = 0.5
 
@@ -62,7 +67,11 @@ def park(server: BufferServer, n: int) -> None:
 
 def dispatch(server: BufferServer, identity: bytes, rid: int, body: P.Body) -> None:
     """What the loop does with one decoded message (``BufferServer._drain``)."""
-    server._dispatch(identity, P.Envelope(P.PROTOCOL_VERSION, rid, body), [])
+    envelope = P.Envelope(P.PROTOCOL_VERSION, rid, body)
+    if hasattr(server.router, "roles"):  # the dispatch of a decoded Request
+        server._dispatch(Request(identity, None, envelope, []))
+    else:
+        server._dispatch(identity, envelope, [])
     server._serve_parked()
 
 

@@ -159,7 +159,7 @@ def check_consistency(cfg: RunConfig) -> None:
         )
     if cfg.eval.every_steps and not cfg.data.val_path:
         raise ConfigError("bad value for 'eval.every_steps': evaluation needs data.val_path")
-    check_endpoints(cfg.buffer)
+    check_endpoints(cfg.buffer, cfg.weights.host)
     if cfg.ray.address.startswith("ray://"):
         raise ConfigError(
             "bad value for 'ray.address': Ray Client (ray://) is not supported; run "
@@ -209,20 +209,29 @@ def vllm_lora_ranks() -> tuple[int, ...]:
     return VLLM_LORA_RANKS
 
 
-def check_endpoints(buffer: BufferConfig) -> None:
-    """Endpoints off loopback only with CurveZMQ keys; a key set that is named must load."""
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def check_endpoints(buffer: BufferConfig, weights_host: str = "") -> None:
+    """Endpoints off loopback only with CurveZMQ keys; a key set that is named must load.
+
+    The weight-sync rendezvous has no authentication of its own; off loopback it is only
+    allowed with keys, which authenticate the buffer's channel that carries its
+    shared-memory token and the announcements members check (docs/security.md)."""
     if buffer.keys_dir:
         from verl_async.auth import check_keys_dir  # imports zmq: only when keys are set
 
         check_keys_dir(buffer)
-    elif buffer.client_key:
+        return
+    if buffer.client_key:
         raise ConfigError("bad value for 'buffer.client_key': set buffer.keys_dir first")
-    elif buffer.host not in ("127.0.0.1", "localhost", "::1"):
-        raise ConfigError(
-            f"bad value for 'buffer.host': '{buffer.host}' is not loopback, and endpoints off "
-            "loopback need CurveZMQ keys: run `verl-async keys DIR` and set "
-            "buffer.keys_dir=DIR (docs/security.md)"
-        )
+    for key, host in (("buffer.host", buffer.host), ("weights.host", weights_host)):
+        if host and host not in LOOPBACK:
+            raise ConfigError(
+                f"bad value for '{key}': '{host}' is not loopback, and endpoints off "
+                "loopback need CurveZMQ keys: run `verl-async keys DIR` and set "
+                "buffer.keys_dir=DIR (docs/security.md)"
+            )
 
 
 def to_yaml(cfg: RunConfig) -> str:

@@ -15,6 +15,7 @@ from buffer.server import BufferServer
 from verl_async import protocol as P
 from verl_async.data import PromptRecord
 from verl_async.staleness import Admission
+from verl_async.transport.server import Request
 
 
 def _server(max_parked: int, name: str) -> BufferServer:
@@ -31,7 +32,7 @@ def _server(max_parked: int, name: str) -> BufferServer:
 
 
 def _send(server: BufferServer, identity: bytes, rid: int, body: P.Body) -> None:
-    server._dispatch(identity, P.Envelope(P.PROTOCOL_VERSION, rid, body), [])
+    server._dispatch(Request(identity, None, P.Envelope(P.PROTOCOL_VERSION, rid, body), []))
     server._serve_parked()
 
 

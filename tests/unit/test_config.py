@@ -174,10 +174,17 @@ def test_learner_model_directories_are_checked_before_the_run(overrides, key):
     resolve_learner_models(load_config(None, [overrides[1]]))
 
 
-def test_a_remote_weight_sync_host_needs_its_port():
+def test_a_remote_weight_sync_host_needs_its_port(tmp_path):
+    from verl_async.auth import make_keys
+
     with pytest.raises(ConfigError, match="'weights.port': set it when weights.host names"):
         load_config(None, ["weights.host=10.0.0.7"])
-    assert load_config(None, ["weights.host=10.0.0.7", "weights.port=29600"]).weights.port == 29600
+    make_keys(tmp_path, ["a"])  # off loopback: with keys (tests/unit/test_auth.py)
+    keys = f"buffer.keys_dir={tmp_path}"
+    assert (
+        load_config(None, [keys, "weights.host=10.0.0.7", "weights.port=29600"]).weights.port
+        == 29600
+    )
     assert load_config(None, ["weights.host=127.0.0.1"]).weights.host == "127.0.0.1"
 
 

@@ -107,16 +107,20 @@ def fetch_run(args):
     """The ``RunInfo`` of the buffer at ``args.buffer`` (authenticated with
     ``args.keys_dir`` when given); ``JoinFailed`` naming the address if it does not answer."""
     from verl_async import protocol as P
-    from verl_async.auth import load_client_keys
+    from verl_async.auth import guest, load_client_keys
     from verl_async.config import ConfigError
     from verl_async.transport import BufferClient, BufferRejected, BufferUnavailable
 
     address = args.buffer
-    try:
-        curve = load_client_keys(args.keys_dir, args.client_key) if args.keys_dir else None
+    try:  # a guest without keys: the run's token is read from its directory (join_run)
+        credentials = (
+            load_client_keys(args.keys_dir, args.client_key, args.command)
+            if args.keys_dir
+            else guest()
+        )
     except ConfigError as exc:
         raise JoinFailed(f"--keys-dir: {exc}") from None
-    client = BufferClient(address, args.timeout_s, curve=curve)
+    client = BufferClient(address, args.timeout_s, credentials)
     try:
         reply, _ = client.request(P.GetRun())
     except (BufferUnavailable, BufferRejected) as exc:
@@ -171,7 +175,29 @@ def join_run(
         )
     endpoints = msgspec.structs.replace(endpoints, model_path=str(model))
     _write_if_changed(run_dir / "endpoints.json", msgspec.json.encode(endpoints).decode())
+    if not keys_dir:
+        _copy_tokens(Path(info.run_dir), run_dir)
     return run_dir, cfg
+
+
+def _copy_tokens(buffer_run_dir: Path, run_dir: Path) -> None:
+    """Without keys the buffer is on this machine: the run's role tokens (verl_async/auth.py)
+    are in its run directory, readable by its user only; a role joining from another
+    directory takes a copy."""
+    from verl_async.auth import TOKENS_DIR, write_role_tokens
+
+    source, target = buffer_run_dir / TOKENS_DIR, run_dir / TOKENS_DIR
+    if source.resolve() == target.resolve():
+        return
+    if not source.is_dir():
+        raise JoinFailed(
+            f"'{source}' is missing or not readable: a role joins a run without keys only "
+            "as the user who started it, on its machine"
+        )
+    write_role_tokens(run_dir)  # the private directory, then the run's own tokens in it
+    for token in source.iterdir():
+        _write_if_changed(target / token.name, token.read_text())
+        (target / token.name).chmod(0o600)
 
 
 def _write_if_changed(path: Path, text: str) -> None:
