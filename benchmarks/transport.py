@@ -48,24 +48,27 @@ def rollout_arrays(size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 # ----------------------------------------------------------------------------- our path
 
 
-def produce_through_buffer(endpoint: str, index: int, size: int, window: int, go) -> None:
+def produce_through_buffer(
+    endpoint: str, run_dir: Path, index: int, size: int, window: int, go
+) -> None:
     import uvloop
 
     import generators.main  # noqa: F401  (imported before the clock starts)
 
     go.wait()
-    uvloop.run(_produce(endpoint, index, size, window))
+    uvloop.run(_produce(endpoint, run_dir, index, size, window))
 
 
-async def _produce(endpoint: str, index: int, size: int, window: int) -> None:
+async def _produce(endpoint: str, run_dir: Path, index: int, size: int, window: int) -> None:
     """The generator's client side: GetPrompts, then each group through ``RolloutPusher``."""
     from generators.episodes import Packed
     from generators.leases import RolloutPusher
     from verl_async import protocol as P
+    from verl_async.auth import GENERATOR, load_role_token
     from verl_async.rewards.scorer import GroupScores
     from verl_async.transport import AsyncBufferClient
 
-    client = AsyncBufferClient(endpoint, 60.0)
+    client = AsyncBufferClient(endpoint, 60.0, load_role_token(run_dir, GENERATOR))
     pusher = RolloutPusher(client, index)
     resp, logprobs, versions = rollout_arrays(size)
     scored = GroupScores(scores=[[1.0]], failed=[0])  # one reward source, one sample
@@ -97,6 +100,7 @@ async def _produce(endpoint: str, index: int, size: int, window: int) -> None:
 def through_buffer(size: int, count: int, args) -> tuple[float, int]:
     """Seconds and bytes for ``count`` rollouts of ``size`` bytes through the real buffer."""
     from verl_async import protocol as P
+    from verl_async.auth import LEARNER, load_role_token
     from verl_async.config import load_config
     from verl_async.launch.local import spawn
     from verl_async.launch.plan import stop_roles
@@ -116,6 +120,8 @@ def through_buffer(size: int, count: int, args) -> tuple[float, int]:
             "generators.group_size=1",
             f"generators.max_new_tokens={max(size // 12, 1)}",
             f"generators.max_model_len={max(size // 12, 1) + 256}",  # room for the prompts
+            # one generator id per producer (the buffer serves only the run's ids)
+            f"placement.generators=[{','.join(['cpu:0'] * args.producers)}]",
         ],
     )
     endpoint = prepare(cfg, run_dir).buffer
@@ -123,10 +129,12 @@ def through_buffer(size: int, count: int, args) -> tuple[float, int]:
     ctx = mp.get_context("spawn")
     go = ctx.Event()
     producers = [
-        ctx.Process(target=produce_through_buffer, args=(endpoint, i, size, args.window, go))
+        ctx.Process(
+            target=produce_through_buffer, args=(endpoint, run_dir, i, size, args.window, go)
+        )
         for i in range(args.producers)
     ]
-    client = BufferClient(endpoint, 60.0)
+    client = BufferClient(endpoint, 60.0, load_role_token(run_dir, LEARNER))
     try:
         client.request(P.GetStats())  # the buffer is up
         for p in producers:

@@ -10,16 +10,18 @@ import uvloop
 from buffer.evaluation import EvalRounds
 from buffer.leases import Leases
 from buffer.ledger import PromptLedger
+from buffer.requests import Peers
 from buffer.rollouts import RolloutLimits, max_response_tokens
 from buffer.server import BufferServer
+from verl_async import placement
 from verl_async import protocol as P
-from verl_async.auth import server_keys
 from verl_async.checkpoint import in_run, require_valid
 from verl_async.config import ConfigError
 from verl_async.data import PromptRecord, load_prompts, max_prompt_tokens, render_prompts
 from verl_async.runtime import load_context, mark, mark_cpu, start_role
 from verl_async.schema import RunConfig
 from verl_async.staleness import Admission
+from verl_async.transport.server import ServerOptions
 
 log = logging.getLogger("verl_async.buffer")
 
@@ -99,7 +101,11 @@ async def serve(run_dir: str, exit_after_stop_s: float | None = None) -> None:
         limits=rollout_limits(cfg, ctx.endpoints.model_path),
         run_info=run_info(run_dir),
         exit_after_stop_s=exit_after_stop_s,
-        curve=server_keys(cfg),
+        options=ServerOptions.for_run(cfg, run_dir),
+        peers=Peers(
+            generators=len(placement.generator_groups(cfg)),
+            learner_ranks=len(placement.learner_devices(cfg)),
+        ),
     )
     if ctx.endpoints.resume_from:
         ckpt = in_run(run_dir, ctx.endpoints.resume_from)

@@ -29,6 +29,7 @@ class Round:
     started: float
     pending: deque[int]  # validation prompt indices not handed out yet
     results: dict[int, P.EvalResult] = field(default_factory=dict)
+    holders: dict[int, bytes] = field(default_factory=dict)  # prompt -> connection it went to
     finished: float = 0.0
 
 
@@ -65,22 +66,32 @@ class EvalRounds:
             return 0
         return min(max(1, room // 2), len(rnd.pending))
 
-    def take(self, room: int, loaded_version: int) -> tuple[int, list[P.PromptGroup]]:
-        """Prompts of the oldest round with work left: (round, groups); (-1, []) if none."""
+    def take(
+        self, room: int, loaded_version: int, client: bytes = b""
+    ) -> tuple[int, list[P.PromptGroup]]:
+        """Prompts of the oldest round with work left, handed to connection ``client``:
+        (round, groups); (-1, []) if none."""
         n = self.wanted(room, loaded_version)
         r, rnd = self._oldest_pending()
         if n == 0:
             return -1, []
         picked = [rnd.pending.popleft() for _ in range(n)]
+        rnd.holders.update((i, client) for i in picked)
         return r, [prompt_group(i, i, -1, self.prompts[i]) for i in picked]
 
-    def record(self, body: P.PushEval) -> None:
+    def record(self, body: P.PushEval, client: bytes = b"") -> None:
+        """Take the results of ``body``: each for a prompt handed to ``client``, once."""
         rnd = self.rounds.get(body.round)
         if rnd is None:
             raise LedgerError(f"evaluation round {body.round} is not running")
         for res in body.results:
             if not 0 <= res.group_id < len(self.prompts) or res.group_id in rnd.results:
                 raise LedgerError(f"evaluation prompt {res.group_id} is unknown or repeated")
+            if rnd.holders.get(res.group_id) != client:
+                raise LedgerError(
+                    f"evaluation prompt {res.group_id} of round {body.round} was not handed "
+                    "to this connection"
+                )
         for res in body.results:
             rnd.results[res.group_id] = res
         if len(rnd.results) == len(self.prompts):

@@ -167,6 +167,11 @@ class PromptLedger:
             self._orders = {epoch: epoch_order(n, epoch, self.seed)}
         return epoch, self._orders[epoch][group_id % n]
 
+    def issued_prompt(self, group_id: int) -> tuple[int, PromptRecord]:
+        """(prompt index, record) of the prompt group ``group_id`` samples."""
+        _, idx = self.prompt_of(group_id)
+        return idx, self.prompts[idx]
+
     def issue(
         self, generator_id: int, loaded_version: int, max_groups: int, client: bytes = b""
     ) -> tuple[list[PromptGroup], bool]:

@@ -7,12 +7,22 @@ buffer/rollouts.py."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from verl_async import protocol as P
 
 MAX_WAIT_S = 300.0  # the longest long poll (clients poll for 1-30 s; see learners/batching.py)
 MAX_WORLD_SIZE = 4096  # learner ranks a GetBatch may name (shards are allocated per rank)
-MAX_PARKED_PER_CLIENT = 16  # long polls one connection may have waiting (real ones: 1-2)
+
+
+@dataclass(frozen=True)
+class Peers:
+    """The run's shape, as its config fixes it (None: not known, not checked): requests
+    name generators and learner ranks only within it, so no client can make the buffer
+    keep state for ids the run does not have, nor cut steps for another world size."""
+
+    generators: int | None = None  # generator groups (placement.generators)
+    learner_ranks: int | None = None  # learner ranks (placement.learners)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -34,12 +44,11 @@ def check_wait(wait_s: float) -> None:
         raise P.ProtocolError(f"wait_s {wait_s!r} is outside 0..{MAX_WAIT_S:g} seconds")
 
 
-def check_parked(waiting: int) -> None:
-    """A connection parks a handful of long polls at most (each holds buffer memory)."""
-    if waiting >= MAX_PARKED_PER_CLIENT:
+def check_generator_id(generator_id: int, peers: Peers) -> None:
+    """A generator id the run has (each one's state lives as long as the buffer)."""
+    if peers.generators is not None and generator_id >= peers.generators:
         raise P.ProtocolError(
-            f"{waiting} long polls of this connection are waiting already "
-            f"(at most {MAX_PARKED_PER_CLIENT})"
+            f"generator_id {generator_id}: the run has {peers.generators} generator(s)"
         )
 
 
@@ -52,15 +61,20 @@ def check_loaded(loaded_version: int, target_version: int) -> None:
         )
 
 
-def check_get_batch(req: P.GetBatch, total_steps: int, cut_for: int | None) -> None:
+def check_get_batch(
+    req: P.GetBatch, total_steps: int, cut_for: int | None, ranks: int | None = None
+) -> None:
     """Step, rank and world size a learner can ask for. ``cut_for``: the number of ranks
-    the step was already split over (None: not cut yet); every rank must agree on it."""
+    the step was already split over (None: not cut yet); every rank must agree on it.
+    ``ranks``: the run's learner ranks (None: not known), the only world size it serves."""
     check_non_negative(req, "step", "learner_version")
     check_wait(req.wait_s)
     if req.step >= total_steps:
         raise P.ProtocolError(f"step {req.step} is past the run's last step {total_steps - 1}")
     if not 1 <= req.world_size <= MAX_WORLD_SIZE:
         raise P.ProtocolError(f"world_size {req.world_size} is outside 1..{MAX_WORLD_SIZE}")
+    if ranks is not None and req.world_size != ranks:
+        raise P.ProtocolError(f"world_size {req.world_size}: the run has {ranks} learner rank(s)")
     if not 0 <= req.rank < req.world_size:
         raise P.ProtocolError(f"rank {req.rank} is outside 0..{req.world_size - 1}")
     if req.learner_version > req.step:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from buffer.ledger import StoredGroup
+from verl_async.data import PromptRecord
 from verl_async.numerics import finite32_mask
 from verl_async.protocol import EPISODE_BUDGETS, EpisodeStats, ProtocolError, RolloutGroup, vector
 from verl_async.schema import RunConfig
@@ -50,22 +51,38 @@ def max_response_tokens(cfg: RunConfig) -> int:
 
 
 def unpack_rollout(
-    g: RolloutGroup, frames: list, limits: RolloutLimits, versions: tuple[int, int]
+    g: RolloutGroup,
+    frames: list,
+    limits: RolloutLimits,
+    versions: tuple[int, int],
+    issued: tuple[int, PromptRecord] | None = None,
 ) -> StoredGroup:
     """The group as the buffer stores it, after checking every field against ``limits``.
 
     ``versions`` = (oldest, newest) weights version its tokens may carry: the version the
     generator had loaded when the group was issued (versions only grow) and the newest one
-    announced. Pure, and raises only ProtocolError: nothing is recorded from a group that
-    fails here, and the learner never sees a batch it cannot train on.
+    announced. ``issued`` = (prompt index, record) of the prompt the group was issued
+    for: the rollout must name the same prompt, data source and prompt tokens, and the
+    buffer stores its own copies of them, never the sender's (they end in trained.jsonl,
+    in the metrics' per-source keys and in the learner's batches). None: not checked
+    (tests of other parts). Pure, and raises only ProtocolError: nothing is recorded from
+    a group that fails here, and the learner never sees a batch it cannot train on.
+
+    Arrays are copied out of the received frames unless they span a frame of their own
+    (``protocol.tensor``'s ``keep``), so a stored group pins no bytes it does not use.
     """
     where = f"group {g.group_id}"
     prompt = vector(g.prompt_ids, frames, "int32", f"{where}: prompt_ids")
-    resp = vector(g.response_ids, frames, "int32", f"{where}: response_ids")
-    lp = vector(g.behav_logprobs, frames, "float32", f"{where}: behav_logprobs")
-    ver = vector(g.token_versions, frames, "int32", f"{where}: token_versions")
+    resp = vector(g.response_ids, frames, "int32", f"{where}: response_ids", keep=True)
+    lp = vector(g.behav_logprobs, frames, "float32", f"{where}: behav_logprobs", keep=True)
+    ver = vector(g.token_versions, frames, "int32", f"{where}: token_versions", keep=True)
     _check_lengths(where, g.lengths, limits, (len(resp), len(lp), len(ver)))
     _check_token_ids(where, "prompt_ids", prompt, limits.vocab_size)
+    prompt_id, data_source = g.prompt_id, g.data_source
+    if issued is not None:
+        prompt_id, record = issued
+        prompt = _check_prompt(where, g, prompt, prompt_id, record)
+        data_source = record.data_source
     _check_token_ids(where, "response_ids", resp, limits.vocab_size)
     if lp.size and not (lp.max() <= 0 and lp.min() > -np.inf):  # NaN fails both
         raise ProtocolError(f"{where}: behav_logprobs must be finite and <= 0")
@@ -81,11 +98,11 @@ def unpack_rollout(
             "(loaded when issued .. newest announced)"
         )
     _check_scores(where, g.scores, g.failed, len(g.lengths), limits.num_sources)
-    # Views on the received frames (numpy keeps each frame alive): no copy on the way in.
+    # Views on the group's own arrays, one per sample.
     split = lambda a: [a[bounds[i] : bounds[i + 1]] for i in range(len(g.lengths))]  # noqa: E731
     return StoredGroup(
         g.group_id,
-        g.prompt_id,
+        prompt_id,
         g.generator_id,
         prompt,
         split(resp),
@@ -93,11 +110,31 @@ def unpack_rollout(
         split(ver),
         [list(sample) for sample in zip(*g.scores, strict=True)],  # [S][N] -> [N][S]
         list(g.failed),
-        g.data_source,
+        data_source,
         loss_masks=None if mask is None else split(mask),
         turn_rewards=None if rewards is None else split(rewards),
         episodes=list(g.episodes),
     )
+
+
+def _check_prompt(
+    where: str, g: RolloutGroup, prompt: np.ndarray, prompt_id: int, record: PromptRecord
+) -> np.ndarray:
+    """The issued prompt's token ids, once the rollout is seen to name that prompt."""
+    if g.prompt_id != prompt_id:
+        raise ProtocolError(f"{where}: prompt_id {g.prompt_id}, it was issued for {prompt_id}")
+    if g.data_source != record.data_source:
+        raise ProtocolError(
+            f"{where}: data_source {g.data_source[:64]!r}, its prompt's is "
+            f"{record.data_source[:64]!r}"
+        )
+    issued = np.asarray(record.prompt_ids, dtype=np.int32)
+    if not np.array_equal(prompt, issued):
+        raise ProtocolError(
+            f"{where}: prompt_ids ({len(prompt)} tokens) are not the {len(issued)} tokens "
+            "it was issued with"
+        )
+    return issued
 
 
 def _check_lengths(

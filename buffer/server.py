@@ -5,13 +5,16 @@ is a DEALER that sends ``Envelope(request_id, body)`` and gets exactly one reply
 same request_id. Long polls (``PollVersion``, ``GetBatch``) are parked and answered as
 soon as they can be, or at their deadline, so clients never spin.
 
-Nothing is dropped: ROUTER_MANDATORY makes a send to a vanished peer raise (logged)
-instead of silently discarding; HWMs are 0 (unbounded) because every request is answered
-once and clients keep at most a handful outstanding. A message that does not decode gets
-an ``Error`` reply and a log line; the loop goes on. With ``curve`` keys the ROUTER is a
-CurveZMQ server that admits only authorised clients (verl_async/auth.py). The socket
-chores (set-up, decode-or-``Error``, replies to vanished peers, close) are
-``verl_async.transport.server.RouterSocket``'s; the loop and the handlers are here.
+Nothing is dropped: ROUTER_MANDATORY makes a send to a vanished peer fail (logged)
+instead of silently discarding; queues are bounded per connection and frames by
+``buffer.max_message_mb`` (verl_async/transport/limits.py), far above what clients keep
+outstanding. A message that does not decode gets an ``Error`` reply and a log line; the
+loop goes on. Only the run's roles get in (its key set's clients, or holders of its role
+tokens; verl_async/auth.py), and each request comes only from the role ``ROLES`` gives it:
+a generator cannot take the learner's checkpoint cut or announce weights, nor the learner
+return rollouts (answered ``Error("forbidden")`` by the socket). The socket chores
+(set-up, limits, admission, roles, decode-or-``Error``, replies to vanished peers, close)
+are ``verl_async.transport.server.RouterSocket``'s; the loop and the handlers are here.
 
 Hostile input. Every field a peer sends is checked before any state changes (pure
 functions in buffer/requests.py, buffer/ledger.py and buffer/rollouts.py): a wrong
@@ -38,9 +41,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
@@ -49,13 +52,15 @@ import zmq.asyncio
 from buffer.batches import StepBatches, encode_step
 from buffer.evaluation import EvalRounds
 from buffer.ledger import LedgerError, PromptLedger, StepBatch, check_issued
+from buffer.polls import MAX_PARKED, Parked, ParkedPolls
 from buffer.requests import (
+    Peers,
     check_announce,
     check_eval_results,
+    check_generator_id,
     check_get_batch,
     check_loaded,
     check_non_negative,
-    check_parked,
     check_wait,
 )
 from buffer.rollouts import RolloutLimits, unpack_rollout
@@ -63,19 +68,27 @@ from buffer.snapshot import Cuts, restore_ledger
 from buffer.sync_epochs import SyncEpochs
 from buffer.telemetry import AdmissionClock, TokenRate
 from verl_async import protocol as P
-from verl_async.auth import ServerKeys
+from verl_async.auth import GENERATOR, LEARNER
 from verl_async.ratelimit import RateLimitedLog, short
-from verl_async.transport.server import RouterSocket
+from verl_async.transport.server import Request, RouterSocket, ServerOptions
 
 log = logging.getLogger("verl_async.buffer")
 
-
-@dataclass
-class Parked:
-    identity: bytes
-    request_id: int
-    body: P.PollVersion | P.GetBatch
-    deadline: float
+LEARNER_ONLY = (
+    P.GetBatch, P.AnnounceWeights, P.SyncStatus, P.SnapshotBuffer, P.FetchSnapshot,
+    P.StartEval, P.GetEval, P.Shutdown,
+)  # fmt: skip
+GENERATOR_ONLY = (
+    P.GetPrompts,
+    P.PushRollouts,
+    P.RenewLeases,
+    P.PollVersion,
+    P.JoinSync,
+    P.PushEval,
+)
+ROLES = {t: (LEARNER,) for t in LEARNER_ONLY} | {t: (GENERATOR,) for t in GENERATOR_ONLY}
+"""Who may send what (``RouterSocket`` answers the rest ``Error("forbidden")``); any
+admitted client, a ``guest`` included, may ask ``GetStats`` and ``GetRun``."""
 
 
 class BufferServer:
@@ -90,7 +103,9 @@ class BufferServer:
         limits: RolloutLimits | None = None,
         run_info: P.RunInfo | None = None,
         exit_after_stop_s: float | None = None,
-        curve: ServerKeys | None = None,
+        options: ServerOptions | None = None,
+        max_parked: int = MAX_PARKED,
+        peers: Peers | None = None,
     ) -> None:
         self.ledger = ledger
         self.run_info = run_info  # answers GetRun (roles started on their own)
@@ -104,6 +119,7 @@ class BufferServer:
         self.rejections = RateLimitedLog(log)
         self.lease_log = RateLimitedLog(log, what="expired leases")  # a line per holder, bounded
         self.evals = evals or EvalRounds([])
+        self.peers = peers or Peers()  # how many generators and learner ranks the run has
         self.prompts_skipped = prompts_skipped
         self.max_staleness = max_staleness
         self.endpoint = endpoint
@@ -114,7 +130,8 @@ class BufferServer:
         self.sync = SyncEpochs()
         self.target_version = 0
         self.batches = StepBatches(ledger, max_staleness)  # the steps handed to the learner
-        self.parked: list[Parked] = []
+        self.parked = ParkedPolls(max_total=max_parked)  # long polls (buffer/polls.py)
+        self.versions_changed = False  # parked version polls may be answerable now
         self.rate = TokenRate()
         self.admission_blocked = 0
         self.rollouts_dropped = 0  # rollouts under a lease that had ended (Dropped)
@@ -122,8 +139,11 @@ class BufferServer:
         self.cuts = Cuts(ledger)  # checkpoint cuts waiting for their files to be fetched
         self.stopping = False  # Shutdown received: answer everyone with stop
         self.terminated = False  # SIGTERM: leave the loop
-        # One log window for the socket's lines (undecodable, lost) and the handlers'.
-        self.router = RouterSocket(zmq.asyncio.Context(), endpoint, curve, log, self.rejections)
+        # One log window for the socket's lines (undecodable, forbidden, lost) and the
+        # handlers'.
+        self.router = RouterSocket(
+            zmq.asyncio.Context(), endpoint, options or ServerOptions(), log, ROLES, self.rejections
+        )
 
     # ------------------------------------------------------------------ main loop
 
@@ -131,7 +151,7 @@ class BufferServer:
         """Wait for input with asyncio; then drain every ready message without awaiting.
 
         The asyncio socket is only used to sleep until the socket is readable. Receives
-        (non-blocking) and sends (HWM 0: they never block) go through a plain shadow of
+        and sends (both non-blocking) go through a plain shadow of
         the same socket (``RouterSocket.raw``), so a burst of small messages costs no
         event-loop round trip each.
         """
@@ -155,15 +175,16 @@ class BufferServer:
         )
 
     def _drain(self) -> None:
-        for identity, env, frames in self.router.drain():  # undecodable ones answered there
-            self._dispatch(identity, env, frames)
+        for request in self.router.drain():  # undecodable and forbidden ones answered there
+            self._dispatch(request)
         self._serve_parked()
 
-    def _dispatch(self, identity: bytes, env: P.Envelope, frames: list) -> None:
+    def _dispatch(self, request: Request) -> None:
         """One decoded message: handle, reply. Never raises: whatever a peer sends gets it
         an ``Error`` reply and costs the log at most one (rate-limited) line."""
+        identity, env = request.identity, request.envelope
         try:
-            reply, frames_out = self.handle(identity, env.request_id, env.body, frames)
+            reply, frames_out = self.handle(identity, env.request_id, env.body, request.frames)
         except Exception as exc:  # noqa: BLE001 (the loop outlives any one message)
             reply, frames_out = self._error_reply(identity, env.body, exc), None
         if reply is not None:
@@ -210,12 +231,13 @@ class BufferServer:
                 if ready is not None:
                     return ready
                 now = time.monotonic()
-                self.parked.append(Parked(identity, request_id, body, now + body.wait_s))
+                self.parked.add(Parked(identity, request_id, body, now + body.wait_s))
                 return None, None
             case P.AnnounceWeights():
                 self.update = body.update
                 self.target_version = body.update.version
                 self.sync.announced(body.update.epoch)
+                self.versions_changed = True
                 return P.Ack(), None
             case P.JoinSync():
                 return self._join_sync(body.generator_id), None
@@ -228,7 +250,7 @@ class BufferServer:
                 self.evals.start(body)
                 return P.Ack(), None
             case P.PushEval():
-                self.evals.record(body)
+                self.evals.record(body, identity)
                 return P.Ack(), None
             case P.GetEval():
                 return self.evals.report(body.round), None
@@ -238,7 +260,7 @@ class BufferServer:
             case P.FetchSnapshot():
                 return self.cuts.files(body.step)
             case P.Shutdown():
-                self.stopping = True
+                self.stopping = self.versions_changed = True
                 self.stopped_at = self.stopped_at or time.monotonic()
                 return P.Ack(), None
             case P.GetRun() if self.run_info is not None:
@@ -255,29 +277,33 @@ class BufferServer:
         match body:
             case P.GetPrompts():
                 check_non_negative(body, "generator_id", "loaded_version", "max_groups")
+                check_generator_id(body.generator_id, self.peers)
                 check_loaded(body.loaded_version, self.target_version)
                 self.ledger.leases.check_request(identity, body.max_groups)
             case P.RenewLeases():
                 self.ledger.leases.check_renewal(body.leases)
             case P.PollVersion():
                 check_non_negative(body, "generator_id", "loaded_version")
+                check_generator_id(body.generator_id, self.peers)
                 check_loaded(body.loaded_version, self.target_version)
                 check_wait(body.wait_s)
             case P.GetBatch():
                 cut = self.batches.steps.get(body.step)
                 total = self.ledger.total_groups // self.ledger.admission.groups_per_step
-                check_get_batch(body, total, None if cut is None else len(cut.shards))
+                cut_for = None if cut is None else len(cut.shards)
+                check_get_batch(body, total, cut_for, self.peers.learner_ranks)
             case P.AnnounceWeights():
                 check_announce(body.update, self.target_version)
                 self.sync.check_announced(body.update.epoch)
             case P.JoinSync():
                 check_non_negative(body, "generator_id")
+                check_generator_id(body.generator_id, self.peers)
             case P.PushEval():
                 check_eval_results(body, self.num_sources, self.target_version)
             case P.StartEval() | P.GetEval() | P.SnapshotBuffer() | P.FetchSnapshot():
                 check_non_negative(body, *body.__struct_fields__)  # rounds, steps, versions
         if isinstance(body, P.PollVersion | P.GetBatch):
-            check_parked(sum(1 for p in self.parked if p.identity == identity))
+            self.parked.check(identity, body)
 
     def _get_prompts(self, identity: bytes, req: P.GetPrompts) -> P.Prompts:
         if self.stopping:
@@ -303,7 +329,9 @@ class BufferServer:
             req.generator_id, refused, self.ledger.in_flight_of(req.generator_id), time.monotonic()
         )
         eval_round, eval_groups = (
-            self.evals.take(req.max_groups, req.loaded_version) if req.evaluate else (-1, [])
+            self.evals.take(req.max_groups, req.loaded_version, identity)
+            if req.evaluate
+            else (-1, [])
         )
         return P.Prompts(
             groups=groups,
@@ -343,6 +371,7 @@ class BufferServer:
                 frames,
                 self.limits,
                 (lg.in_flight[g.group_id].loaded_version, self.target_version),
+                lg.issued_prompt(g.group_id),
             )
             for g in groups
         ]
@@ -406,18 +435,23 @@ class BufferServer:
     # ------------------------------------------------------------------ long polls
 
     def _serve_parked(self) -> None:
-        still: list[Parked] = []
-        for p in self.parked:
+        """Answer the parked polls that can be answered now: the learner's batch polls
+        (a few) after every drain, the generators' version polls only when what answers
+        them changed (an announcement, a shutdown)."""
+        polls = self.parked.batch_polls()
+        if self.versions_changed:
+            self.versions_changed = False
+            polls = itertools.chain(self.parked.version_polls(), polls)
+        for number, p in polls:
             try:
                 ready = self._try_answer(p.body)
             except Exception as exc:  # noqa: BLE001 (e.g. its step was dropped meanwhile)
                 ready = self._error_reply(p.identity, p.body, exc), None
             if ready is None:
-                still.append(p)
                 continue
+            self.parked.take(number)
             reply, frames = ready
             self.router.reply(p.identity, p.request_id, reply, frames)
-        self.parked = still
 
     async def _tick(self) -> None:
         """Every 50 ms: end the log windows, take back expired leases (whether or not their
@@ -427,11 +461,12 @@ class BufferServer:
             self.rejections.flush()
             self.lease_log.flush()
             self._expire_leases()
-            now = time.monotonic()
-            expired = [p for p in self.parked if p.deadline <= now or self.stopping]
+            if self.stopping:
+                expired = self.parked.take_all()
+            else:
+                expired = self.parked.expired(time.monotonic())
             if not expired:
                 continue
-            self.parked = [p for p in self.parked if p not in expired]
             for p in expired:
                 self.router.reply(p.identity, p.request_id, self._timeout_reply(p.body))
             # Sends can consume the edge of ZMQ's edge-triggered fd: serve what arrived.

@@ -41,7 +41,7 @@ from generators.leases import HeldGroups, RolloutPusher
 from generators.render import Renderer
 from verl_async import placement
 from verl_async import protocol as P
-from verl_async.auth import client_keys
+from verl_async.auth import GENERATOR, client_credentials
 from verl_async.envs import EnvironmentTable
 from verl_async.rewards.scorer import GroupScores, Scorer
 from verl_async.runtime import RunContext, descendants_cpu, mark, mark_cpu
@@ -66,7 +66,7 @@ class Generator:
         self.train_sampling = Sampling.training(self.cfg)
         self.eval_sampling = Sampling.evaluation(self.cfg)
         self.buffer = AsyncBufferClient(
-            ctx.endpoints.buffer, self.cfg.buffer.request_timeout_s, client_keys(self.cfg)
+            ctx.endpoints.buffer, self.cfg.buffer.request_timeout_s, credentials(ctx)
         )
         self.stop = False
         self.failure: BaseException | None = None  # first error of a group or the weight loop
@@ -402,6 +402,11 @@ def engine_eos_ids(tokenizer) -> set[int]:
     return ids
 
 
+def credentials(ctx: RunContext):
+    """This generator's key or token (verl_async/auth.py) for the buffer and reward models."""
+    return client_credentials(ctx.cfg, ctx.run_dir, GENERATOR)
+
+
 def make_scorer(ctx: RunContext, index: int) -> Scorer:
     """Rule sources in a scoring process of this generator's; model sources through a
     client of each reward-model process (endpoints chosen by the launcher)."""
@@ -409,9 +414,9 @@ def make_scorer(ctx: RunContext, index: int) -> Scorer:
     if ctx.endpoints.reward_models:
         from verl_async.rewards.model_client import RewardModelClient
 
-        timeout_s, curve = ctx.cfg.rewards.timeout_s, client_keys(ctx.cfg)
+        timeout_s = ctx.cfg.rewards.timeout_s
         clients = {
-            name: RewardModelClient(endpoint, timeout_s, curve)
+            name: RewardModelClient(endpoint, timeout_s, credentials(ctx))
             for name, endpoint in ctx.endpoints.reward_models.items()
         }
     return Scorer(ctx.run_dir, ctx.cfg.rewards, clients, log_name=f"reward_worker{index}")
@@ -474,7 +479,7 @@ async def sync_epoch(ctx: RunContext, index: int) -> int:
     """The weight-sync epoch to join, from the buffer: 0 at the start of a run; a newer one
     when this generator was started again (the buffer then issues its groups again)."""
     cfg = ctx.cfg
-    client = AsyncBufferClient(ctx.endpoints.buffer, cfg.buffer.request_timeout_s, client_keys(cfg))
+    client = AsyncBufferClient(ctx.endpoints.buffer, cfg.buffer.request_timeout_s, credentials(ctx))
     try:
         reply, _ = await client.request(P.JoinSync(generator_id=index))
     finally:

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from verl_async import protocol as P
-from verl_async.auth import CurveKeys
+from verl_async.auth import Credentials
 from verl_async.transport import BufferClient
 
 
@@ -230,7 +230,7 @@ class Prefetcher:
         device: torch.device,
         deadline_s: float,
         background: bool = True,
-        curve: CurveKeys | None = None,
+        credentials: Credentials | None = None,
         on_wait=None,
         stats: bool = False,
     ) -> None:
@@ -241,13 +241,13 @@ class Prefetcher:
         self.device = device
         self.cuda = device.type == "cuda"
         self.args = (endpoint, timeout_s, steps, rank, world, pad_id)
-        self.curve = curve  # CurveZMQ keys of the buffer sockets (None: no authentication)
+        self.credentials = credentials  # the learner's key or token (verl_async/auth.py)
         self.thread = None
         if background:
             self.thread = threading.Thread(target=self._run, name="prefetch", daemon=True)
             self.thread.start()
         else:
-            self.client = BufferClient(endpoint, timeout_s, self.curve)
+            self.client = BufferClient(endpoint, timeout_s, self.credentials)
             self.steps = iter(steps)
 
     def _fetch(self, client: BufferClient, step: int, stream=None, on_wait=None):
@@ -259,7 +259,7 @@ class Prefetcher:
 
     def _run(self) -> None:
         endpoint, timeout_s, steps = self.args[:3]
-        client = BufferClient(endpoint, timeout_s, self.curve)
+        client = BufferClient(endpoint, timeout_s, self.credentials)
         stream = torch.cuda.Stream(self.device) if self.cuda else None
         try:
             for step in steps:

@@ -40,7 +40,7 @@ from learners.step_metrics import GeneratorTiming, algo_metrics, multiturn_metri
 from learners.update import StepStats, policy_update, prox_pass
 from verl_async import lora
 from verl_async import protocol as P
-from verl_async.auth import CurveKeys, client_keys
+from verl_async.auth import LEARNER, Credentials, client_credentials
 from verl_async.checkpoint import SHARDS, in_run, step_dir
 from verl_async.metrics import MetricsWriter
 from verl_async.rewards.aggregate import RunningStats, combine, summarize
@@ -87,7 +87,7 @@ class Learner:
         self.version = 0
         self.publish_bytes = 0  # what the last weight update sent (the adapter alone with LoRA)
         self.steps_done = 0
-        self.curve = client_keys(self.cfg)  # CurveZMQ keys of every buffer socket (None: none)
+        self.curve = client_credentials(self.cfg, ctx.run_dir, LEARNER)  # every buffer socket's
         self.client = BufferClient(
             ctx.endpoints.buffer, self.cfg.buffer.request_timeout_s, self.curve
         )
@@ -183,7 +183,7 @@ class Learner:
             self.acc.device,
             deadline_s=cfg.weights.join_timeout_s,
             background=cfg.learner.prefetch,
-            curve=self.curve,
+            credentials=self.curve,
             on_wait=self.while_waiting,
             stats=self.metrics is not None,  # for the generator telemetry of the metrics line
         )
@@ -557,7 +557,7 @@ class Learner:
 
 
 def fetch_buffer_files(
-    endpoint: str, timeout_s: float, step: int, curve: CurveKeys | None = None
+    endpoint: str, timeout_s: float, step: int, curve: Credentials | None = None
 ) -> dict[str, memoryview]:
     """The buffer's files of the cut taken at ``step`` (on the checkpoint writer's thread,
     with a socket of its own: the buffer encodes them while training goes on), as views

@@ -5,11 +5,11 @@ from __future__ import annotations
 import logging
 import signal
 
-from verl_async.auth import server_keys
 from verl_async.config import ConfigError
 from verl_async.reward_config import ModelReward
 from verl_async.runtime import RunContext, load_context, start_role
 from verl_async.schema import RunConfig
+from verl_async.transport.server import ServerOptions
 
 log = logging.getLogger("verl_async.reward_model")
 
@@ -57,7 +57,7 @@ def main() -> None:
         source.batch_size,
         source.max_length,
         source.share_prefix,
-        curve=server_keys(ctx.cfg),
+        options=ServerOptions.for_run(ctx.cfg, args.run_dir),
     )
     signal.signal(signal.SIGTERM, lambda signum, frame: setattr(server, "terminated", True))
     server.serve()

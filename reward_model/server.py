@@ -4,10 +4,10 @@ Socket pattern. ROUTER bound on ``endpoints.reward_models[name]``; clients are D
 (``verl_async.rewards.model_client.RewardModelClient``) that send
 ``Envelope(request_id, ScoreConversations)`` and get exactly one reply with the same
 request_id: ``Scores`` or ``Error``. No handshake: ZMQ connects (and, after a restart of
-this process, reconnects) by itself, and requests sent meanwhile are queued by the client.
-HWMs are 0 (unbounded) because every request is answered once and each client bounds what
-it has outstanding; ROUTER_MANDATORY makes a reply to a vanished client raise (logged)
-instead of vanishing silently.
+this process, reconnects) by itself, and a request made meanwhile waits for the
+connection within its deadline. Queues and frames are bounded (transport/limits.py);
+ROUTER_MANDATORY makes a reply to a vanished client fail (logged) instead of vanishing
+silently.
 
 Batching across clients: the loop sleeps until the socket is readable, drains every
 message already queued, scores them together (``reward_model.scoring.score_requests``: a
@@ -17,10 +17,11 @@ is not ``ScoreConversations`` gets an ``Error`` reply and a log line; a request 
 scoring raises gets an ``Error`` reply of its own; the loop goes on. Shutdown: SIGTERM sets
 ``terminated`` (checked at least every ``POLL_MS``); the socket closes with linger=0.
 
-With ``curve`` keys the ROUTER is a CurveZMQ server that admits only authorised clients
-(verl_async/auth.py); each refused one is a line in this process's log. The socket chores
-(set-up, decode-or-``Error``, replies to vanished clients, close) are
-``verl_async.transport.server.RouterSocket``'s; lines a client provokes are rate-limited.
+The ROUTER admits only the run's generators (a key set's, or holders of the run's
+generator token: verl_async/auth.py); each refused one is a line in this process's log.
+The socket chores (set-up, limits, admission, roles, decode-or-``Error``, replies to
+vanished clients, close) are ``verl_async.transport.server.RouterSocket``'s; lines a
+client provokes are rate-limited.
 """
 
 from __future__ import annotations
@@ -34,13 +35,14 @@ import zmq
 
 from reward_model.scoring import score_requests
 from verl_async import protocol as P
-from verl_async.auth import ServerKeys
-from verl_async.transport.server import RouterSocket
+from verl_async.auth import GENERATOR
+from verl_async.transport.server import RouterSocket, ServerOptions
 
 log = logging.getLogger("verl_async.reward_model")
 POLL_MS = 200  # longest sleep before the loop looks at ``terminated`` again
 LOAD_LOG_S = 30.0  # a load line (busy share, conversations scored) this often while serving
 MAX_DRAIN = 1024  # messages taken per wake-up, so one flood cannot starve the replies
+ROLES = {P.ScoreConversations: (GENERATOR,)}  # generators score; nobody else may
 
 
 # ----------------------------------------------------------------------------- serving
@@ -64,7 +66,7 @@ class RewardModelServer:
         batch_size: int,
         max_length: int,
         share_prefix: bool = True,
-        curve: ServerKeys | None = None,
+        options: ServerOptions | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -73,7 +75,7 @@ class RewardModelServer:
         self.share_prefix = share_prefix
         self.endpoint = endpoint
         self.terminated = False  # set by the SIGTERM handler
-        self.router = RouterSocket(zmq.Context(), endpoint, curve, log)
+        self.router = RouterSocket(zmq.Context(), endpoint, options or ServerOptions(), log, ROLES)
 
     def serve(self) -> None:
         """Sleep until readable, drain what is queued, score it together, reply; repeat."""
@@ -102,8 +104,8 @@ class RewardModelServer:
         """Every ready request; bad messages are answered with ``Error`` here (those that
         do not decode by the router)."""
         requests: list[Request] = []
-        for identity, env, _ in self.router.drain(MAX_DRAIN):
-            request = self.parse(identity, env)
+        for message in self.router.drain(MAX_DRAIN):
+            request = self.parse(message.identity, message.envelope)
             if request is not None:
                 requests.append(request)
         return requests

@@ -1,67 +1,69 @@
-"""CurveZMQ authentication of the buffer and the reward-model sockets.
+"""Who may talk to the servers: roles, and the credentials that prove them.
 
-Key set. ``verl-async keys DIR`` (``make_keys``) writes one server key pair, shared by the
-buffer and every reward-model process, and one key pair per client name::
+Roles. Every client of the buffer and of the reward-model processes plays one role,
+``learner`` or ``generator``, and proves it when it connects. The server's ZAP handler
+(verl_async/transport/guard.py) admits a connection only with a valid credential and
+stamps every message from it with its role (ZeroMQ's ``User-Id``), so a server knows who
+sent each message and refuses a request its list gives to the other role
+(``RouterSocket``'s ``roles``; the buffer's list is in buffer/server.py). A third role,
+``guest``, needs no secret and exists only without keys (on loopback): it may ask for the
+run's description and counters (``GetRun``, ``GetStats``), which is how a role started on
+its own (``verl-async generator --buffer ADDR``) finds the run directory holding its token.
 
-    DIR/server/server.key_secret             the servers' key pair (mode 0600)
-    DIR/server/authorized_clients/NAME.key   public key of each client the servers accept
-    DIR/clients/NAME/NAME.key_secret         client NAME's key pair (mode 0600)
-    DIR/clients/NAME/server.key              the servers' public key
+Two ways to prove a role:
 
-The machine that runs the buffer or a reward model needs ``DIR/server``; a machine whose
-processes are clients (learner, generators) needs ``DIR/clients/NAME``. ``buffer.keys_dir``
-names DIR on every machine and ``buffer.client_key`` the NAME its clients use. A client is
-let in when its public key is in ``authorized_clients``: delete a file there (and restart
-the servers) to shut a client out.
+- **Key set** (``buffer.keys_dir``, required off loopback): CurveZMQ, so every frame is
+  also encrypted. ``verl-async keys DIR`` (``make_keys``) writes one server key pair,
+  shared by the buffer and every reward-model process, and one key pair per client name
+  and role::
 
-Server side (``serve_curve``). The ROUTER becomes a CURVE server under a ZAP domain with
-enforcement on, so a connection is admitted only when the ZAP handler says so: with no
-handler running, nobody is. The handler is pyzmq's ``ThreadAuthenticator`` (its own
-thread, so a handshake never waits on the server's own loop), asked about each CURVE
-client's public key. A socket monitor, read by a second thread, sees the handshakes that
-fail before ZAP is asked: a client without CURVE, or one holding another key set's server
-key. Each refusal is one warning in the role's log, rate-limited (``RateLimitedLog``: a
-peer retrying is named once, for good); the socket goes on
-serving the clients it admitted. ``CurveGuard.close`` stops both threads; it must run
-before the socket's context is terminated (the threads hold sockets of that context).
+      DIR/server/server.key_secret                  the servers' key pair (mode 0600)
+      DIR/server/authorized_clients/ROLE/NAME.key   public key of client NAME as ROLE
+      DIR/clients/NAME/ROLE.key_secret              client NAME's key pair as ROLE (0600)
+      DIR/clients/NAME/server.key                   the servers' public key
 
-Client side: ``CurveKeys.apply`` sets a socket's keys before it connects. A client that is
-refused sees no error from ZeroMQ, only a request that gets no reply, so it fails with its
-own timeout (``BufferUnavailable``, ``RewardModelUnavailable``).
+  ``buffer.client_key`` names the NAME a machine's clients use; each process takes the
+  key of its own role. A machine that only runs generators needs only
+  ``generator.key_secret`` and ``server.key`` (delete ``learner.key_secret`` from its
+  copy, or ``authorized_clients/learner/NAME.key`` on the servers' machine).
+- **Role tokens** (loopback without keys): ZeroMQ's PLAIN mechanism carries
+  (role, token); a token is 32 random bytes in ``RUN_DIR/tokens/ROLE`` (mode 0600 in a
+  0700 directory), written with ``endpoints.json`` (``write_role_tokens``). Another user
+  on the machine cannot read them, so cannot act as a role; a process of the same user
+  can (it could read any role's memory as well). Loopback TCP cannot be sniffed without
+  root, so PLAIN's clear text stays on the machine.
+
+A client that is refused sees no error from ZeroMQ, only a request that gets no reply, so
+it fails with its own timeout (``BufferUnavailable``, ``RewardModelUnavailable``).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import re
+import secrets
 import shutil
 import stat
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import zmq
-from zmq.auth import Authenticator, create_certificates, load_certificate
-from zmq.auth.thread import ThreadAuthenticator
-from zmq.utils.monitor import parse_monitor_message
-
 from verl_async.config_base import ConfigError
-from verl_async.ratelimit import RateLimitedLog
 
 if TYPE_CHECKING:
+    import zmq
+
     from verl_async.schema import BufferConfig, RunConfig
 
+LEARNER, GENERATOR, GUEST = "learner", "generator", "guest"
+ROLES = (LEARNER, GENERATOR)  # the roles a key or a token can prove
 SERVER_DIR = "server"
 AUTHORIZED_DIR = "authorized_clients"
 CLIENTS_DIR = "clients"
 SERVER_SECRET = "server.key_secret"
 SERVER_PUBLIC = "server.key"
-ZAP_DOMAIN = b"verl_async"
+TOKENS_DIR = "tokens"
 CLIENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
-JOIN_S = 5.0  # longest wait for a guard thread to stop
-REFUSALS_WINDOW_S = 60.0  # a handshake retried forever costs a line a minute at most
 
 
 # ----------------------------------------------------------------------------- key set
@@ -70,6 +72,8 @@ REFUSALS_WINDOW_S = 60.0  # a handshake retried forever costs a line a minute at
 def make_keys(out_dir: str | Path, clients: list[str], force: bool = False) -> list[Path]:
     """Write a key set (layout in the module docstring) into ``out_dir``; return the
     secret files written. An existing key set is replaced only with ``force``."""
+    from zmq.auth import create_certificates
+
     out = Path(out_dir)
     bad = [n for n in clients if not CLIENT_NAME.fullmatch(n)]
     if not clients or bad or len(set(clients)) != len(clients):
@@ -85,20 +89,21 @@ def make_keys(out_dir: str | Path, clients: list[str], force: bool = False) -> l
     for path in existing:
         shutil.rmtree(path)
     server = _private_dir(out / SERVER_DIR)
-    authorized = out / SERVER_DIR / AUTHORIZED_DIR
-    authorized.mkdir()
     server_public, server_secret = map(Path, create_certificates(server, "server"))
-    secrets = [server_secret]
+    secrets_ = [server_secret]
+    for role in ROLES:
+        (server / AUTHORIZED_DIR / role).mkdir(parents=True)
     for name in clients:
         home = _private_dir(out / CLIENTS_DIR / name)
-        public, secret = map(Path, create_certificates(home, name))
-        public.replace(authorized / public.name)
         shutil.copyfile(server_public, home / SERVER_PUBLIC)
-        secrets.append(secret)
+        for role in ROLES:
+            public, secret = map(Path, create_certificates(home, role))
+            public.replace(server / AUTHORIZED_DIR / role / f"{name}.key")
+            secrets_.append(secret)
     server_public.unlink()  # the servers need only their secret file; clients have copies
-    for secret in secrets:
+    for secret in secrets_:
         secret.chmod(0o600)
-    return secrets
+    return secrets_
 
 
 def _private_dir(path: Path) -> Path:
@@ -110,16 +115,18 @@ def _private_dir(path: Path) -> Path:
     return path
 
 
-# ----------------------------------------------------------------------------- loading
+# ----------------------------------------------------------------------------- credentials
 
 
 @dataclass(frozen=True)
 class CurveKeys:
-    """What a client socket needs: its own key pair and the servers' public key (Z85)."""
+    """A client's CurveZMQ credential: its key pair as ``role`` and the servers' public
+    key (Z85)."""
 
     public: bytes
     secret: bytes
     server: bytes
+    role: str
 
     def apply(self, sock: zmq.Socket) -> None:
         """Make ``sock`` a CURVE client; call before it connects."""
@@ -129,22 +136,67 @@ class CurveKeys:
 
 
 @dataclass(frozen=True)
+class RoleToken:
+    """A client's loopback credential: its role and the run's token for it (PLAIN)."""
+
+    role: str
+    token: str
+
+    def apply(self, sock: zmq.Socket) -> None:
+        """Make ``sock`` a PLAIN client; call before it connects."""
+        sock.plain_username = self.role.encode()
+        sock.plain_password = self.token.encode()
+
+
+def guest() -> RoleToken:
+    """The credential of a client with no role (loopback only: ``GetRun``, ``GetStats``)."""
+    return RoleToken(GUEST, GUEST)  # PLAIN wants a non-empty password; this one proves nothing
+
+
+Credentials = CurveKeys | RoleToken
+
+
+@dataclass(frozen=True)
 class ServerKeys:
-    """What a server socket needs: its key pair and the clients it lets in (Z85 keys)."""
+    """What a CURVE server needs: its key pair and the role of each client key it admits."""
 
     public: bytes
     secret: bytes
-    authorized: frozenset[bytes]
+    roles: dict[bytes, str]  # client public key (Z85) -> role
     authorized_dir: Path
+
+
+@dataclass(frozen=True)
+class RoleTokens:
+    """What a PLAIN server (loopback without keys) needs: the run's token of each role."""
+
+    tokens: dict[str, str]  # role -> token
+    path: Path  # where they were read (named in refusals)
+
+
+ServerAuth = ServerKeys | RoleTokens
+
+
+# ----------------------------------------------------------------------------- loading keys
 
 
 def _bad(key: str, what: str) -> ConfigError:
     return ConfigError(f"bad value for 'buffer.{key}': {what}")
 
 
+def _old_layout(keys_dir: Path) -> ConfigError:
+    return _bad(
+        "keys_dir",
+        f"'{keys_dir}' holds a key set without per-role keys (made by an earlier version); "
+        f"make a new one with `verl-async keys {keys_dir} --force`",
+    )
+
+
 def _read_key(path: Path, secret: bool) -> tuple[bytes, bytes | None]:
     """(public, secret) of one key file; a missing, unreadable, malformed or (secret)
     group- or world-readable file is a ConfigError naming buffer.keys_dir."""
+    from zmq.auth import load_certificate
+
     if not path.is_file():
         raise _bad("keys_dir", f"'{path}' is missing; make a key set with `verl-async keys DIR`")
     if secret and path.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
@@ -176,25 +228,33 @@ def client_name(keys_dir: str | Path, client_key: str = "") -> str:
     return names[0]
 
 
-def load_client_keys(keys_dir: str | Path, client_key: str = "") -> CurveKeys:
-    """A client's keys from a key set (``client_name`` picks which client)."""
+def load_client_keys(keys_dir: str | Path, client_key: str, role: str) -> CurveKeys:
+    """Client ``client_name(keys_dir, client_key)``'s keys as ``role``."""
     home = Path(keys_dir) / CLIENTS_DIR / client_name(keys_dir, client_key)
-    name = home.name
-    public, secret = _read_key(home / f"{name}.key_secret", secret=True)
+    if (home / f"{home.name}.key_secret").is_file() and not any(
+        (home / f"{r}.key_secret").is_file() for r in ROLES
+    ):
+        raise _old_layout(Path(keys_dir))
+    public, secret = _read_key(home / f"{role}.key_secret", secret=True)
     server, _ = _read_key(home / SERVER_PUBLIC, secret=False)
-    return CurveKeys(public=public, secret=secret, server=server)
+    return CurveKeys(public=public, secret=secret, server=server, role=role)
 
 
 def load_server_keys(keys_dir: str | Path) -> ServerKeys:
-    """The servers' key pair and the public keys of the clients they accept."""
+    """The servers' key pair and the public key of each client they admit, by role."""
     server = Path(keys_dir) / SERVER_DIR
     public, secret = _read_key(server / SERVER_SECRET, secret=True)
     authorized_dir = server / AUTHORIZED_DIR
-    files = sorted(authorized_dir.glob("*.key")) if authorized_dir.is_dir() else []
-    if not files:
-        raise _bad("keys_dir", f"'{authorized_dir}' holds no client public key (*.key)")
-    authorized = frozenset(_read_key(f, secret=False)[0] for f in files)
-    return ServerKeys(public, secret, authorized, authorized_dir)
+    if authorized_dir.is_dir() and any(authorized_dir.glob("*.key")):
+        raise _old_layout(Path(keys_dir))
+    roles = {
+        _read_key(f, secret=False)[0]: role
+        for role in ROLES
+        for f in sorted((authorized_dir / role).glob("*.key"))
+    }
+    if not roles:
+        raise _bad("keys_dir", f"'{authorized_dir}' holds no client public key (ROLE/*.key)")
+    return ServerKeys(public, secret, roles, authorized_dir)
 
 
 def check_keys_dir(buffer: BufferConfig) -> None:
@@ -215,143 +275,70 @@ def check_keys_dir(buffer: BufferConfig) -> None:
     if has_server:
         load_server_keys(keys_dir)
     if buffer.client_key or len(names) == 1:
-        load_client_keys(keys_dir, buffer.client_key)
+        home = keys_dir / CLIENTS_DIR / client_name(keys_dir, buffer.client_key)
+        held = [r for r in ROLES if (home / f"{r}.key_secret").is_file()]
+        for role in held or [LEARNER]:  # none held: the first load says what is wrong
+            load_client_keys(keys_dir, buffer.client_key, role)
 
 
-def client_keys(cfg: RunConfig) -> CurveKeys | None:
-    """This machine's client keys for the run (None: the run has no keys)."""
-    if not cfg.buffer.keys_dir:
-        return None
-    return load_client_keys(cfg.buffer.keys_dir, cfg.buffer.client_key)
+# ----------------------------------------------------------------------------- role tokens
 
 
-def server_keys(cfg: RunConfig) -> ServerKeys | None:
-    """The servers' keys for the run (None: the run has no keys)."""
-    return load_server_keys(cfg.buffer.keys_dir) if cfg.buffer.keys_dir else None
-
-
-# ----------------------------------------------------------------------------- server side
-
-
-class _KeyCheck(ThreadAuthenticator):
-    """ZAP handler: admits a CURVE client whose public key is authorised."""
-
-    def __init__(self, context: zmq.Context, keys: ServerKeys, refusals: RateLimitedLog) -> None:
-        super().__init__(context)
-        self.keys = keys
-        self.refusals = refusals
-        self.address = "?"  # peer of the ZAP request being answered
-
-    async def handle_zap_message(self, msg: list[bytes]) -> None:
-        # The refusal line names the peer; ZAP carries its address in frame 3 only.
-        self.address = msg[3].decode(errors="replace") if len(msg) > 3 else "?"
-        await super().handle_zap_message(msg)
-
-    def stop(self) -> None:
-        """pyzmq's ``stop`` with a bounded wait for the thread."""
-        if self.pipe is not None:
-            self.pipe.send(b"TERMINATE")
-            if self.thread is not None:
-                self.thread.join(JOIN_S)
-            self.pipe.close(linger=0)
-            self.pipe = None
-        Authenticator.stop(self)  # closes the ZAP socket
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        """pyzmq's credentials-provider hook: ``key`` is the client's Z85 public key."""
-        if key in self.keys.authorized:
-            return True
-        self.refusals.log(
-            "unauthorised-key",
-            "refused a client at %s: its CURVE public key %s is not in %s",
-            self.address,
-            key.decode(errors="replace"),
-            str(self.keys.authorized_dir),
-            once=(self.address, key),  # libzmq names this peer: once, however often it retries
-        )
-        return False
-
-
-def _why(event: int, value: int) -> tuple[str, str]:
-    """(kind, explanation) of a handshake that failed before ZAP was asked."""
-    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-        if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-            return "no-curve", "it does not use CURVE (a client with no keys configured)"
-        if value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
-            return (
-                "crypto",
-                "its handshake does not decrypt (it holds another key set's server key)",
-            )
-        return f"protocol-{value:x}", f"protocol error 0x{value:x} in its handshake"
-    return "no-curve", (  # the same client as above: which side hangs up first varies
-        f"it hung up during the handshake ({os.strerror(value)}), as a client with no keys "
-        "configured does"
-    )
-
-
-class _HandshakeWatch(threading.Thread):
-    """Reads the server socket's monitor: logs handshakes that fail before ZAP."""
-
-    EVENTS = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-
-    def __init__(self, sock: zmq.Socket, refusals: RateLimitedLog) -> None:
-        super().__init__(name="handshake-monitor", daemon=True)
-        self.refusals = refusals
-        self.address = f"inproc://verl_async.monitor.{id(self)}"
-        sock.monitor(self.address, self.EVENTS)
-        # A plain socket on the same libzmq context (inproc needs it), even when the
-        # server's own socket is an asyncio one.
-        self.pipe = zmq.Context.shadow(sock.context.underlying).socket(zmq.PAIR)
-        self.pipe.linger = 0
-        self.pipe.connect(self.address)
-        self.stopping = threading.Event()
-
-    def run(self) -> None:
-        try:
-            while not self.stopping.is_set():
-                if self.pipe.poll(500):
-                    event = parse_monitor_message(self.pipe.recv_multipart())
-                    kind, why = _why(event["event"], event["value"])
-                    endpoint = event["endpoint"].decode(errors="replace")
-                    # libzmq does not name the peer of a handshake failing before ZAP:
-                    # one line per kind of failure a window.
-                    self.refusals.log(
-                        kind, "refused a client on %s: %s", endpoint, why, once_a_window=True
-                    )
-                self.refusals.flush()
+def write_role_tokens(run_dir: str | Path) -> None:
+    """Give ``run_dir`` a token per role (kept if there already: a resumed run and its
+    restarted roles go on with the same ones)."""
+    tokens = Path(run_dir) / TOKENS_DIR
+    tokens.mkdir(mode=0o700, exist_ok=True)  # processes of one job may race here
+    tokens.chmod(0o700)  # mkdir's mode is masked by the umask
+    for role in ROLES:
+        try:  # written whole before anyone can open it: the name appears with its text
+            tmp = tokens / f".{role}.{os.getpid()}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32))
+            os.link(tmp, tokens / role)  # fails if the role has one: it is kept
+        except FileExistsError:
+            pass
         finally:
-            self.pipe.close(linger=0)
+            tmp.unlink(missing_ok=True)
 
 
-class CurveGuard:
-    """The authentication threads of one CURVE server socket (module docstring)."""
-
-    def __init__(self, sock: zmq.Socket, keys: ServerKeys, logger: logging.Logger) -> None:
-        self.sock = sock
-        refusals = RateLimitedLog(logger, window_s=REFUSALS_WINDOW_S, what="refused handshakes")
-        self.auth = _KeyCheck(sock.context, keys, refusals)
-        self.auth.start()
-        self.auth.configure_curve_callback(ZAP_DOMAIN.decode(), credentials_provider=self.auth)
-        sock.curve_secretkey = keys.secret
-        sock.curve_publickey = keys.public
-        sock.curve_server = True
-        sock.zap_domain = ZAP_DOMAIN
-        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no ZAP handler: nobody is admitted
-        self.watch = _HandshakeWatch(sock, refusals)
-        self.watch.start()
-
-    def close(self) -> None:
-        """Stop both threads: before the socket closes and its context is terminated."""
-        self.watch.stopping.set()
-        self.watch.join(JOIN_S)
-        if not self.sock.closed:
-            self.sock.disable_monitor()
-        self.auth.stop()
+def _read_token(run_dir: str | Path, role: str) -> str:
+    path = Path(run_dir) / TOKENS_DIR / role
+    try:
+        token = path.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot read the run's {role} token '{path}' ({exc.strerror}); roles on "
+            "loopback without keys prove their role with it: start the run with "
+            "`verl-async train` (or `verl-async buffer`), which writes it"
+        ) from None
+    if path.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(f"'{path}' is readable by other users; run chmod 600 on it")
+    return token
 
 
-def serve_curve(
-    sock: zmq.Socket, keys: ServerKeys | None, logger: logging.Logger
-) -> CurveGuard | None:
-    """Make ``sock`` (a ROUTER, before it binds) a CURVE server that admits only the
-    authorised clients and logs each refused one to ``logger``; None without keys."""
-    return CurveGuard(sock, keys, logger) if keys is not None else None
+def load_role_token(run_dir: str | Path, role: str) -> RoleToken:
+    return RoleToken(role, _read_token(run_dir, role))
+
+
+def load_role_tokens(run_dir: str | Path) -> RoleTokens:
+    tokens = {role: _read_token(run_dir, role) for role in ROLES}
+    return RoleTokens(tokens, Path(run_dir) / TOKENS_DIR)
+
+
+# ----------------------------------------------------------------------------- per run
+
+
+def client_credentials(cfg: RunConfig, run_dir: str | Path, role: str) -> Credentials:
+    """This machine's credential as ``role`` in the run: its keys, or the run's token."""
+    if cfg.buffer.keys_dir:
+        return load_client_keys(cfg.buffer.keys_dir, cfg.buffer.client_key, role)
+    return load_role_token(run_dir, role)
+
+
+def server_auth(cfg: RunConfig, run_dir: str | Path) -> ServerAuth:
+    """What the run's servers admit: the key set's clients, or the run's role tokens."""
+    if cfg.buffer.keys_dir:
+        return load_server_keys(cfg.buffer.keys_dir)
+    return load_role_tokens(run_dir)

@@ -137,12 +137,6 @@ def check_consistency(cfg: RunConfig) -> None:
     check_loggers(cfg.trainer.loggers)
     check_rewards(cfg.rewards)
     check_ipv4("weights.host", cfg.weights.host)
-    if cfg.weights.host and not is_loopback(cfg.weights.host) and not cfg.buffer.keys_dir:
-        raise ConfigError(
-            f"bad value for 'weights.host': '{cfg.weights.host}' is not loopback, and endpoints "
-            "off loopback need CurveZMQ keys: run `verl-async keys DIR` and set "
-            "buffer.keys_dir=DIR (docs/security.md)"
-        )
     if cfg.weights.host and not is_loopback(cfg.weights.host) and not cfg.weights.port:
         raise ConfigError(
             "bad value for 'weights.port': set it when weights.host names another machine "
@@ -167,7 +161,7 @@ def check_consistency(cfg: RunConfig) -> None:
         )
     if cfg.eval.every_steps and not cfg.data.val_path:
         raise ConfigError("bad value for 'eval.every_steps': evaluation needs data.val_path")
-    check_endpoints(cfg.buffer)
+    check_endpoints(cfg.buffer, cfg.weights.host)
     if cfg.ray.address.startswith("ray://"):
         raise ConfigError(
             "bad value for 'ray.address': Ray Client (ray://) is not supported; run "
@@ -238,21 +232,27 @@ def check_ipv4(key: str, host: str) -> None:
         )
 
 
-def check_endpoints(buffer: BufferConfig) -> None:
-    """Endpoints off loopback only with CurveZMQ keys; a key set that is named must load."""
+def check_endpoints(buffer: BufferConfig, weights_host: str = "") -> None:
+    """Endpoints off loopback only with CurveZMQ keys; a key set that is named must load.
+
+    The weight-sync rendezvous has no authentication of its own; off loopback it is only
+    allowed with keys, which authenticate the buffer's channel that carries its
+    shared-memory token and the announcements members check (docs/security.md)."""
     check_ipv4("buffer.host", buffer.host)
     if buffer.keys_dir:
         from verl_async.auth import check_keys_dir  # imports zmq: only when keys are set
 
         check_keys_dir(buffer)
-    elif buffer.client_key:
+        return
+    if buffer.client_key:
         raise ConfigError("bad value for 'buffer.client_key': set buffer.keys_dir first")
-    elif not is_loopback(buffer.host):
-        raise ConfigError(
-            f"bad value for 'buffer.host': '{buffer.host}' is not loopback, and endpoints off "
-            "loopback need CurveZMQ keys: run `verl-async keys DIR` and set "
-            "buffer.keys_dir=DIR (docs/security.md)"
-        )
+    for key, host in (("buffer.host", buffer.host), ("weights.host", weights_host)):
+        if host and not is_loopback(host):
+            raise ConfigError(
+                f"bad value for '{key}': '{host}' is not loopback, and endpoints off "
+                "loopback need CurveZMQ keys: run `verl-async keys DIR` and set "
+                "buffer.keys_dir=DIR (docs/security.md)"
+            )
 
 
 def to_yaml(cfg: RunConfig) -> str:

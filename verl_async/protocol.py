@@ -20,7 +20,7 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 5  # 5: leases named in prompts and rollouts, renewed by their holder
+PROTOCOL_VERSION = 6  # 6: requests bound to roles (Error "forbidden"); clients prove a role
 
 _DTYPES = {"float32", "float16", "int32", "int64", "uint8", "bool"}
 # dtype -> name and name -> itemsize, looked up per tensor (``ndarray.dtype.name`` is slow).
@@ -535,7 +535,11 @@ def encode(body: Body, request_id: int = 0, frames: Frames | None = None) -> lis
 
 
 def decode(parts: list) -> tuple[Envelope, list]:
-    """Multipart frames -> (envelope, tensor frames). Raises ProtocolError on bad input."""
+    """Multipart frames -> (envelope, tensor frames). Raises ProtocolError on bad input.
+
+    The envelope is decoded once, typed; a message that does not decode is never decoded
+    again: the version it claims (to name a version mismatch) is read from its first
+    bytes alone, so a malformed message costs no more than one failed pass."""
     if not parts:
         raise ProtocolError("empty message")
     # Anything a peer sends must end as ProtocolError: DecodeError (and ValidationError)
@@ -544,9 +548,10 @@ def decode(parts: list) -> tuple[Envelope, list]:
     try:
         env = _decoder.decode(parts[0])
     except (ValueError, RecursionError) as exc:
-        if _peek_version(parts[0]) not in (None, PROTOCOL_VERSION):
+        claimed = _peek_version(parts[0])
+        if claimed not in (None, PROTOCOL_VERSION):
             raise ProtocolError(
-                f"protocol version {_peek_version(parts[0])} is not {PROTOCOL_VERSION}; "
+                f"protocol version {claimed} is not {PROTOCOL_VERSION}; "
                 "run the same verl-async version on every process"
             ) from None
         raise ProtocolError(f"malformed message: {exc}") from None
@@ -555,26 +560,46 @@ def decode(parts: list) -> tuple[Envelope, list]:
     return env, list(parts[1:])
 
 
+_ARRAY_HEADS = {0xDC: 3, 0xDD: 5}  # msgpack array16 / array32: bytes before the first item
+_INT_HEADS = {  # msgpack integer type byte -> (bytes that follow, signed)
+    0xCC: (1, False), 0xCD: (2, False), 0xCE: (4, False), 0xCF: (8, False),
+    0xD0: (1, True), 0xD1: (2, True), 0xD2: (4, True), 0xD3: (8, True),
+}  # fmt: skip
+
+
 def _peek_version(head: bytes | memoryview) -> int | None:
-    try:
-        raw = msgspec.msgpack.decode(head)
-    except (ValueError, RecursionError):  # as in ``decode``: not ours either
+    """The first item of a msgpack array if it is an integer (an envelope's version),
+    read from at most its first 14 bytes; None for anything else."""
+    start = bytes(memoryview(head)[:14])
+    if not start:
         return None
-    if isinstance(raw, list) and raw and isinstance(raw[0], int):
-        return raw[0]
-    return None
+    kind = start[0]
+    at = 1 if 0x90 <= kind <= 0x9F else _ARRAY_HEADS.get(kind)
+    if at is None or len(start) <= at:
+        return None
+    item = start[at]
+    if item <= 0x7F or item >= 0xE0:  # positive / negative fixint
+        return item if item <= 0x7F else item - 0x100
+    if item not in _INT_HEADS:
+        return None
+    size, signed = _INT_HEADS[item]
+    raw = start[at + 1 : at + 1 + size]
+    return int.from_bytes(raw, "big", signed=signed) if len(raw) == size else None
 
 
 MAX_NDIM = 32
 """Dimensions a ``TensorRef`` may have (numpy 1.x's limit; every tensor we send is 1-D)."""
 
 
-def tensor(ref: TensorRef, frames: list) -> np.ndarray:
+def tensor(ref: TensorRef, frames: list, keep: bool = False) -> np.ndarray:
     """The array a ``TensorRef`` points at (a view on the received frame, no copy).
 
     Everything in the ref comes from the peer, so each field is checked before numpy sees
     it: a bad ref raises ProtocolError, never numpy's own ValueError (which the buffer
-    would have to tell apart from its own bugs).
+    would have to tell apart from its own bugs). ``keep``: the caller holds on to the
+    array after the message is handled; a view would keep its whole frame alive, so
+    unless the array spans the frame it is copied out (small tensors share a packed
+    frame, and a peer could pad a frame with bytes nothing reads).
     """
     if ref.dtype not in _DTYPES:
         raise ProtocolError(f"unknown tensor dtype {ref.dtype[:32]!r}")
@@ -594,13 +619,15 @@ def tensor(ref: TensorRef, frames: list) -> np.ndarray:
             f"{ref.dtype} at offset {ref.offset} needs {ref.offset + nbytes}"
         )
     array = np.frombuffer(buf, dtype=ref.dtype, count=count, offset=ref.offset)
+    if keep and nbytes != len(buf):
+        array = array.copy()
     try:
         return array.reshape(ref.shape)
     except ValueError:  # empty, with a dimension numpy cannot index: (0, 2**62)
         raise ProtocolError(f"tensor shape {ref.shape} is too large") from None
 
 
-def vector(ref: TensorRef, frames: list, dtype: str, name: str) -> np.ndarray:
+def vector(ref: TensorRef, frames: list, dtype: str, name: str, keep: bool = False) -> np.ndarray:
     """``tensor`` for a field that must be a 1-D array of ``dtype``; errors name ``name``.
 
     Without this a float32 array sent where token ids belong would be stored as it came
@@ -612,6 +639,6 @@ def vector(ref: TensorRef, frames: list, dtype: str, name: str) -> np.ndarray:
             f"{name} must be a 1-D {dtype} tensor, got {ref.dtype[:32]!r} of shape {shape}"
         )
     try:
-        return tensor(ref, frames)
+        return tensor(ref, frames, keep)
     except ProtocolError as exc:
         raise ProtocolError(f"{name}: {exc}") from None

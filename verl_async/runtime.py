@@ -55,7 +55,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def write_endpoints(run_dir: Path, endpoints: Endpoints) -> None:
+    """``endpoints.json``, and the run's role tokens beside it (verl_async/auth.py): the
+    roles that read one can read the other, and prove their role with it."""
+    from verl_async.auth import write_role_tokens
+
     (run_dir / "endpoints.json").write_bytes(msgspec.json.encode(endpoints))
+    write_role_tokens(run_dir)
 
 
 def load_context(run_dir: str | Path) -> RunContext:

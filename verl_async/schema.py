@@ -110,10 +110,15 @@ class BufferConfig(_Section):
     ``lease_timeout_s`` from its issue: below that, renewals change nothing."""
     keys_dir: str = ""
     """CurveZMQ key set made by ``verl-async keys DIR`` (relative to the working directory):
-    the buffer and reward models admit only its clients. Empty: no authentication."""
+    the buffer and reward models admit only its clients, each under its role. Empty:
+    loopback only, and roles prove themselves with the run directory's tokens."""
     client_key: str = ""
     """Which client of ``keys_dir`` (``clients/NAME``) this machine's processes are; empty:
     the only one there."""
+    max_message_mb: PosInt = 256
+    """The largest frame (MiB) the buffer and the reward models take
+    from a client; one that sends more is disconnected. A rollout's tensors each travel in
+    a frame of their own, and small ones packed together."""
 
 
 class GeneratorConfig(_Section):
@@ -361,7 +366,8 @@ class WeightsConfig(_Section):
     """Address learner rank 0 serves the weight-sync rendezvous on; every generator must
     reach it (default: buffer.host). Set it, with ``port``, when the learner runs on another
     machine than the buffer (``verl-async learner``); off loopback it needs
-    ``buffer.keys_dir``, as the buffer's own address does."""
+    ``buffer.keys_dir``, as the buffer's own address does (the rendezvous itself is not
+    authenticated: docs/security.md)."""
 
 
 class PlacementConfig(_Section):

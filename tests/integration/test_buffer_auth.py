@@ -1,6 +1,7 @@
-"""CurveZMQ on the real buffer and reward-model processes: listed clients are served;
-clients without keys, with an unknown key or with another key set's server key are
-refused, each refusal is one line in the server's log, and the server goes on serving."""
+"""CurveZMQ on the real buffer and reward-model processes: listed clients are served,
+each only what its role's key may ask; clients without keys, with an unknown key or with
+another key set's server key are refused, each refusal is one line in the server's log,
+and the server goes on serving."""
 
 import asyncio
 import json
@@ -15,11 +16,15 @@ import zmq
 
 from benchmarks.tiny_reward_model import build_tiny_reward_model
 from verl_async import protocol as P
-from verl_async.auth import CurveKeys, load_client_keys, make_keys
+from verl_async.auth import GENERATOR, LEARNER, CurveKeys, load_client_keys, make_keys
 from verl_async.config import load_config, to_yaml
-from verl_async.rewards.model_client import RewardModelClient, RewardModelUnavailable
+from verl_async.rewards.model_client import (
+    RewardModelClient,
+    RewardModelRejected,
+    RewardModelUnavailable,
+)
 from verl_async.runtime import Endpoints, write_endpoints
-from verl_async.transport import BufferClient, BufferUnavailable
+from verl_async.transport import BufferClient, BufferRejected, BufferUnavailable
 
 from .conftest import ROOT
 
@@ -36,12 +41,14 @@ def keys(tmp_path) -> Path:
 def stranger(listed: CurveKeys) -> CurveKeys:
     """Valid keys that no key set authorises, holding the right server key."""
     public, secret = zmq.curve_keypair()
-    return CurveKeys(public=public, secret=secret, server=listed.server)
+    return CurveKeys(public=public, secret=secret, server=listed.server, role=listed.role)
 
 
 def wrong_server(listed: CurveKeys) -> CurveKeys:
     """A listed client that holds another key set's server public key."""
-    return CurveKeys(public=listed.public, secret=listed.secret, server=zmq.curve_keypair()[0])
+    return CurveKeys(
+        public=listed.public, secret=listed.secret, server=zmq.curve_keypair()[0], role=listed.role
+    )
 
 
 def wait_for_line(log: Path, text: str, timeout_s: float = 10.0) -> list[str]:
@@ -86,20 +93,38 @@ def buffer_proc(tmp_path, free_port, tiny_model, keys):
     assert stop(proc) == 0, log.read_text()
 
 
-def stats(endpoint: str, curve: CurveKeys | None, timeout_s: float) -> P.Stats:
+def ask(endpoint: str, curve: CurveKeys | None, timeout_s: float, body: P.Body) -> P.Body:
     client = BufferClient(endpoint, timeout_s, curve)
     try:
-        reply, _ = client.request(P.GetStats())
+        reply, _ = client.request(body)
     finally:
         client.close()
+    return reply
+
+
+def stats(endpoint: str, curve: CurveKeys | None, timeout_s: float) -> P.Stats:
+    reply = ask(endpoint, curve, timeout_s, P.GetStats())
     assert isinstance(reply, P.Stats)
     return reply
 
 
 def test_buffer_serves_listed_clients_and_logs_each_refused_one(buffer_proc, keys):
     endpoint, proc, log = buffer_proc
-    listed = load_client_keys(keys, "learner")
+    listed = load_client_keys(keys, "learner", LEARNER)
     assert stats(endpoint, listed, START_S).issued == 0  # (a) a listed client is served
+    # ... each only what its role's key may ask: a generator's key cannot take the
+    # learner's checkpoint cut nor stop the run, the learner's cannot take prompts.
+    generator = load_client_keys(keys, "learner", GENERATOR)
+    with pytest.raises(BufferRejected, match=r"\(forbidden\).*not a generator"):
+        ask(endpoint, generator, 20, P.SnapshotBuffer(step=0, version=0))
+    with pytest.raises(BufferRejected, match=r"\(forbidden\).*not a generator"):
+        ask(endpoint, generator, 20, P.Shutdown())
+    with pytest.raises(BufferRejected, match=r"\(forbidden\).*not a learner"):
+        ask(endpoint, listed, 20, P.GetPrompts(generator_id=0, loaded_version=0, max_groups=1))
+    assert isinstance(
+        ask(endpoint, generator, 20, P.GetPrompts(generator_id=0, loaded_version=0, max_groups=1)),
+        P.Prompts,
+    )
 
     with pytest.raises(BufferUnavailable):  # (b) no keys: refused, one line for its retries
         stats(endpoint, None, REFUSED_S)
@@ -113,13 +138,17 @@ def test_buffer_serves_listed_clients_and_logs_each_refused_one(buffer_proc, key
     assert "refused a client at 127.0.0.1: its CURVE public key" in named[0]
     assert str(keys / "server" / "authorized_clients") in named[0]
 
+    # A key listed under one role does not pass for another (the learner's key from a
+    # copy of a generator machine's directory is simply absent there: ROLE.key_secret).
+    assert load_client_keys(keys, "spare", LEARNER).public != generator.public
+
     with pytest.raises(BufferUnavailable):  # another key set's server key: refused
         stats(endpoint, wrong_server(listed), REFUSED_S)
     assert wait_for_line(log, "does not decrypt"), log.read_text()
 
     # (d) still serving: the listed client, and the second listed one
-    assert stats(endpoint, listed, 20).issued == 0
-    assert stats(endpoint, load_client_keys(keys, "spare"), 20).issued == 0
+    assert stats(endpoint, listed, 20).issued == 1
+    assert stats(endpoint, load_client_keys(keys, "spare", GENERATOR), 20).issued == 1
     assert proc.poll() is None
     assert len(wait_for_line(log, unknown.public.decode(), timeout_s=0)) == 1  # retries: no lines
 
@@ -166,8 +195,10 @@ def score(endpoint: str, curve: CurveKeys | None, timeout_s: float) -> list[floa
 
 def test_reward_model_serves_listed_clients_and_logs_refused_ones(reward_proc, keys):
     endpoint, proc, log = reward_proc
-    listed = load_client_keys(keys, "learner")
+    listed = load_client_keys(keys, "learner", GENERATOR)
     assert len(score(endpoint, listed, START_S)) == 2
+    with pytest.raises(RewardModelRejected, match="forbidden"):  # generators score, nobody else
+        score(endpoint, load_client_keys(keys, "learner", LEARNER), 20)
 
     with pytest.raises(RewardModelUnavailable):
         score(endpoint, None, REFUSED_S)

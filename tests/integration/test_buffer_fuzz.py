@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 
 from benchmarks.custom_learner import command
 from verl_async import protocol as P
+from verl_async.auth import GENERATOR, LEARNER, load_role_token
 from verl_async.transport import BufferClient, BufferUnavailable
 
 from ..unit.test_buffer_validation import _envelope, hostile_messages, make_group, received
@@ -71,7 +72,7 @@ def _buffer_endpoint(run_dir: Path, proc: subprocess.Popen, timeout_s: float = 1
         assert time.monotonic() < deadline, "no endpoints.json"
         time.sleep(0.2)
     endpoint = json.loads(path.read_text())["buffer"]
-    client = BufferClient(endpoint, timeout_s=2.0)
+    client = BufferClient(endpoint, timeout_s=2.0, credentials=load_role_token(run_dir, LEARNER))
     try:
         while True:
             try:
@@ -84,14 +85,18 @@ def _buffer_endpoint(run_dir: Path, proc: subprocess.Popen, timeout_s: float = 1
 
 
 class Fuzzer:
-    """One DEALER socket; one message out, its one reply in (every receive has a deadline).
-    After each message it moves the learner's gate: one step per ``MESSAGES_PER_STEP``
-    messages, the last step only once ``satisfied``."""
+    """One DEALER socket, holding the run's generator token (the worst a compromised
+    generator can do: every role check passes for it, so its messages reach every
+    handler a generator's can); one message out, its one reply in (every receive has a
+    deadline). After each message it moves the learner's gate: one step per
+    ``MESSAGES_PER_STEP`` messages, the last step only once ``satisfied``."""
 
     def __init__(self, endpoint: str, run_dir: Path, gate: Path) -> None:
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        load_role_token(run_dir, GENERATOR).apply(self.sock)
         self.sock.connect(endpoint)
+        self.run_dir = run_dir
         self.buffer_cmd = f"-m buffer --run-dir {run_dir}"
         self.sent = 0
         self.codes: Counter[str] = Counter()
@@ -125,7 +130,7 @@ class Fuzzer:
             assert time.monotonic() < deadline, f"no reply in {REPLY_TIMEOUT_S}s to {parts[:1]}"
         env, _ = P.decode(self.sock.recv_multipart())
         assert isinstance(env.body, P.Error), f"{env.body} accepted from {parts[:1]}"
-        assert env.body.code in ("protocol", "rejected", "unexpected"), env.body
+        assert env.body.code in ("protocol", "rejected", "unexpected", "forbidden"), env.body
         self.codes[env.body.code] += 1
         self.messages[_kind(env.body.message)] += 1
         self.pace()
@@ -181,7 +186,9 @@ def _fuzz_until_the_run_ends(fuzzer: Fuzzer, endpoint: str, proc: subprocess.Pop
     ``issued - returned`` ids issued) to collide with the real generator's, and one
     rollout straight at the latest group issued (hypothesis favours the ends of a range,
     and the low end is usually returned already)."""
-    stats_client = BufferClient(endpoint, timeout_s=REPLY_TIMEOUT_S)
+    stats_client = BufferClient(
+        endpoint, timeout_s=REPLY_TIMEOUT_S, credentials=load_role_token(fuzzer.run_dir, LEARNER)
+    )
     try:
         while not fuzzer.over and proc.poll() is None and fuzzer.sent < MAX_MESSAGES:
             try:
@@ -226,7 +233,9 @@ def test_a_run_under_hostile_input_completes_and_trains_every_group_once(tmp_pat
     # The gate opened on the fuzzer's word alone: the quota was fired while the run
     # trained, and rollouts hit groups in flight, returned and never issued.
     assert fuzzer.opened == STEPS and fuzzer.satisfied, (fuzzer.sent, dict(fuzzer.messages))
-    assert set(fuzzer.codes) == {"protocol", "rejected", "unexpected"}
+    # (a learner's request from the generator's connection is "forbidden")
+    assert {"protocol", "rejected", "unexpected"} <= set(fuzzer.codes)
+    assert set(fuzzer.codes) <= {"protocol", "rejected", "unexpected", "forbidden"}
 
     # Exactly once: every step trained, every group of the run in it once, nothing dropped.
     rows, trail = _rows(run_dir / "metrics.jsonl"), _rows(run_dir / "trained.jsonl")

@@ -19,6 +19,7 @@ import torch
 
 from generators.interface import Sampling
 from verl_async import protocol as P
+from verl_async.auth import GENERATOR, load_role_token
 from verl_async.config import load_config, to_yaml
 from verl_async.runtime import Endpoints, write_endpoints
 from verl_async.transport import BufferClient
@@ -105,7 +106,7 @@ def test_chat_prompt_reaches_the_engine_and_logprobs_match_at_temperature(
     )
     proc = subprocess.Popen([sys.executable, "-m", "buffer", "--run-dir", str(tmp_path)], cwd=ROOT)
     try:
-        client = BufferClient(endpoint, timeout_s=60)
+        client = BufferClient(endpoint, 60, load_role_token(tmp_path, GENERATOR))
         reply, _ = client.request(P.GetPrompts(generator_id=0, loaded_version=0, max_groups=2))
         client.close()
     finally:

@@ -21,10 +21,12 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import zmq
 
 from verl_async import protocol as P
+from verl_async.auth import GENERATOR, load_role_token
 
 from ..unit.test_buffer_validation import make_group
 from .conftest import ROOT
@@ -58,12 +60,15 @@ def _launch(run_dir: Path, out: Path) -> subprocess.Popen:
 
 
 class Rogue:
-    """A DEALER with a known identity (so the buffer's log names it); one request, one reply."""
+    """A DEALER with a known identity (so the buffer's log names it) holding the run's
+    generator token, under the real generator's id (as a compromised generator could);
+    one request, one reply."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, run_dir: Path) -> None:
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.IDENTITY, ROGUE)
+        load_role_token(run_dir, GENERATOR).apply(self.sock)
         self.sock.connect(endpoint)
         self.rid = 0
 
@@ -81,7 +86,7 @@ class Rogue:
         while time.monotonic() < deadline:
             version = self.request(P.GetStats()).target_version
             reply = self.request(
-                P.GetPrompts(generator_id=99, loaded_version=version, max_groups=want)
+                P.GetPrompts(generator_id=0, loaded_version=version, max_groups=want)
             )
             assert isinstance(reply, P.Prompts), reply
             if reply.groups:
@@ -104,8 +109,12 @@ def _late_push(rogue: Rogue, issued: P.PromptGroup) -> str:
     """A rollout of ``issued`` that is valid in every field: only its lease ran out."""
     ver = np.zeros(2 * GROUP_SIZE, np.int32)
     k = issued.group_id
+    prompt = np.array(issued.prompt_ids, np.int32)
     group, frames = make_group(
-        k=k, n=GROUP_SIZE, tokens=2, generator_id=99, lease=issued.lease, ver=ver
+        k=k, n=GROUP_SIZE, tokens=2, generator_id=0, lease=issued.lease, ver=ver, prompt=prompt
+    )
+    group = msgspec.structs.replace(
+        group, prompt_id=issued.prompt_id, data_source=issued.data_source
     )
     reply = rogue.request(P.PushRollouts(groups=[group]), frames)
     assert reply == P.Dropped(group_ids=[k], reason="lease expired"), reply
@@ -114,7 +123,7 @@ def _late_push(rogue: Rogue, issued: P.PromptGroup) -> str:
 
 def _play_rogue(rogue: Rogue) -> tuple[list[list[int]], str, str]:
     """(the groups of each take, the bound's error, the late push's error)."""
-    too_many = rogue.request(P.GetPrompts(generator_id=99, loaded_version=0, max_groups=BOUND + 1))
+    too_many = rogue.request(P.GetPrompts(generator_id=0, loaded_version=0, max_groups=BOUND + 1))
     assert isinstance(too_many, P.Error), too_many
     takes = [rogue.take(4, until_s=60.0)]  # at once, while the generator's engine starts
     first = len(takes[0])
@@ -135,7 +144,7 @@ def test_groups_a_client_never_returns_are_issued_again_and_trained_once(tmp_pat
     proc = _launch(run_dir, tmp_path / "cli.log")
     rogue = None
     try:
-        rogue = Rogue(_buffer_endpoint(run_dir, proc))
+        rogue = Rogue(_buffer_endpoint(run_dir, proc), run_dir)
         takes, bound_error, late_error = _play_rogue(rogue)
         taken = [g for t in takes for g in t]
         rc = proc.wait(timeout=300)
@@ -165,6 +174,6 @@ def test_groups_a_client_never_returns_are_issued_again_and_trained_once(tmp_pat
     log = (run_dir / "logs" / "buffer.log").read_text()
     expired = re.findall(r"lease of (\d+) groups on connection (\w+) \(generator (\d+)\)", log)
     assert expired, log[-2000:]
-    assert {(c, g) for _, c, g in expired} == {(ROGUE.hex(), "99")}, expired
+    assert {(c, g) for _, c, g in expired} == {(ROGUE.hex(), "0")}, expired
     assert sum(int(n) for n, _, _ in expired) == len(taken)
     assert "Traceback" not in log

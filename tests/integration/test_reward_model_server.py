@@ -14,6 +14,7 @@ import zmq
 from benchmarks.tiny_reward_model import build_tiny_reward_model
 from reward_model.scoring import load_reward_model, score_conversations
 from verl_async import protocol as P
+from verl_async.auth import GENERATOR, load_role_token
 from verl_async.config import load_config, to_yaml
 from verl_async.rewards.model_client import (
     RewardModelClient,
@@ -90,11 +91,16 @@ def served(tmp_path, free_port, rm_path):
         stop(proc)
 
 
+def generator(run_dir):
+    """A generator's credential in the run (the reward models serve generators only)."""
+    return load_role_token(run_dir, GENERATOR)
+
+
 def test_scores_match_in_process_and_sigterm_exits_cleanly(served, expected):
-    endpoint, procs, _ = served
+    endpoint, procs, run_dir = served
 
     async def go() -> list[float]:
-        client = RewardModelClient(endpoint, timeout_s=START_S)
+        client = RewardModelClient(endpoint, START_S, generator(run_dir))
         try:
             return await client.score(CONVS)
         finally:
@@ -105,9 +111,10 @@ def test_scores_match_in_process_and_sigterm_exits_cleanly(served, expected):
 
 
 def test_bad_messages_get_errors_and_server_keeps_serving(served, expected):
-    endpoint, _, _ = served
+    endpoint, _, run_dir = served
     raw = zmq.Context.instance().socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
+    generator(run_dir).apply(raw)
     raw.connect(endpoint)
     try:
         replies = []
@@ -126,7 +133,7 @@ def test_bad_messages_get_errors_and_server_keeps_serving(served, expected):
     assert "ScoreConversations" in replies[1].body.message
 
     async def go() -> list[float]:
-        client = RewardModelClient(endpoint, timeout_s=30)
+        client = RewardModelClient(endpoint, 30, generator(run_dir))
         try:
             return await client.score(CONVS[:2])
         finally:
@@ -136,11 +143,11 @@ def test_bad_messages_get_errors_and_server_keeps_serving(served, expected):
 
 
 def test_concurrent_clients_get_their_own_answers(served, expected):
-    endpoint, _, _ = served
+    endpoint, _, run_dir = served
     asks = [CONVS[0:3], CONVS[3:4], CONVS[4:7]]
 
     async def go() -> list[list[float]]:
-        clients = [RewardModelClient(endpoint, timeout_s=START_S) for _ in asks]
+        clients = [RewardModelClient(endpoint, START_S, generator(run_dir)) for _ in asks]
         try:
             # Twice each, at once: requests of one client are told apart by request id.
             jobs = [c.score(a) for _ in range(2) for c, a in zip(clients, asks, strict=True)]
@@ -158,7 +165,7 @@ def test_killed_server_times_out_then_restart_serves_same_client(served, expecte
     endpoint, procs, run_dir = served
 
     async def go() -> None:
-        client = RewardModelClient(endpoint, timeout_s=START_S)
+        client = RewardModelClient(endpoint, START_S, generator(run_dir))
         try:
             assert await client.score(CONVS[:1]) == pytest.approx(expected(CONVS[:1]), abs=1e-5)
             procs[0].kill()

@@ -1,5 +1,5 @@
-"""CurveZMQ key sets: what ``verl-async keys`` writes, what each side loads, and the config
-errors a user meets (each names its key)."""
+"""Key sets and role tokens: what ``verl-async keys`` writes, what each side loads, the
+run's tokens, and the config errors a user meets (each names its key)."""
 
 import logging
 import re
@@ -10,16 +10,29 @@ import pytest
 import zmq
 
 from verl_async.auth import (
-    REFUSALS_WINDOW_S,
-    client_keys,
+    GENERATOR,
+    LEARNER,
+    client_credentials,
     load_client_keys,
+    load_role_token,
+    load_role_tokens,
     load_server_keys,
     make_keys,
-    server_keys,
+    server_auth,
+    write_role_tokens,
 )
 from verl_async.config import ConfigError, load_config
 from verl_async.launch import cli
 from verl_async.ratelimit import RateLimitedLog
+from verl_async.transport.guard import REFUSALS_WINDOW_S
+
+
+def client_keys(cfg, role=LEARNER):
+    return client_credentials(cfg, "/nonexistent", role)
+
+
+def server_keys(cfg):
+    return server_auth(cfg, "/nonexistent")
 
 
 def mode(path) -> int:
@@ -31,12 +44,16 @@ def test_keys_command_writes_the_layout_with_private_secrets(tmp_path, capsys):
     assert cli.main(["keys", str(out), "--clients", "learner", "gen0"]) == 0
     files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
     assert files == [
-        "clients/gen0/gen0.key_secret",
+        "clients/gen0/generator.key_secret",
+        "clients/gen0/learner.key_secret",
         "clients/gen0/server.key",
+        "clients/learner/generator.key_secret",
         "clients/learner/learner.key_secret",
         "clients/learner/server.key",
-        "server/authorized_clients/gen0.key",
-        "server/authorized_clients/learner.key",
+        "server/authorized_clients/generator/gen0.key",
+        "server/authorized_clients/generator/learner.key",
+        "server/authorized_clients/learner/gen0.key",
+        "server/authorized_clients/learner/learner.key",
         "server/server.key_secret",
     ]
     for secret in out.rglob("*.key_secret"):
@@ -60,7 +77,8 @@ def test_an_existing_key_set_is_replaced_only_with_force(tmp_path, capsys):
     assert cli.main(["keys", str(out), "--clients", "b", "--force"]) == 0
     assert (out / "server/server.key_secret").read_bytes() != before
     assert [p.name for p in (out / "clients").iterdir()] == ["b"]  # a's keys are gone
-    assert [p.name for p in (out / "server/authorized_clients").iterdir()] == ["b.key"]
+    for role in (LEARNER, GENERATOR):
+        assert [p.name for p in (out / "server/authorized_clients" / role).iterdir()] == ["b.key"]
 
 
 @pytest.mark.parametrize("names", [[], ["a", "a"], ["../x"], [".hidden"], ["a b"]])
@@ -70,14 +88,51 @@ def test_bad_client_names_are_refused(tmp_path, names):
     assert not (tmp_path / "k").exists()
 
 
-def test_each_side_loads_matching_keys(tmp_path):
+def test_each_side_loads_matching_keys_one_per_role(tmp_path):
     make_keys(tmp_path, ["a", "b"])
     server = load_server_keys(tmp_path)
-    a, b = load_client_keys(tmp_path, "a"), load_client_keys(tmp_path, "b")
-    assert a.server == b.server == server.public
-    assert server.authorized == {a.public, b.public}
+    a, b = load_client_keys(tmp_path, "a", LEARNER), load_client_keys(tmp_path, "b", LEARNER)
+    ga = load_client_keys(tmp_path, "a", GENERATOR)
+    assert a.server == b.server == ga.server == server.public
+    assert ga.public != a.public and ga.role == GENERATOR
+    assert server.roles[a.public] == server.roles[b.public] == LEARNER
+    assert server.roles[ga.public] == GENERATOR and len(server.roles) == 4
     assert zmq.curve_public(server.secret) == server.public
     assert zmq.curve_public(a.secret) == a.public
+
+
+def test_a_key_set_without_roles_is_refused_with_the_fix(tmp_path):
+    make_keys(tmp_path, ["a"])
+    # The layout an earlier version wrote: one key per client, no roles.
+    (tmp_path / "clients/a/generator.key_secret").unlink()
+    (tmp_path / "clients/a/learner.key_secret").rename(tmp_path / "clients/a/a.key_secret")
+    auth = tmp_path / "server/authorized_clients"
+    (auth / "learner/a.key").rename(auth / "a.key")
+    shutil.rmtree(auth / "learner")
+    shutil.rmtree(auth / "generator")
+    for load in (
+        lambda: load_server_keys(tmp_path),
+        lambda: load_client_keys(tmp_path, "a", LEARNER),
+    ):
+        with pytest.raises(ConfigError, match="without per-role keys.*--force"):
+            load()
+
+
+def test_role_tokens_are_private_kept_and_one_per_role(tmp_path):
+    write_role_tokens(tmp_path)
+    tokens = load_role_tokens(tmp_path)
+    assert set(tokens.tokens) == {LEARNER, GENERATOR}
+    assert tokens.tokens[LEARNER] != tokens.tokens[GENERATOR]
+    assert mode(tmp_path / "tokens") == 0o700
+    assert all(mode(tmp_path / "tokens" / r) == 0o600 for r in (LEARNER, GENERATOR))
+    write_role_tokens(tmp_path)  # a resumed run keeps its tokens
+    assert load_role_tokens(tmp_path) == tokens
+    assert load_role_token(tmp_path, GENERATOR).token == tokens.tokens[GENERATOR]
+    (tmp_path / "tokens" / LEARNER).chmod(0o644)
+    with pytest.raises(ConfigError, match="readable by other users"):
+        load_role_token(tmp_path, LEARNER)
+    with pytest.raises(ConfigError, match="cannot read the run's learner token"):
+        load_role_token(tmp_path / "nowhere", LEARNER)
 
 
 def test_a_client_machine_needs_only_its_own_directory(tmp_path, repo_root):
@@ -85,7 +140,7 @@ def test_a_client_machine_needs_only_its_own_directory(tmp_path, repo_root):
     client_only = tmp_path / "copy"
     shutil.copytree(tmp_path / "full/clients/b", client_only / "clients/b")
     cfg = load_config(None, [f"buffer.keys_dir={client_only}", "buffer.host=10.0.0.7"])
-    assert client_keys(cfg) == load_client_keys(tmp_path / "full", "b")
+    assert client_keys(cfg) == load_client_keys(tmp_path / "full", "b", LEARNER)
     with pytest.raises(ConfigError, match=r"^bad value for 'buffer\.keys_dir'.*server\.key_secret"):
         server_keys(cfg)  # what a buffer started on that machine would meet
 
@@ -95,12 +150,7 @@ def test_a_server_machine_needs_only_the_server_directory(tmp_path):
     shutil.copytree(tmp_path / "full/server", tmp_path / "copy/server")
     cfg = load_config(None, [f"buffer.keys_dir={tmp_path / 'copy'}"])
     copy, full = server_keys(cfg), load_server_keys(tmp_path / "full")
-    assert (copy.public, copy.secret, copy.authorized) == (
-        full.public,
-        full.secret,
-        full.authorized,
-    )
-    assert client_keys(load_config(None)) is None and server_keys(load_config(None)) is None
+    assert (copy.public, copy.secret, copy.roles) == (full.public, full.secret, full.roles)
 
 
 def test_non_loopback_host_needs_keys():
@@ -167,7 +217,7 @@ def test_missing_or_exposed_key_files_name_keys_dir(tmp_path):
     msg = _config_error(tmp_path, f"buffer.keys_dir={tmp_path}")
     assert msg.startswith("bad value for 'buffer.keys_dir'") and "not a CurveZMQ key" in msg
     shutil.rmtree(tmp_path / "clients")
-    for f in (tmp_path / "server/authorized_clients").iterdir():
+    for f in (tmp_path / "server/authorized_clients").rglob("*.key"):
         f.unlink()
     msg = _config_error(tmp_path, f"buffer.keys_dir={tmp_path}")
     assert msg.startswith("bad value for 'buffer.keys_dir'") and "no client public key" in msg
@@ -179,7 +229,7 @@ def test_several_clients_and_none_chosen_is_an_error_when_a_client_starts(tmp_pa
     with pytest.raises(ConfigError, match=r"^bad value for 'buffer\.client_key'.*several"):
         client_keys(cfg)
     cfg = load_config(None, [f"buffer.keys_dir={tmp_path}", "buffer.client_key=b"])
-    assert client_keys(cfg) == load_client_keys(tmp_path, "b")
+    assert client_keys(cfg) == load_client_keys(tmp_path, "b", LEARNER)
 
 
 class Clock:

@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 from buffer.evaluation import EvalRounds
 from buffer.leases import Leases
 from buffer.ledger import Issued, LedgerError, PromptLedger, check_issued
+from buffer.polls import MAX_PARKED_PER_CLIENT
 from buffer.requests import (
-    MAX_PARKED_PER_CLIENT,
     check_announce,
     check_eval_results,
     check_get_batch,
@@ -147,7 +147,7 @@ def test_decode_turns_deep_nesting_and_bad_utf8_into_protocol_errors():
         b"\x91" * 100_000,
         b"\x81\xa1a" * 50_000,
         b"\xa1\x80",
-        b"\x93\x02\x01\x81\xa4type\xa1\x80",
+        bytes([0x93, P.PROTOCOL_VERSION, 1]) + b"\x81\xa4type\xa1\x80",
     ):
         with pytest.raises(P.ProtocolError, match="malformed message"):
             P.decode([head])
@@ -561,8 +561,8 @@ class Harness:
     def send_raw(self, identity: bytes, parts: list[bytes]) -> list:
         start = len(self.replies)
         decoded = self.server.router.decode([zmq.Frame(identity), *(zmq.Frame(p) for p in parts)])
-        if decoded is not None:  # undecodable: the router answered it
-            self.server._dispatch(*decoded)
+        if decoded is not None:  # undecodable or forbidden: the router answered it
+            self.server._dispatch(decoded)
         self.server._serve_parked()
         return self.replies[start:]
 
@@ -574,14 +574,19 @@ class Harness:
 
     def push(self, identity: bytes, *groups: P.RolloutGroup, frames: P.Frames) -> P.Body:
         """Push ``groups``; one without a lease (0) goes under the lease its group is in
-        flight under, as a generator's copy does (the tests whose subject is not leases)."""
-        in_flight = self.server.ledger.in_flight
-        groups = [
-            replace(g, lease=in_flight[g.group_id].lease)
-            if g.lease == 0 and g.group_id in in_flight
-            else g
-            for g in groups
-        ]
+        flight under, and one naming prompt 0 (``make_group``'s) names the prompt it was
+        issued for, as a generator's copy does (the tests whose subject is not leases or
+        prompts)."""
+        lg = self.server.ledger
+
+        def as_issued(g: P.RolloutGroup) -> P.RolloutGroup:
+            if g.group_id not in lg.in_flight:
+                return g
+            lease = g.lease or lg.in_flight[g.group_id].lease
+            prompt_id = g.prompt_id or lg.issued_prompt(g.group_id)[0]
+            return replace(g, lease=lease, prompt_id=prompt_id)
+
+        groups = [as_issued(g) for g in groups]
         return self.request(identity, P.PushRollouts(groups=groups), frames)
 
     def state(self) -> tuple:

@@ -64,11 +64,16 @@ def test_a_round_goes_only_to_generators_that_loaded_its_version():
 def test_unknown_and_repeated_results_are_rejected_whole():
     ev = _rounds(3)
     ev.start(P.StartEval(round=0, step=0, version=0))
+    assert len(ev.take(8, 0, b"A")[1]) == 3
     with pytest.raises(LedgerError, match="not running"):
-        ev.record(P.PushEval(round=9, results=[_result(0)]))
+        ev.record(P.PushEval(round=9, results=[_result(0)]), b"A")
     with pytest.raises(LedgerError, match="unknown or repeated"):
-        ev.record(P.PushEval(round=0, results=[_result(0), _result(7)]))
-    assert ev.report(0).missing_groups == 3  # nothing of the bad message was kept
+        ev.record(P.PushEval(round=0, results=[_result(0), _result(7)]), b"A")
+    # Results come only from the connection the prompt was handed to: another client
+    # cannot fabricate them (nor fill the round before the real ones arrive).
+    with pytest.raises(LedgerError, match="prompt 1 of round 0 was not handed to this connection"):
+        ev.record(P.PushEval(round=0, results=[_result(1)]), b"B")
+    assert ev.report(0).missing_groups == 3  # nothing of the bad messages was kept
     with pytest.raises(LedgerError, match="already started"):
         ev.start(P.StartEval(round=0, step=0, version=0))
     with pytest.raises(LedgerError, match="no validation prompts"):

@@ -29,12 +29,14 @@ from generators.interface import Sample
 from generators.leases import HeldGroups, RolloutPusher
 from generators.main import Generator
 from verl_async import protocol as P
+from verl_async.auth import LEARNER, load_role_token, load_role_tokens, write_role_tokens
 from verl_async.config import load_config
 from verl_async.data import PromptRecord
 from verl_async.rewards.scorer import GroupScores
 from verl_async.runtime import Endpoints, RunContext
 from verl_async.staleness import Admission
 from verl_async.transport import AsyncBufferClient, BufferRejected
+from verl_async.transport.server import ServerOptions
 
 from .test_leases import Clock
 
@@ -82,11 +84,18 @@ def test_held_groups_keep_one_copy_per_group_and_cancel_the_lost():
 # ----------------------------------------------------------------------------- a real buffer
 
 
-def _buffer(port: int, clock: Clock) -> BufferServer:
+def _buffer(port: int, clock: Clock, run_dir=None) -> BufferServer:
+    """The buffer; with ``run_dir`` it admits the holders of that run's role tokens, as a
+    run's buffer does (a ``Generator`` proves its role with them)."""
     prompts = [PromptRecord(f"p{i}", "", prompt_ids=(10 + i,)) for i in range(B * STEPS)]
     leases = Leases(LEASE_S, 16, clock)
     ledger = PromptLedger(prompts, Admission(B, ETA), STEPS, seed=0, leases=leases)
-    return BufferServer(ledger, ETA, f"tcp://127.0.0.1:{port}", evals=EvalRounds([]))
+    options = None
+    if run_dir is not None:
+        write_role_tokens(run_dir)
+        options = ServerOptions(load_role_tokens(run_dir))
+    endpoint = f"tcp://127.0.0.1:{port}"
+    return BufferServer(ledger, ETA, endpoint, evals=EvalRounds([]), options=options)
 
 
 async def _until(what, timeout_s: float = 30.0) -> None:
@@ -193,7 +202,7 @@ class Tokenizer:
 
 @pytest.mark.parametrize("renew_every_s", [0.1, 20.0])
 def test_a_group_back_at_its_stalled_generator_runs_once_and_the_generator_lives(
-    free_port, renew_every_s, caplog
+    free_port, renew_every_s, caplog, tmp_path
 ):
     """Groups 2 and 3 stall in the engine; their leases run out and they are issued again.
     The generator learns it from a renewal's reply (renewals every 0.1 s: the copies are
@@ -203,7 +212,7 @@ def test_a_group_back_at_its_stalled_generator_runs_once_and_the_generator_lives
 
     async def scenario() -> None:
         clock = Clock()
-        server = _buffer(free_port(), clock)
+        server = _buffer(free_port(), clock, tmp_path)
         stalled = {10 + server.ledger.prompt_of(k)[1] for k in (2, 3)}
         engine = StallingEngine(stalled)
         cfg = load_config(
@@ -218,7 +227,7 @@ def test_a_group_back_at_its_stalled_generator_runs_once_and_the_generator_lives
             ],
         )
         ctx = RunContext(
-            run_dir=".",
+            run_dir=str(tmp_path),
             cfg=cfg,
             endpoints=Endpoints(
                 buffer=server.endpoint, weights_host="", weights_port=0, model_path=""
@@ -235,7 +244,7 @@ def test_a_group_back_at_its_stalled_generator_runs_once_and_the_generator_lives
             assert gen.held.lost + gen.held.replaced == 2
             if renew_every_s > 10:
                 assert gen.held.replaced == 2
-            stop = AsyncBufferClient(server.endpoint, 10.0)
+            stop = AsyncBufferClient(server.endpoint, 10.0, load_role_token(tmp_path, LEARNER))
             await stop.request(P.Shutdown())
             stop.close()
             async with asyncio.timeout(30):

@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from verl_async import protocol as P
-from verl_async.auth import make_keys
+from verl_async.auth import GENERATOR, load_role_token, make_keys, write_role_tokens
 from verl_async.config import to_yaml
 from verl_async.launch.role_commands import JoinFailed, fetch_run, join_run
 from verl_async.launch.tiny_model import build_tiny_model
@@ -17,8 +17,18 @@ from verl_async.schema import RunConfig, TinyModelConfig
 
 
 def info(
-    tmp_path, cfg: RunConfig, model_path: str, resume_from: str = "", host: str = "127.0.0.1"
+    tmp_path,
+    cfg: RunConfig,
+    model_path: str,
+    resume_from: str = "",
+    host: str = "127.0.0.1",
+    tokens: bool = True,
 ) -> P.RunInfo:
+    """The buffer's answer to ``GetRun``; its run directory holds the run's role tokens
+    (without keys a role joins only on the buffer's machine, as its user)."""
+    if tokens:
+        (tmp_path / "buffer_machine" / "run").mkdir(parents=True, exist_ok=True)
+        write_role_tokens(tmp_path / "buffer_machine" / "run")
     endpoints = Endpoints(
         buffer=f"tcp://{host}:5555",
         weights_host=host,
@@ -46,6 +56,15 @@ def test_the_tiny_model_is_rebuilt_bit_for_bit_where_the_buffers_copy_is_not_see
     assert (run_dir / "model" / "model.safetensors").read_bytes() == (
         reference / "model.safetensors"
     ).read_bytes()
+
+
+def test_a_role_joining_without_keys_takes_the_run_s_tokens_or_is_refused(tmp_path):
+    model = build_tiny_model(tmp_path / "model", TinyModelConfig())
+    run_dir, _ = join_run(info(tmp_path, RunConfig(), str(model)), str(tmp_path / "here"))
+    buffer_run = tmp_path / "buffer_machine" / "run"
+    assert load_role_token(run_dir, GENERATOR) == load_role_token(buffer_run, GENERATOR)
+    with pytest.raises(JoinFailed, match="tokens' is missing or not readable.*as the user"):
+        join_run(info(tmp_path / "b", RunConfig(), str(model), tokens=False), str(tmp_path / "c"))
 
 
 def test_a_real_model_must_be_at_the_same_path(tmp_path):

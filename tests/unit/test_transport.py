@@ -15,7 +15,7 @@ import zmq.asyncio
 from verl_async import protocol as P
 from verl_async.rewards.model_client import RewardModelClient, RewardModelRejected
 from verl_async.transport import AsyncBufferClient, BufferClient, BufferUnavailable
-from verl_async.transport.server import RouterSocket
+from verl_async.transport.server import RouterSocket, ServerOptions
 
 ENDPOINTS = iter(range(10**6))
 
@@ -167,7 +167,9 @@ def test_a_request_that_timed_out_while_the_server_was_down_is_never_delivered()
 
 def test_router_answers_what_does_not_decode_and_logs_a_lost_reply(caplog):
     endpoint = f"inproc://transport-{next(ENDPOINTS)}"
-    router = RouterSocket(zmq.Context(), endpoint, None, logging.getLogger("test.transport"))
+    router = RouterSocket(
+        zmq.Context(), endpoint, ServerOptions(), logging.getLogger("test.transport")
+    )
     client = router.ctx.socket(zmq.DEALER)
     client.setsockopt(zmq.LINGER, 0)
     client.connect(endpoint)
@@ -179,7 +181,9 @@ def test_router_answers_what_does_not_decode_and_logs_a_lost_reply(caplog):
             got = []
             while len(got) < 1:
                 got += list(router.drain())
-            assert [(env.request_id, type(env.body)) for _, env, _ in got] == [(9, P.GetStats)]
+            assert [(r.envelope.request_id, type(r.envelope.body)) for r in got] == [
+                (9, P.GetStats)
+            ]
             assert client.poll(5000)
             env, _ = P.decode(client.recv_multipart())
             assert (env.request_id, env.body.code) == (0, "protocol")

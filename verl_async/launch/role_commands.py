@@ -116,7 +116,7 @@ def fetch_run(args):
     """The ``RunInfo`` of the buffer at ``args.buffer`` (authenticated with
     ``args.keys_dir`` when given); ``JoinFailed`` naming the address if it does not answer."""
     from verl_async import protocol as P
-    from verl_async.auth import load_client_keys
+    from verl_async.auth import guest, load_client_keys
     from verl_async.config import ConfigError, is_loopback
     from verl_async.transport import BufferClient, BufferRejected, BufferUnavailable
 
@@ -127,11 +127,15 @@ def fetch_run(args):
             "only with its CurveZMQ keys: pass --keys-dir DIR (this machine's side of the "
             "run's key set, `verl-async keys`; docs/security.md)"
         )
-    try:
-        curve = load_client_keys(args.keys_dir, args.client_key) if args.keys_dir else None
+    try:  # a guest without keys: the run's token is read from its directory (join_run)
+        credentials = (
+            load_client_keys(args.keys_dir, args.client_key, args.command)
+            if args.keys_dir
+            else guest()
+        )
     except ConfigError as exc:
         raise JoinFailed(f"--keys-dir: {exc}") from None
-    client = BufferClient(address, args.timeout_s, curve=curve)
+    client = BufferClient(address, args.timeout_s, credentials)
     try:
         reply, _ = client.request(P.GetRun())
     except (BufferUnavailable, BufferRejected) as exc:
@@ -184,6 +188,8 @@ def join_run(
     resume_from = _local_checkpoint(run_dir, endpoints.resume_from)
     endpoints = msgspec.structs.replace(endpoints, model_path=str(model), resume_from=resume_from)
     _write_if_changed(run_dir / "endpoints.json", msgspec.json.encode(endpoints).decode())
+    if not keys_dir:
+        _copy_tokens(Path(info.run_dir), run_dir)
     return run_dir, cfg
 
 
@@ -224,6 +230,26 @@ def _local_checkpoint(run_dir: Path, resume_from: str) -> str:
             f"'{ckpt}'; put the run directory on a shared filesystem (or copy the checkpoint)"
         )
     return str(ckpt)
+
+
+def _copy_tokens(buffer_run_dir: Path, run_dir: Path) -> None:
+    """Without keys the buffer is on this machine: the run's role tokens (verl_async/auth.py)
+    are in its run directory, readable by its user only; a role joining from another
+    directory takes a copy."""
+    from verl_async.auth import TOKENS_DIR, write_role_tokens
+
+    source, target = buffer_run_dir / TOKENS_DIR, run_dir / TOKENS_DIR
+    if source.resolve() == target.resolve():
+        return
+    if not source.is_dir():
+        raise JoinFailed(
+            f"'{source}' is missing or not readable: a role joins a run without keys only "
+            "as the user who started it, on its machine"
+        )
+    write_role_tokens(run_dir)  # the private directory, then the run's own tokens in it
+    for token in source.iterdir():
+        _write_if_changed(target / token.name, token.read_text())
+        (target / token.name).chmod(0o600)
 
 
 def _write_if_changed(path: Path, text: str) -> None:

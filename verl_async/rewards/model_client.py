@@ -8,10 +8,10 @@ connection within its deadline and is never delivered after it, so a restarted p
 does not first score what nobody waits for any more. Every call has a deadline of
 ``timeout_s``: on expiry it raises
 ``RewardModelUnavailable`` naming the endpoint, and the late reply (if any) is dropped by
-request id, so the client keeps working once the process answers again. HWM 0 (callers
-bound what they have outstanding), linger 0 at close. With ``curve`` keys the socket is a
-CurveZMQ client (verl_async/auth.py); a server that refuses it never answers, so calls
-fail with ``RewardModelUnavailable``.
+request id, so the client keeps working once the process answers again. Bounded queues
+(transport/limits.py), linger 0 at close. The socket presents the generator's
+credentials (verl_async/auth.py); a server that refuses them never answers, so calls fail
+with ``RewardModelUnavailable``.
 """
 
 from __future__ import annotations

@@ -2,8 +2,11 @@
 
 - ``client.py``: ``dealer_socket`` (a client's DEALER, set up once) and ``AsyncDealer``,
   the asyncio request client (request ids, one reader task, deadlines).
-- ``server.py``: ``RouterSocket``, a server's ROUTER (set-up, CurveZMQ guard, draining
-  with decode-or-``Error`` replies, replies to peers that may be gone, close).
+- ``server.py``: ``RouterSocket``, a server's ROUTER (set-up, admission, role checks,
+  draining with decode-or-``Error`` replies, replies to peers that may be gone, close).
+- ``guard.py``: who a server admits and under which role (CurveZMQ keys or the run's
+  role tokens, checked by a ZAP handler; verl_async/auth.py loads the credentials).
+- ``limits.py``: the queue bounds and the frame-size limit every socket gets.
 - ``buffer_client.py``: the buffer's clients, ``BufferClient`` (blocking, learner) and
   ``AsyncBufferClient`` (asyncio, generators), importable from here.
 

@@ -4,9 +4,9 @@ Pattern: one DEALER socket per client, connected to the buffer's ROUTER. Each re
 carries a fresh request_id and gets exactly one reply with that id. The asyncio client
 has a single reader task that resolves per-request futures, so many coroutines share one
 socket safely. Every wait has a deadline: a buffer that stops answering raises
-``BufferUnavailable`` naming the endpoint instead of hanging. HWM 0 (unbounded; callers
-bound what they have outstanding), linger 0 at close. With ``curve`` keys the socket is a
-CurveZMQ client (verl_async/auth.py); a buffer that refuses it never answers, so the
+``BufferUnavailable`` naming the endpoint instead of hanging. Bounded queues
+(transport/limits.py), linger 0 at close. The socket presents ``credentials``, its role's
+key or token (verl_async/auth.py); a buffer that refuses them never answers, so the
 first request fails with ``BufferUnavailable`` like a buffer that is down.
 """
 
@@ -22,7 +22,7 @@ from verl_async import protocol as P
 from verl_async.transport.client import AsyncDealer, dealer_socket, try_send
 
 if TYPE_CHECKING:
-    from verl_async.auth import CurveKeys
+    from verl_async.auth import Credentials
 
 
 class BufferUnavailable(RuntimeError):
@@ -44,16 +44,18 @@ def _check(body: P.Body, endpoint: str) -> P.Body:
 class BufferClient:
     """Blocking client (learner); one per thread (ZMQ sockets are not thread-safe).
 
-    Pattern: DEALER connected to the buffer's ROUTER (``dealer_socket``: HWM 0, CurveZMQ
-    client with ``curve`` keys); one outstanding request at a time, its reply matched by
+    Pattern: DEALER connected to the buffer's ROUTER (``dealer_socket``: bounded queues,
+    presenting ``credentials``); one outstanding request at a time, its reply matched by
     request id. Handshake: none (ZMQ connects by itself). Shutdown: ``close``, linger 0.
     """
 
-    def __init__(self, endpoint: str, timeout_s: float, curve: CurveKeys | None = None) -> None:
+    def __init__(
+        self, endpoint: str, timeout_s: float, credentials: Credentials | None = None
+    ) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.ctx = zmq.Context.instance()
-        self.sock = dealer_socket(self.ctx, endpoint, curve)
+        self.sock = dealer_socket(self.ctx, endpoint, credentials)
         self.ids = itertools.count(1)
 
     def request(self, body: P.Body, frames: P.Frames | None = None, extra_wait_s: float = 0.0):

@@ -16,17 +16,10 @@ import zmq
 import zmq.asyncio
 
 from verl_async import protocol as P
+from verl_async.transport.limits import bounded
 
 if TYPE_CHECKING:
-    from verl_async.auth import CurveKeys
-
-
-def unbounded(sock: zmq.Socket) -> None:
-    """HWM 0 both ways (every request is answered once and callers bound what they have
-    outstanding, so queues stay small without dropping) and linger 0 at close."""
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
+    from verl_async.auth import Credentials
 
 
 SEND_RETRY_S = 0.01  # how often a request with no live connection to go out on looks again
@@ -35,7 +28,8 @@ SEND_RETRY_S = 0.01  # how often a request with no live connection to go out on 
 def try_send(sock: zmq.Socket, parts: list) -> bool:
     """Send ``parts`` without blocking; False when the DEALER has no live connection
     (``dealer_socket`` sets ZMQ_IMMEDIATE): the server is down or restarting, or it
-    refused the CurveZMQ handshake. The caller looks again until its request's deadline,
+    refused the handshake (or, never in practice, its queue is full:
+    verl_async/transport/limits.py). The caller looks again until its request's deadline,
     so a request never waits for a server longer than its timeout, and is never queued to
     be delivered after it (a restarted server would otherwise first work through every
     request its clients gave up on while it was down, and time out the new ones)."""
@@ -46,15 +40,15 @@ def try_send(sock: zmq.Socket, parts: list) -> bool:
     return True
 
 
-def dealer_socket(ctx: zmq.Context, endpoint: str, curve: CurveKeys | None) -> zmq.Socket:
-    """A DEALER of ``ctx`` set up as every client's (``unbounded``; a CurveZMQ client
-    with ``curve`` keys; messages go only over a connection that is up, ZMQ_IMMEDIATE)
-    and connected to ``endpoint``."""
+def dealer_socket(ctx: zmq.Context, endpoint: str, credentials: Credentials | None) -> zmq.Socket:
+    """A DEALER of ``ctx`` set up as every client's (``bounded`` queues; presenting
+    ``credentials``, a role's key or token, verl_async/auth.py; messages go only over a
+    connection that is up, ZMQ_IMMEDIATE) and connected to ``endpoint``."""
     sock = ctx.socket(zmq.DEALER)
-    unbounded(sock)
+    bounded(sock)
     sock.setsockopt(zmq.IMMEDIATE, 1)
-    if curve is not None:
-        curve.apply(sock)
+    if credentials is not None:
+        credentials.apply(sock)
     sock.connect(endpoint)
     return sock
 
@@ -64,11 +58,12 @@ class AsyncDealer:
 
     Pattern: DEALER connected to a server's ROUTER; each request carries a fresh
     request_id and the reader resolves the future waiting on that id, so many coroutines
-    share the socket. HWM 0 (``unbounded``). Handshake: none (ZMQ connects, and reconnects
-    after the server restarts, by itself; a request made meanwhile waits for the
-    connection within its own deadline, ``try_send``); with ``curve`` keys a CurveZMQ
-    client, and a server that refuses it never answers, so its requests time out. Shutdown: ``close`` cancels the reader and closes
-    the socket with linger 0.
+    share the socket. HWM: ``QUEUE_MESSAGES`` (transport/limits.py). Handshake: none (ZMQ
+    connects, and reconnects after the server restarts, by itself; a request made
+    meanwhile waits for the connection within its own deadline, ``try_send``); it presents
+    ``credentials`` (a role's key or token), and a server that refuses them never answers,
+    so its requests time out. Shutdown: ``close`` cancels the reader and closes the socket
+    with linger 0.
 
     asyncio is used only to sleep until a reply is readable; sends (never blocking: with no
     live connection, ``try_send`` looks again until the request's deadline) and the
@@ -83,11 +78,13 @@ class AsyncDealer:
     servers never send such a thing).
     """
 
-    def __init__(self, endpoint: str, timeout_s: float, curve: CurveKeys | None = None) -> None:
+    def __init__(
+        self, endpoint: str, timeout_s: float, credentials: Credentials | None = None
+    ) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.ctx = zmq.asyncio.Context.instance()
-        self.sock = dealer_socket(self.ctx, endpoint, curve)
+        self.sock = dealer_socket(self.ctx, endpoint, credentials)
         self.raw = zmq.Socket.shadow(self.sock.underlying)
         self.ids = itertools.count(1)
         self.pending: dict[int, asyncio.Future] = {}
