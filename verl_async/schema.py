@@ -85,7 +85,9 @@ class DataConfig(_Section):
     user message). False, or a tokenizer without a template: string prompts go in as they are."""
     max_prompt_length: NonNegInt = 0
     """Prompts longer than this many tokens (after the template) are skipped and counted in
-    the buffer's log and ``prompts_skipped``; 0 means generators.max_model_len - max_new_tokens."""
+    the buffer's log and ``prompts_skipped``; 0 means generators.max_model_len - max_new_tokens,
+    or with environments multiturn.max_episode_tokens - max_new_tokens if that is less (an
+    episode's prompt leaves room for its first turn)."""
 
 
 class BufferConfig(_Section):
