@@ -169,6 +169,7 @@ class EpisodeRunner:
             budget = "turn_tokens" if cut else ""
             if not env.usable():
                 return budget, ended
+            faults = env.counts.tool_errors + env.counts.tool_timeouts
             step = await self.envs.step(env, text)
             if step is None:  # the call still runs: calling the instance again would wait
                 return "episode_timeout" if time.monotonic() >= env.deadline else budget, ended
@@ -180,7 +181,9 @@ class EpisodeRunner:
                 return "turns", ended
             if time.monotonic() >= env.deadline:
                 return "episode_timeout", ended
-            observation = self._observation(env, step.observations)
+            # An error observation of a failed call is not counted again if it is cut.
+            failed = env.counts.tool_errors + env.counts.tool_timeouts > faults
+            observation = self._observation(env, step.observations, failed)
             if observation is None:
                 return budget, ended
             messages, ids = observation
@@ -191,20 +194,22 @@ class EpisodeRunner:
             traj.add_observation(messages, ids)
             env.counts.observation_tokens += len(ids)
 
-    def _observation(self, env: EnvInstance, messages: list[dict]):
+    def _observation(self, env: EnvInstance, messages: list[dict], counted: bool = False):
         """(messages, delta ids) of an observation within ``max_observation_tokens`` (a
-        longer one is cut and counted); one the chat template refuses becomes an error
-        observation, counted; None if even that cannot be rendered."""
+        longer one is cut and counted, unless its call's fault is ``counted`` already: one
+        fault, one count); one the chat template refuses becomes an error observation,
+        counted; None if even that cannot be rendered."""
         try:
             messages, ids, cut = self._render_observation(messages)
         except Exception as exc:  # noqa: BLE001 (the observation's fault: a role, a text)
             self.envs.fault(env, EnvCallError("observation", exc, timed_out=False))
+            counted = True
             error = [{"role": "user", "content": error_text(exc)}]
             try:
                 messages, ids, cut = self._render_observation(error)
             except Exception:  # noqa: BLE001 (then the template cannot render a user turn)
                 return None
-        env.counts.tool_errors += int(cut)
+        env.counts.tool_errors += int(cut and not counted)
         return messages, ids
 
     def _render_observation(self, messages: list[dict]) -> tuple[list[dict], list[int], bool]:

@@ -433,6 +433,19 @@ def test_an_observation_the_chat_template_refuses_is_an_error_observation():
     assert "error: ValueError: the template has no role 'banana'" in tok.decode(observed)
 
 
+@pytest.mark.parametrize("cls", [Raises, Banana])
+def test_a_fault_whose_error_observation_is_cut_is_counted_once(cls):
+    """The error observation of a failed step (or of an observation the template refuses)
+    is longer than max_observation_tokens: it is cut, and the fault is still one error."""
+    tok, _, [ep] = run(
+        ["3", "7"], cls=cls, tok=TemplatedWords(), templated=True, max_observation_tokens=3,
+        max_turns=2,
+    )  # fmt: skip
+    assert (ep.stats.tool_errors, ep.stats.turns) == (1 + (cls is Raises), 2)
+    observed = [t for t, m in zip(ep.sample.token_ids, ep.loss_mask, strict=True) if not m]
+    assert len(observed) <= 3 + 1  # the cut observation after the turn's end-of-turn
+
+
 class Exits(Retry):
     def step(self, text):
         raise SystemExit(3)
