@@ -2,7 +2,7 @@
 #   make train   builds .venv on first use, then trains configs/tiny.yaml
 #   make test    builds .venv on first use, then runs the whole test suite
 #   make test-bench  the benchmark scripts' smoke runs (opt-in: they prove the scripts, not the system)
-#   make test-chaos  the long chaos run (opt-in, about 20 minutes): CHAOS_STEPS steps, CHAOS_KILLS kills
+#   make test-chaos  the long chaos run (opt-in, about 10 minutes on 2 cores): CHAOS_STEPS steps, CHAOS_KILLS kills
 #   make smollm2 builds models/smollm2-135m (a real 135M-parameter model) for the CPU recipe
 PYTHON ?= python3
 VENV   ?= .venv
