@@ -281,7 +281,10 @@ class Chaos:
         run_restarts, generator_restarts, worker_starts = self.marks()
         assert generator_restarts == killed["generator"], where
         launches = 1 + killed["learner"] + killed["buffer"]
-        assert worker_starts == launches + killed["generator"] + killed["reward_worker"], where
+        starts = launches + killed["generator"] + killed["reward_worker"]
+        # A generator stopped for a resume may start a worker on its way out, if its own
+        # died first under a request: at most one more per resume.
+        assert starts <= worker_starts <= starts + run_restarts, (where, worker_starts)
         assert len(self.resumes()) == run_restarts, where
         # Every kind of fault injected shows in the counters, never more than injected.
         injected = Counter(
