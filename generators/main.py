@@ -92,7 +92,11 @@ class Generator:
         self.episodes = None
         if self.cfg.multiturn.environments:
             renderer = Renderer(tokenizer, self.cfg.data.chat_template, engine_eos_ids(tokenizer))
-            self.episodes = EpisodeRunner(engine, renderer, tokenizer, self.cfg.multiturn)
+            g = self.cfg.generators
+            in_flight = g.max_inflight_groups * max(g.group_size, self.cfg.eval.samples)
+            self.episodes = EpisodeRunner(
+                engine, renderer, tokenizer, self.cfg.multiturn, episodes_in_flight=in_flight
+            )
 
     async def run(self) -> None:
         loops = [

@@ -159,6 +159,16 @@ def check_consistency(cfg: RunConfig) -> None:
             "bad value for 'multiturn.max_episode_tokens': an episode must fit the engine's "
             f"generators.max_model_len ({g.max_model_len})"
         )
+    if (
+        mt.environments
+        and cfg.data.max_prompt_length
+        and cfg.data.max_prompt_length + g.max_new_tokens > mt.max_episode_tokens
+    ):
+        raise ConfigError(
+            "bad value for 'data.max_prompt_length': plus generators.max_new_tokens it exceeds "
+            f"multiturn.max_episode_tokens ({mt.max_episode_tokens}); an episode's prompt must "
+            "leave room for its first turn"
+        )
     if cfg.eval.every_steps and not cfg.data.val_path:
         raise ConfigError("bad value for 'eval.every_steps': evaluation needs data.val_path")
     check_endpoints(cfg.buffer, cfg.weights.host)

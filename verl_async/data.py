@@ -235,6 +235,13 @@ def epoch_order(num_prompts: int, epoch: int, seed: int) -> list[int]:
 
 
 def max_prompt_tokens(cfg) -> int:
-    """``data.max_prompt_length``, or what the engine leaves for a prompt (0 in the config)."""
+    """``data.max_prompt_length``, or (0 in the config) what the engine leaves for a prompt
+    and one response: with environments, what an episode leaves for its prompt and its
+    first turn (one limit for every prompt of the run, single-turn ones included)."""
     g = cfg.generators
-    return cfg.data.max_prompt_length or g.max_model_len - g.max_new_tokens
+    if cfg.data.max_prompt_length:
+        return cfg.data.max_prompt_length
+    room = g.max_model_len
+    if cfg.multiturn.environments:
+        room = min(room, cfg.multiturn.max_episode_tokens)
+    return room - g.max_new_tokens

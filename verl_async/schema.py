@@ -85,7 +85,9 @@ class DataConfig(_Section):
     user message). False, or a tokenizer without a template: string prompts go in as they are."""
     max_prompt_length: NonNegInt = 0
     """Prompts longer than this many tokens (after the template) are skipped and counted in
-    the buffer's log and ``prompts_skipped``; 0 means generators.max_model_len - max_new_tokens."""
+    the buffer's log and ``prompts_skipped``; 0 means generators.max_model_len - max_new_tokens,
+    or with environments multiturn.max_episode_tokens - max_new_tokens if that is less (an
+    episode's prompt leaves room for its first turn)."""
 
 
 class BufferConfig(_Section):
@@ -179,14 +181,26 @@ class MultiTurnConfig(_Section):
     max_observation_tokens: PosInt = 256
     """Tokens one observation may add; a longer one is cut to this and counted as a tool
     error."""
+    max_observation_messages: PosInt = 16
+    """Messages one observation may hold; a step that returns more gets an error
+    observation instead, counted as a tool error."""
     max_episode_tokens: PosInt = 1024
     """Prompt plus every turn and observation; an observation that would overflow it ends
-    the episode before it is appended. At most ``generators.max_model_len``."""
+    the episode before it is appended. At most ``generators.max_model_len``; the prompt
+    plus one turn of ``generators.max_new_tokens`` must fit in it (``data.max_prompt_length``)."""
     step_timeout_s: PosFloat = 30.0
     """Deadline of one environment call (``reset``, ``step``); past it the turn ends with an
-    error observation and the call is counted as a timeout."""
+    error observation and the call is counted as a timeout. ``close`` gets as long of its
+    own, even past ``episode_timeout_s``."""
     episode_timeout_s: PosFloat = 600.0
     """Deadline of one episode's environment calls together; past it the episode ends."""
+    env_threads: NonNegInt = 0
+    """Threads the instances of one environment may hold at once: each instance runs all
+    its calls on a thread of its own, which a call past its deadline keeps until it
+    returns; an instance that finds none free within its deadline runs without its
+    environment, counted as a timeout. 0: twice the episodes a generator can have in
+    flight (``generators.max_inflight_groups`` x the larger of ``generators.group_size``
+    and ``eval.samples``)."""
     env_reward_weight: float = 1.0
     """Weight of the environment's per-turn rewards, added to the combined reward of the
     ``rewards`` sources (those score the final turn); finite in float32."""

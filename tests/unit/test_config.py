@@ -212,3 +212,24 @@ def test_the_lora_ranks_read_from_vllm_s_source_are_vllm_s_own():
     from verl_async.config import vllm_lora_ranks
 
     assert vllm_lora_ranks() == typing.get_args(MaxLoRARanks)
+
+
+def test_a_prompt_limit_that_leaves_an_episode_no_turn_names_both_keys(repo_root):
+    """tiny_multiturn: episodes of 40 tokens, turns of 4; a prompt of 38 tokens would
+    leave its first turn 2."""
+    config = repo_root / "configs/tiny_multiturn.yaml"
+    with pytest.raises(
+        ConfigError, match=r"'data\.max_prompt_length'.*multiturn\.max_episode_tokens \(40\)"
+    ):
+        load_config(config, ["data.max_prompt_length=38"])
+    assert load_config(config, ["data.max_prompt_length=36"]).data.max_prompt_length == 36
+    # Single-turn runs keep their own limit.
+    assert load_config(config, ["data.max_prompt_length=58", "multiturn.environments=[]"])
+
+
+def test_the_default_prompt_limit_of_a_multi_turn_run_leaves_room_for_a_turn(repo_root):
+    from verl_async.data import max_prompt_tokens
+
+    multiturn = load_config(repo_root / "configs/tiny_multiturn.yaml")
+    assert max_prompt_tokens(multiturn) == 40 - 4  # max_episode_tokens - max_new_tokens
+    assert max_prompt_tokens(load_config(repo_root / "configs/tiny.yaml")) == 64 - 6

@@ -115,6 +115,25 @@ def as_step(result: Any) -> Step:
     return step if reward is None or type(reward) is float else replace(step, reward=float(reward))
 
 
+def as_prompt(value: Any) -> str | list[Message] | None:
+    """``value`` of an environment's ``reset`` (already awaited) if it is an initial prompt:
+    None, a string, or a list of {role, content} messages of strings; anything else raises
+    TypeError saying what came back."""
+    # Copies of plain str: what the generator compares and renders is never a subclass.
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, list) and all(_is_message(m) for m in value):
+        return [
+            dict(m, role=str.__str__(m["role"]), content=str.__str__(m["content"])) for m in value
+        ]
+    raise TypeError(
+        "reset must return chat messages ({role, content} strings), a string or None, got "
+        + repr(value)[:200]
+    )
+
+
 def load_environment(spec: EnvironmentConfig, key: str) -> type:
     """The class ``spec.env`` names (``package.module:Class``, imported with importlib);
     any failure raises ConfigError naming ``<key>.env``."""
