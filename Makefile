@@ -8,8 +8,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 # make test runs the suite in this many pytest processes (pytest-xdist): most tests wait on
-# processes of their own, so two keep a 2-core machine busy. Tests that share a resource
-# carry the same xdist_group mark and run in one process (--dist loadgroup).
+# processes of their own, so two keep a 2-core machine busy. A file's tests stay in one
+# process (--dist loadfile), which makes its module-scoped fixtures once.
 TEST_WORKERS ?= 2
 
 $(VENV)/.installed: pyproject.toml
@@ -28,7 +28,7 @@ train: $(VENV)/.installed
 	$(BIN)/verl-async train configs/tiny.yaml
 
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup tests
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile tests
 
 test-bench: $(VENV)/.installed
 	$(BIN)/python -m pytest tests -m bench

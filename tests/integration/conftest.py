@@ -19,19 +19,11 @@ from verl_async.schema import TinyModelConfig
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items):
-    """Every test here is marked ``integration``. ``make test`` runs two pytest processes
-    (pytest-xdist, ``--dist loadgroup``): the tests of one file stay in one process, so its
-    module-scoped fixtures (a crashed and resumed run, a started engine) are made once; a
-    test with a group of its own (one Ray instance at a time) goes with that group."""
     here = Path(__file__).parent
-    for item in items:
-        if here not in Path(item.fspath).parents:
-            continue
-        item.add_marker(pytest.mark.integration)
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    for item in items:  # every collected test comes here: mark only this directory's
+        if here in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.integration)
 
 
 ENGINES = ["vllm", "hf"]  # generators.engine: every engine-level test runs on both

@@ -21,7 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from rich.console import Console
 
 from verl_async.config import load_config
@@ -32,8 +31,6 @@ from .conftest import ROOT, cmdline, committed_steps, processes_mentioning, step
 
 STEPS = 12
 ROLES = ("buffer", "learner", "generator0", "generator1")
-# One Ray instance at a time on the machine (make test runs two pytest processes).
-pytestmark = pytest.mark.xdist_group("ray")
 
 
 def test_two_generators_and_a_learner_train_as_ray_actors(tmp_path):

@@ -268,7 +268,6 @@ def ray_cluster(hosts) -> Iterator[str]:
         shutil.rmtree(top, ignore_errors=True)
 
 
-@pytest.mark.xdist_group("ray")  # one Ray instance at a time (test_ray_launcher.py)
 def test_launcher_ray_on_a_two_node_cluster_places_the_generator_on_the_other_host(
     hosts, keys, ray_cluster, tmp_path
 ):
