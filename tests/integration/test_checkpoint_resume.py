@@ -170,10 +170,12 @@ def crashed_and_resumed(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def crashed_and_resumed_with_critic(tmp_path_factory) -> Path:
-    """One learner rank (full checkpoints of actor and critic), then two (sharded)."""
+    """One learner rank (full checkpoints of actor and critic), then two (sharded). Every
+    checkpoint is kept, so the first launch's full ones are still there to look at."""
     shapes = [ONE_LEARNER, TWO_LEARNERS]
     tmp = tmp_path_factory.mktemp("crash_critic")
-    return _crash_and_resume(tmp, CRITIC_AND_REFERENCE, shapes, crashes=1)
+    extra = [*CRITIC_AND_REFERENCE, "checkpoint.keep_last=100"]
+    return _crash_and_resume(tmp, extra, shapes, crashes=1)
 
 
 @pytest.fixture(scope="module")

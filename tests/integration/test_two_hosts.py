@@ -128,6 +128,17 @@ def hosts() -> Iterator[Hosts]:
         yield h
 
 
+# A ZeroMQ client without the run's keys: connects to argv[1], asks for the run, waits.
+BARE_CLIENT = """
+import sys, time, zmq
+sock = zmq.Context().socket(zmq.DEALER)
+sock.linger = 0
+sock.connect(sys.argv[1])
+sock.send_multipart([b"", b"hello"])
+time.sleep(20)
+"""
+
+
 def _start(ns: str, args: list[str], log: Path) -> subprocess.Popen:
     """``verl-async ARGS`` as a process of host ``ns``."""
     return start(args, log, prefix=["ip", "netns", "exec", ns])
@@ -165,20 +176,25 @@ def _train_across(h: Hosts, tmp: Path, keys: Path, steps: int = STEPS) -> str:
         log = run_dir / "logs" / "buffer.log"
         return logs["buffer"].read_text() + (log.read_text() if log.is_file() else "")
 
-    # libzmq does not name the peer of a handshake that fails before authentication
+    # A role command on B without keys refuses to join a buffer off loopback, before it
+    # connects: a buffer it reached could be anyone's.
+    keyless_cmd = _start(
+        h.b, ["generator", "--buffer", address, "--run-dir", str(tmp / "x")], logs["keyless"]
+    )
+    assert keyless_cmd.wait(timeout=120) == 1, logs["keyless"].read_text()[-2000:]
+    assert "only with its CurveZMQ keys: pass --keys-dir" in logs["keyless"].read_text()
+    # A client on B that skips that check (a bare ZeroMQ socket, no keys) is refused by the
+    # buffer, which says so, before the run's own roles join; then the run goes on beside it.
+    # libzmq does not name the peer of a handshake that fails before authentication.
     refusal = f"refused a client on {address}: it"
-    keyless = None
-    try:  # a client on B without the run's keys, before the run's own roles join: the
-        # buffer refuses it and says so (a client that gave up before the buffer served is
-        # started again), then the run goes on beside it
+    bare = None
+    try:
         deadline = time.monotonic() + 180
         while refusal not in buffer_log():
-            if keyless is None or keyless.poll() is not None:
-                keyless = _start(
-                    h.b,
-                    ["generator", "--buffer", address, "--timeout-s", "15",
-                     "--run-dir", str(tmp / "x")],
-                    logs["keyless"],
+            if bare is None or bare.poll() is not None:  # connect again until it is refused
+                bare = subprocess.Popen(
+                    ["ip", "netns", "exec", h.b, sys.executable, "-c", BARE_CLIENT, address],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 )  # fmt: skip
             assert buffer.poll() is None, f"the buffer ended:\n{buffer_log()[-3000:]}"
             assert time.monotonic() < deadline, "the buffer logged no refusal in 180 s"
@@ -189,13 +205,11 @@ def _train_across(h: Hosts, tmp: Path, keys: Path, steps: int = STEPS) -> str:
             ["generator", *join, "--index", "0", "--run-dir", str(tmp / "b")],
             logs["generator"],
         )
-        refused = keyless.wait(timeout=120)
     finally:
-        if keyless is not None and keyless.poll() is None:
-            keyless.kill()
+        if bare is not None:
+            bare.kill()
+            bare.wait(timeout=30)
         wait_all(procs, logs, timeout=420)
-    assert refused == 1, logs["keyless"].read_text()[-2000:]
-    assert f"cannot join the run at {address}" in logs["keyless"].read_text()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(steps))
     trail = [json.loads(line) for line in (run_dir / "trained.jsonl").read_text().splitlines()]
