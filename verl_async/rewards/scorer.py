@@ -203,7 +203,7 @@ class RuleScorer:
         async with self.lock:
             try:
                 reply = await self._exchange(P.ScoreRules(items=items))
-            except (ScoringFailed, P.ProtocolError) as exc:
+            except ScoringFailed as exc:  # bad replies included (_WorkerClient.bad_reply)
                 self.restart()  # a hung or dead process is replaced before the next request
                 return self.defaults(items, str(exc))
         if isinstance(reply, P.Error):
