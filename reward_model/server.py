@@ -13,14 +13,16 @@ Batching across clients: the loop sleeps until the socket is readable, drains ev
 message already queued, scores them together (``reward_model.scoring.score_requests``: a
 request's shared prompt forwarded once, other rows pooled across requests in chunks of
 ``batch_size``) and replies to each request. A message that does not decode or
-is not ``ScoreConversations`` gets an ``Error`` reply and a log line; a request whose
-scoring raises gets an ``Error`` reply of its own; the loop goes on. Shutdown: SIGTERM sets
+is not ``ScoreConversations`` gets an ``Error`` reply and a log line, so does a request
+with a conversation that has no messages or a message without a role or a content
+(``Error("rejected")``); a request whose scoring raises gets an ``Error`` reply of its
+own; the loop goes on. Shutdown: SIGTERM sets
 ``terminated`` (checked at least every ``POLL_MS``); the socket closes with linger=0.
 
 The ROUTER admits only the run's generators (a key set's, or holders of the run's
 generator token: verl_async/auth.py); each refused one is a line in this process's log.
-The socket chores (set-up, limits, admission, roles, decode-or-``Error``, replies to
-vanished clients, close) are ``verl_async.transport.server.RouterSocket``'s; lines a
+The socket chores (set-up, limits, admission, roles, decode-or-``Error``, refusing other
+request types, replies to vanished clients, close) are ``verl_async.transport.server.RouterSocket``'s; lines a
 client provokes are rate-limited.
 """
 
@@ -46,6 +48,19 @@ ROLES = {P.ScoreConversations: (GENERATOR,)}  # generators score; nobody else ma
 
 
 # ----------------------------------------------------------------------------- serving
+
+
+def malformed(conversations: list[list[dict[str, str]]]) -> str | None:
+    """Why a request's conversations cannot be scored (None: they can): every one must be
+    a non-empty list of messages with a role and a content, as ``scorer.conversation``
+    makes them. Its cost is a pass over what the frame limit let in."""
+    for i, conversation in enumerate(conversations):
+        if not conversation:
+            return f"conversation {i} has no messages"
+        for message in conversation:
+            if "role" not in message or "content" not in message:
+                return f"conversation {i} has a message without a role or a content"
+    return None
 
 
 @dataclass
@@ -75,7 +90,15 @@ class RewardModelServer:
         self.share_prefix = share_prefix
         self.endpoint = endpoint
         self.terminated = False  # set by the SIGTERM handler
-        self.router = RouterSocket(zmq.Context(), endpoint, options or ServerOptions(), log, ROLES)
+        self.router = RouterSocket(
+            zmq.Context(),
+            endpoint,
+            options or ServerOptions(),
+            log,
+            ROLES,
+            serves=(P.ScoreConversations,),
+            name="a reward-model process",
+        )
 
     def serve(self) -> None:
         """Sleep until readable, drain what is queued, score it together, reply; repeat."""
@@ -101,26 +124,22 @@ class RewardModelServer:
             self.router.close()
 
     def drain(self) -> list[Request]:
-        """Every ready request; bad messages are answered with ``Error`` here (those that
-        do not decode by the router)."""
+        """Every ready request that can be scored; bad messages (those that do not decode,
+        or are not ``ScoreConversations``) are answered with ``Error`` by the router, a
+        conversation that cannot be rendered (``malformed``) with ``Error("rejected")`` here."""
         requests: list[Request] = []
-        for message in self.router.drain(MAX_DRAIN):
-            request = self.parse(message.identity, message.envelope)
-            if request is not None:
-                requests.append(request)
-        return requests
-
-    def parse(self, identity: bytes, env: P.Envelope) -> Request | None:
-        if not isinstance(env.body, P.ScoreConversations):
-            message = (
-                f"a reward-model process serves ScoreConversations, not {type(env.body).__name__}"
-            )
+        for m in self.router.drain(MAX_DRAIN):
+            conversations = m.envelope.body.conversations
+            problem = malformed(conversations)
+            if problem is None:
+                requests.append(Request(m.identity, m.envelope.request_id, conversations))
+                continue
             self.router.rejections.log(
-                "unexpected", "unexpected message from %s: %s", identity.hex(), message
+                "rejected", "rejected a request from %s: %s", m.identity.hex(), problem
             )
-            self.router.reply(identity, env.request_id, P.Error(code="unexpected", message=message))
-            return None
-        return Request(identity, env.request_id, env.body.conversations)
+            error = P.Error(code="rejected", message=problem)
+            self.router.reply(m.identity, m.envelope.request_id, error)
+        return requests
 
     def score_and_reply(self, requests: list[Request]) -> None:
         """Score all requests in one go; if that raises, each alone (to blame the right one)."""

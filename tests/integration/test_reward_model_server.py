@@ -49,10 +49,10 @@ def expected(rm_path):
     return lambda convs: score_conversations(model, tokenizer, convs, BATCH, MAX_LEN)
 
 
-def write_run_dir(run_dir: Path, rm_path: Path, endpoint: str) -> None:
+def write_run_dir(run_dir: Path, rm_path: Path, endpoint: str, *overrides: str) -> None:
     source = {"kind": "model", "name": "rm", "path": str(rm_path), "batch_size": BATCH}
     source["max_length"] = MAX_LEN
-    cfg = load_config(None, [f"rewards.sources={json.dumps([source])}"])
+    cfg = load_config(None, [f"rewards.sources={json.dumps([source])}", *overrides])
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     endpoints = Endpoints(
         buffer="tcp://127.0.0.1:1",  # unused by this role

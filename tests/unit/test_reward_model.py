@@ -132,6 +132,17 @@ def test_one_failing_request_gets_an_error_the_others_scores(rm, free_port):
         assert env.body.scores == pytest.approx(alone, abs=1e-5)
 
 
+def test_conversations_that_cannot_be_rendered_are_named():
+    from reward_model.server import malformed
+
+    assert malformed([conv("q", "a"), conv("", "")]) is None
+    assert malformed([]) is None  # nothing to score: an empty Scores
+    assert malformed([conv("q", "a"), []]) == "conversation 1 has no messages"
+    for message in ({"role": "user"}, {"content": "x"}, {}):
+        want = "conversation 0 has a message without a role or a content"
+        assert malformed([[*conv("q", "a"), message]]) == want
+
+
 # One prompt group: a long shared prompt, responses of different lengths (so suffixes pad).
 GROUP = [conv("max 3 1 4 1 5 9 2 6 5 3 5 =", r) for r in ("9", "9 9", "5 3 5 8 9", "1", "9")]
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+import zmq.asyncio
 
 from verl_async import protocol as P
 from verl_async.reward_config import ExactReward, FunctionReward, ModelReward, RewardsConfig
@@ -134,9 +135,9 @@ def test_concurrent_requests_each_get_their_own_reply(tmp_path):
 def test_worker_answers_bad_messages_with_error_and_keeps_serving(tmp_path):
     async def body(scorer: RuleScorer):
         await scorer.score([item(OK)])
-        sock = scorer.ctx.socket(zmq.DEALER)
+        sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(scorer.sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        sock.connect(scorer.client.endpoint)
         try:
             await sock.send_multipart([b"\x93garbage"])
             bad = P.decode(await asyncio.wait_for(sock.recv_multipart(), 5))[0].body
@@ -147,8 +148,11 @@ def test_worker_answers_bad_messages_with_error_and_keeps_serving(tmp_path):
         return bad, env, await scorer.score([item(OK)])
 
     bad, env, after = run_with_scorer(tmp_path, body, timeout_s=10.0)
-    assert isinstance(bad, P.Error) and bad.code == "bad_message"
-    assert isinstance(env.body, P.Error) and env.body.code == "unsupported"
+    # The transport kit's replies (verl_async/transport/server.py RouterSocket.decode).
+    assert isinstance(bad, P.Error) and bad.code == "protocol"
+    assert bad.message.startswith("protocol version 103 is not")  # b"\x93g...": [103, ...]
+    assert isinstance(env.body, P.Error) and env.body.code == "unexpected"
+    assert env.body.message == "the scoring process serves ScoreRules, not GetStats"
     assert env.request_id == 7
     assert after.scores == [1.0]
 

@@ -194,3 +194,43 @@ def test_router_answers_what_does_not_decode_and_logs_a_lost_reply(caplog):
     finally:
         client.close()
         router.close()
+
+
+def test_router_answers_types_its_server_does_not_serve(caplog):
+    """``serves``: another request type is answered ``Error("unexpected")`` naming the
+    server and what it serves, with the request's id; the served type reaches the loop."""
+    endpoint = f"inproc://transport-{next(ENDPOINTS)}"
+    router = RouterSocket(
+        zmq.Context(),
+        endpoint,
+        ServerOptions(),
+        logging.getLogger("test.transport"),
+        serves=(P.ScoreRules, P.GetStats),
+        name="the test server",
+    )
+    client = router.ctx.socket(zmq.DEALER)
+    client.setsockopt(zmq.LINGER, 0)
+    client.connect(endpoint)
+    try:
+        with caplog.at_level(logging.WARNING, logger="test.transport"):
+            client.send_multipart(P.encode(P.Ack(), 5))
+            client.send_multipart(P.encode(P.GetStats(), 6))
+            got = []
+            deadline = time.monotonic() + 5
+            while not got and time.monotonic() < deadline:
+                router.sock.poll(100)
+                got += list(router.drain())
+            assert [(r.envelope.request_id, type(r.envelope.body)) for r in got] == [
+                (6, P.GetStats)
+            ]
+            assert client.poll(5000)
+            env, _ = P.decode(client.recv_multipart())
+        assert env.request_id == 5 and env.body == P.Error(
+            code="unexpected", message="the test server serves ScoreRules or GetStats, not Ack"
+        )
+        assert [r.getMessage() for r in caplog.records] == [
+            f"unexpected message from {got[0].identity.hex()}: {env.body.message}"
+        ]
+    finally:
+        client.close()
+        router.close()

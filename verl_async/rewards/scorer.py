@@ -16,14 +16,16 @@ A source not routed to the group's data_source gets NaN.
 
 Isolation: a rule request that gets no reply within ``timeout_s`` (a hanging function) or
 whose scoring process dies (``os._exit``, a segfault) kills the process group and starts
-a fresh process; the request's items get their defaults and errors saying why.
+a fresh process; the request's items get their defaults and errors saying why. The
+scoring process is a server of the transport kit (``RouterSocket``) and ``RuleScorer``
+talks to it through the kit's client (``AsyncDealer``): limits, decoding, deadlines and
+late replies are handled there, as for every other socket of a run.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import math
 import os
@@ -38,13 +40,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
-import zmq
-import zmq.asyncio
 
 from verl_async import protocol as P
 from verl_async.numerics import finite32
 from verl_async.reward_config import ModelReward, RewardsConfig, RewardSource
 from verl_async.rewards.worker import ENV_REWARDS
+from verl_async.transport.client import AsyncDealer
+from verl_async.transport.limits import MAX_MESSAGE_BYTES
 
 log = logging.getLogger("verl_async.rewards")
 POLL_S = 0.1  # how often a waiting request looks at the scoring process's exit status
@@ -67,14 +69,32 @@ class ScoringFailed(RuntimeError):
     """The scoring process gave no usable reply (timed out, died, or refused)."""
 
 
+class _WorkerClient(AsyncDealer):
+    """The kit's asyncio client, its errors named for the scoring process."""
+
+    def unavailable(self, waited_s: float) -> ScoringFailed:
+        return ScoringFailed(f"timed out after {waited_s:g}s")
+
+    def bad_reply(self, exc: P.ProtocolError) -> ScoringFailed:
+        return ScoringFailed(f"bad reply from the scoring process: {exc}")
+
+
 class RuleScorer:
     """Client of one scoring process; restarts it after a hang or a crash.
+
+    Pattern: the kit's ``AsyncDealer`` (its docstring: request ids, one reader task,
+    deadlines, HWM, linger 0) connected to the process's ROUTER on a private ipc path;
+    a fresh socket for every fresh process, so nothing meant for a killed one is ever
+    delivered to its successor. Handshake: none; a request made before the process has
+    bound waits for the connection within its own deadline.
 
     Requests go one at a time (an ``asyncio.Lock``); each has its own deadline of
     ``timeout_s`` from when it is sent, so a hanging request delays a later one by at most
     its own timeout, and the later one then runs on a fresh process. The first request to
     a fresh process also waits for its start (an interpreter and the user's imports, up to
     ``STARTUP_S`` more): a start slowed by a busy machine is not a failure of the source.
+    While a request waits, the process's exit status is looked at every ``POLL_S``: a
+    crash fails the request at once, not at its deadline.
     """
 
     def __init__(
@@ -83,23 +103,23 @@ class RuleScorer:
         sources: Sequence[RewardSource],
         timeout_s: float,
         log_name: str = "reward_worker",
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
     ):
         self.run_dir = Path(run_dir)
         self.log_name = log_name  # logs/<log_name>.log in the run directory
         self.sources = list(sources)
         self.timeout_s = timeout_s
+        self.max_message_bytes = max_message_bytes  # the scoring process's frame limit
         self.rewards_json = msgspec.json.encode(
             RewardsConfig(sources=self.sources, timeout_s=timeout_s)
         ).decode()
         # AF_UNIX paths are limited to ~107 bytes: a short private directory, not run_dir.
         self.sock_dir = tempfile.mkdtemp(prefix="verl-rewards-")
-        self.ctx = zmq.asyncio.Context.instance()
-        self.ids = itertools.count(1)
         self.starts = 0
         self.lock = asyncio.Lock()
         self.proc: subprocess.Popen | None = None
         self.fresh = True  # no reply from this process yet: its start counts in STARTUP_S
-        self.sock: zmq.asyncio.Socket | None = None
+        self.client: _WorkerClient | None = None
         self.log_file: Any = None
         self._start()
 
@@ -115,23 +135,22 @@ class RuleScorer:
         # The child imports user functions from the working directory (python -m does that).
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "verl_async.rewards.worker"]
-            + ["--run-dir", str(self.run_dir), "--endpoint", endpoint],
+            + ["--run-dir", str(self.run_dir), "--endpoint", endpoint]
+            + ["--max-message-bytes", str(self.max_message_bytes)],
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=self.log_file,
             stderr=subprocess.STDOUT if self.log_file is not None else None,
             start_new_session=True,  # its own process group: a kill takes user children too
         )
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
+        self.client = _WorkerClient(endpoint, self.timeout_s)
         self.fresh = True
 
     def _stop(self) -> None:
         """Kill the scoring process's whole group, reap it, drop the socket."""
-        if self.sock is not None:
-            self.sock.close(linger=0)
-            self.sock = None
+        if self.client is not None:
+            self.client.close()
+            self.client = None
         if self.proc is None:
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -155,25 +174,27 @@ class RuleScorer:
 
     async def _exchange(self, body: P.ScoreRules) -> P.Body:
         """Send ``body``, wait for its reply; raise ScoringFailed on timeout or death."""
-        assert self.sock is not None and self.proc is not None
-        rid = next(self.ids)
-        await self.sock.send_multipart(P.encode(body, rid))
-        loop = asyncio.get_running_loop()
-        timeout_s = self.timeout_s + (STARTUP_S if self.fresh else 0.0)
-        deadline = loop.time() + timeout_s
-        while True:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise ScoringFailed(f"timed out after {timeout_s:g}s")
-            if await self.sock.poll(int(min(POLL_S, remaining) * 1000) + 1, zmq.POLLIN):
-                env, _ = P.decode(await self.sock.recv_multipart())
-                if env.request_id == rid:  # a late reply to an abandoned request is skipped
-                    self.fresh = False
-                    return env.body
-                continue
-            code = self.proc.poll()
-            if code is not None:
-                raise ScoringFailed(f"scoring process died (exit code {code})")
+        assert self.client is not None
+        extra_s = STARTUP_S if self.fresh else 0.0
+        reply = asyncio.ensure_future(self.client.request(body, extra_wait_s=extra_s))
+        died = asyncio.ensure_future(self._exit_code())
+        try:
+            await asyncio.wait((reply, died), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (reply, died):
+                task.cancel()
+        if reply.done() and not reply.cancelled():
+            body_in, _ = reply.result()  # ScoringFailed when it timed out
+            self.fresh = False
+            return body_in
+        raise ScoringFailed(f"scoring process died (exit code {died.result()})")
+
+    async def _exit_code(self) -> int:
+        """The scoring process's exit status, once it has one."""
+        assert self.proc is not None
+        while (code := self.proc.poll()) is None:
+            await asyncio.sleep(POLL_S)
+        return code
 
     async def score(self, items: list[P.ScoreItem]) -> P.Scores:
         """One score per item, never raises: failures give defaults with errors set."""
@@ -182,7 +203,7 @@ class RuleScorer:
         async with self.lock:
             try:
                 reply = await self._exchange(P.ScoreRules(items=items))
-            except (ScoringFailed, P.ProtocolError) as exc:
+            except ScoringFailed as exc:  # bad replies included (_WorkerClient.bad_reply)
                 self.restart()  # a hung or dead process is replaced before the next request
                 return self.defaults(items, str(exc))
         if isinstance(reply, P.Error):

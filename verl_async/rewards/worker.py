@@ -2,10 +2,16 @@
 
     python -m verl_async.rewards.worker --run-dir DIR --endpoint ipc:///tmp/x.sock
 
-Binds a ROUTER on ENDPOINT; each ``ScoreRules`` gets one ``Scores`` reply with the same
-request id. An item that raises gets its source's ``default_score`` and ``errors[i] =
-repr(exc)``; the other items are unaffected. A message that does not decode, or is not a
-``ScoreRules``, gets an ``Error`` reply and the process keeps serving.
+Socket pattern. A ROUTER bound on ENDPOINT (``verl_async.transport.server.RouterSocket``:
+bounded queues, frames up to ``--max-message-bytes``, decoding, ``Error`` replies); the
+one client is the parent's ``scorer.RuleScorer``, a DEALER. Each ``ScoreRules`` gets one
+``Scores`` reply with the same request id. An item that raises gets its source's
+``default_score`` and ``errors[i] = repr(exc)``; the other items are unaffected. A message
+that does not decode (``Error("protocol")``) or is not a ``ScoreRules``
+(``Error("unexpected")``) is answered by the router and the process keeps serving; a frame
+over the limit costs its sender the connection. No handshake and no credentials: ENDPOINT
+is an ipc path in a directory only the generator's user can enter, so the file system
+decides who connects. Shutdown: SIGTERM, or the parent's death; linger 0.
 
 The sources are ``rewards.sources`` of ``DIR/config.yaml``, or, when the parent sets it,
 the JSON ``RewardsConfig`` in ``$VERL_ASYNC_REWARDS_JSON`` (so the parent's list and the
@@ -34,6 +40,8 @@ from verl_async.config import load_config
 from verl_async.reward_config import FunctionReward, MathReward, ModelReward, RewardsConfig
 from verl_async.rewards.rules import RuleScorerState
 from verl_async.runtime import die_with_parent
+from verl_async.transport.limits import MAX_MESSAGE_BYTES
+from verl_async.transport.server import RouterSocket, ServerOptions
 
 ENV_REWARDS = "VERL_ASYNC_REWARDS_JSON"
 POLL_MS = 500  # how often the loop looks at its parent while idle
@@ -75,18 +83,6 @@ def score_items(
     return P.Scores(scores=scores, errors=errors)
 
 
-def handle(parts: list, rewards: RewardsConfig, state: RuleScorerState) -> list:
-    """Frames of one request (after the ROUTER identity) -> frames of its reply."""
-    try:
-        env, _ = P.decode(parts)
-    except P.ProtocolError as exc:
-        return P.encode(P.Error(code="bad_message", message=str(exc)))
-    if not isinstance(env.body, P.ScoreRules):
-        message = f"the scoring process serves ScoreRules, not {type(env.body).__name__}"
-        return P.encode(P.Error(code="unsupported", message=message), env.request_id)
-    return P.encode(score_items(env.body.items, rewards, state), env.request_id)
-
-
 def warm_up(rewards: RewardsConfig, state: RuleScorerState) -> None:
     """Import what the sources need now (sympy, user modules) rather than in a request."""
     for source in rewards.sources:
@@ -99,26 +95,29 @@ def warm_up(rewards: RewardsConfig, state: RuleScorerState) -> None:
             log.warning("reward source '%s' failed to load: %r", source.name, exc)
 
 
-def serve(endpoint: str, rewards: RewardsConfig) -> None:
+def serve(
+    endpoint: str, rewards: RewardsConfig, max_message_bytes: int = MAX_MESSAGE_BYTES
+) -> None:
     """Answer requests until the parent goes away (or SIGTERM ends the process)."""
     parent = os.getppid()
     state = RuleScorerState(math_timeout_s(rewards))
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(endpoint)
+    options = ServerOptions(max_message_bytes=max_message_bytes)
+    router = RouterSocket(
+        zmq.Context(), endpoint, options, log, serves=(P.ScoreRules,), name="the scoring process"
+    )
     rule_sources = [s.name for s in rewards.sources if not isinstance(s, ModelReward)]
     log.info("scoring process up on %s; rule sources %s", endpoint, rule_sources)
     warm_up(rewards, state)
     try:
         while os.getppid() == parent:  # belt and braces beside PR_SET_PDEATHSIG
-            if not sock.poll(POLL_MS):
+            router.rejections.flush()  # the summary of a flood, when its window ends
+            if not router.sock.poll(POLL_MS):
                 continue
-            identity, *parts = sock.recv_multipart(copy=False)
-            sock.send_multipart([identity, *handle(parts, rewards, state)], copy=False)
+            for request in router.drain():  # what does not decode is answered there
+                scores = score_items(request.envelope.body.items, rewards, state)
+                router.reply(request.identity, request.envelope.request_id, scores)
     finally:
-        sock.close(linger=0)
-        ctx.term()
+        router.close()
 
 
 def _on_sigterm(signum: int, frame: object) -> None:
@@ -131,6 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="verl-async rule-reward scoring process")
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--endpoint", required=True, help="ZMQ endpoint to bind (ipc://...)")
+    parser.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=MAX_MESSAGE_BYTES,
+        help="largest frame taken; a larger one costs its sender the connection",
+    )
     args = parser.parse_args(argv)
     faulthandler.enable()  # a segfault in a user function leaves its stack in the log
     die_with_parent()
@@ -141,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         datefmt="%H:%M:%S",
         stream=sys.stderr,
     )
-    serve(args.endpoint, load_rewards(args.run_dir))
+    serve(args.endpoint, load_rewards(args.run_dir), args.max_message_bytes)
     return 0
 
 

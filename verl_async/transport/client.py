@@ -3,7 +3,8 @@
 Every client of a verl-async server (the buffer, a reward-model process) is a DEALER
 that sends ``Envelope(request_id, body)`` and gets exactly one reply with that id.
 ``AsyncDealer`` is that client for asyncio code; its users (``AsyncBufferClient``,
-``RewardModelClient``) only name their errors and check their replies.
+``RewardModelClient``, the scoring process's ``RuleScorer``) only name their errors and
+check their replies.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 The buffer (asyncio), a reward-model process (a blocking loop that scores what it
 drained together) and a generator's scoring process (one request at a time) run
 different loops over the same socket chores; ``RouterSocket`` does the chores (limits,
-admission, roles, decoding, replies) and leaves the loop, and the handling of requests,
-to each server.
+admission, roles, decoding, refusing what the server does not serve, replies) and leaves
+the loop, and the handling of requests, to each server.
 """
 
 from __future__ import annotations
@@ -73,8 +73,11 @@ class RouterSocket:
     receives and sends go through ``raw``, a plain shadow of the same socket, so a burst
     costs no event-loop round trip per message).
 
-    Peer-provoked log lines (undecodable messages, refused roles, lost replies) go through
-    ``rejections``, rate-limited; pass the server's own log to share its window.
+    A server that takes only a few request types names them in ``serves`` (with its own
+    name, for the reply): any other is answered ``Error("unexpected")`` here.
+
+    Peer-provoked log lines (undecodable messages, refused roles and types, lost replies)
+    go through ``rejections``, rate-limited; pass the server's own log to share its window.
     """
 
     def __init__(
@@ -85,8 +88,12 @@ class RouterSocket:
         logger: logging.Logger,
         roles: Roles | None = None,
         rejections: RateLimitedLog | None = None,
+        serves: tuple[type, ...] = (),
+        name: str = "this server",
     ) -> None:
         self.ctx = ctx
+        self.serves = serves
+        self.name = name
         self.rejections = rejections or RateLimitedLog(logger)
         self.roles = roles or {}
         self.checks_roles = options.auth is not None
@@ -121,8 +128,9 @@ class RouterSocket:
 
     def decode(self, parts: list) -> Request | None:
         """The ``Request`` of one received message; None when it does not decode (it got
-        ``Error(code="protocol")``) or its sender's role may not send it (``"forbidden"``),
-        each with a (rate-limited) log line."""
+        ``Error(code="protocol")``), its sender's role may not send it (``"forbidden"``)
+        or it is not of a type the server ``serves`` (``"unexpected"``), each with a
+        (rate-limited) log line."""
         identity = parts[0].bytes
         try:
             env, frames = P.decode(parts[1:])
@@ -139,6 +147,14 @@ class RouterSocket:
                 "forbidden", "refused %s from %s: %s", name, identity.hex(), message
             )
             self.reply(identity, env.request_id, P.Error(code="forbidden", message=message))
+            return None
+        if self.serves and not isinstance(env.body, self.serves):
+            served = " or ".join(t.__name__ for t in self.serves)
+            message = f"{self.name} serves {served}, not {type(env.body).__name__}"
+            self.rejections.log(
+                "unexpected", "unexpected message from %s: %s", identity.hex(), message
+            )
+            self.reply(identity, env.request_id, P.Error(code="unexpected", message=message))
             return None
         return Request(identity, role, env, frames)
 
