@@ -92,10 +92,11 @@ class VllmEngine:
         """Every worker joins the weight-sync group of ``epoch`` (blocks until the whole
         group has)."""
         w = self.cfg.weights
+        timeouts = (w.timeout_s, w.join_timeout_s)  # of each broadcast, of the rendezvous
         await self.llm.collective_rpc(
             "verl_join_weight_sync",
             timeout=w.join_timeout_s,
-            args=(host, port, world_size, rank_offset, backend, w.timeout_s, epoch),
+            args=(host, port, world_size, rank_offset, backend, *timeouts, epoch),
         )
         self.sync_epoch = epoch
 

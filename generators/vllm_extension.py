@@ -36,11 +36,16 @@ class WeightSyncExtension:
         rank_offset: int,
         backend: str,
         timeout_s: float,
+        join_timeout_s: float,
         epoch: int = 0,
     ) -> int:
-        """Join the group of ``epoch`` as rank ``rank_offset + worker rank``; returns that rank."""
+        """Join the group of ``epoch`` as rank ``rank_offset + worker rank``; returns that
+        rank. Its rendezvous may take ``join_timeout_s``, each broadcast ``timeout_s``."""
         rank = rank_offset + self.rank
-        self.verl_group = join_group(host, port, rank, world_size, backend, timeout_s, epoch)
+        self.verl_group = join_group(
+            host, port, rank, world_size, backend, timeout_s, epoch,
+            join_timeout_s=join_timeout_s,
+        )  # fmt: skip
         return rank
 
     def verl_rejoin_weight_sync(self, epoch: int) -> None:

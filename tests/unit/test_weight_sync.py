@@ -78,7 +78,7 @@ def test_same_host_updates_go_through_shared_memory_into_reused_buffers(free_por
 
 
 def test_a_receive_buffer_is_reused_when_it_fits():
-    group = SyncGroup(None, None, 1, 2, "gloo", 1.0)
+    group = SyncGroup(None, None, 1, 2, "gloo", 1.0, 1.0)
     a = group.buffer(1, 64, torch.device("cpu"))
     assert group.buffer(1, 64, torch.device("cpu")) is a
     assert group.buffer(1, 32, torch.device("cpu")).numel() == 32  # another plan: a new one
