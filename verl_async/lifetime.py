@@ -82,6 +82,24 @@ def die_with_parent(grace_s: float = ORPHAN_GRACE_S) -> None:
     watcher.start()
 
 
+def interrupt_once(*signals: int) -> None:
+    """The first of ``signals`` to come raises KeyboardInterrupt in the main thread (a
+    role's loop unwinds, cleaning up on the way, as after Ctrl-C); every later one is
+    ignored. A stop often comes twice: a launcher signals the learner again once its
+    checkpoint write has committed, a Ctrl-C in a terminal reaches torchrun and each of its
+    ranks and torchrun passes it on, and a rank's parent-death signal follows torchrun's
+    exit. Raised again, it would cut the clean-up short or, once the role's main function
+    has returned, come out of an exit handler as a traceback."""
+
+    def interrupt(signum, frame) -> None:
+        for sig in signals:
+            signal.signal(sig, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    for sig in signals:
+        signal.signal(sig, interrupt)
+
+
 def _outlive_parent(parent: int, grace_s: float) -> None:
     """SIGKILL this process ``grace_s`` after its parent is gone (re-parented)."""
     while os.getppid() == parent:

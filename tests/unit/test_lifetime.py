@@ -156,3 +156,39 @@ def test_a_role_left_of_a_dead_launcher_keeps_the_run_dir_taken(tmp_path):
         role.send_signal(signal.SIGKILL)
         role.wait()
     claim_run_dir(run_dir).release()  # it died: the directory is free again
+
+
+def test_a_stopped_role_ignores_a_second_stop_signal_even_in_its_exit_handlers():
+    """A learner's stop often comes twice (the launcher signals it again once a checkpoint
+    write has committed; Ctrl-C reaches torchrun and every rank, and torchrun passes it on):
+    the first unwinds the loop, a later one, here while an exit handler runs, is ignored
+    instead of coming out of it as a KeyboardInterrupt traceback."""
+    proc = _python(
+        """
+        import atexit, signal, sys
+        from learners.setup import stop_on_signals
+
+        def leave():
+            print("exiting", flush=True)
+            sys.stdin.readline()  # the second signal lands while this waits
+
+        atexit.register(leave)
+        stop_on_signals()
+        print("ready", flush=True)
+        try:
+            sys.stdin.readline()
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+            raise SystemExit(130) from None
+        """,
+        stdin=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout.readline() == "ready\n"
+    proc.send_signal(signal.SIGTERM)  # the launcher's stop
+    assert proc.stdout.readline() == "interrupted\n"
+    assert proc.stdout.readline() == "exiting\n"
+    proc.send_signal(signal.SIGINT)  # the same stop again, through another way
+    out, err = proc.communicate("go on\n", timeout=30)
+    assert proc.returncode == 130
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
