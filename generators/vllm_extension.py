@@ -22,12 +22,19 @@ from pathlib import Path
 import torch
 
 from verl_async import lora
+from verl_async.lifetime import die_with
 from verl_async.protocol import ParamSpec
 from verl_async.schema import LoraConfig
 from verl_async.weight_sync import join_group, receive_weights
 
 
 class WeightSyncExtension:
+    def verl_die_with(self, pid: int) -> None:
+        """End this worker's process when the generator process ``pid`` ends: vLLM's engine
+        processes outlive a SIGKILLed generator otherwise, hung in a weight broadcast
+        that will never complete (verl_async/lifetime.py)."""
+        die_with(pid)
+
     def verl_join_weight_sync(
         self,
         host: str,

@@ -1,8 +1,8 @@
 """Generators SIGKILLed mid-run: the launcher starts each again and the run goes on.
 
 ``verl-async train configs/tiny.yaml`` runs with two generators, on each engine. This test
-SIGKILLs generator 1's process (with vLLM, its engine processes are left behind, as after
-a crash), and later generator 0's (on the transformers engine: a vLLM engine's start is the
+SIGKILLs generator 1's process (with vLLM, its engine processes end with it:
+test_engine_lifetime.py), and later generator 0's (on the transformers engine: a vLLM engine's start is the
 most expensive part of the test, and a second kill takes the same path as the first). The
 launcher must start each again; the buffer must
 issue the groups a dead process held to the next generator that asks (not wait out their

@@ -192,3 +192,34 @@ def test_a_stopped_role_ignores_a_second_stop_signal_even_in_its_exit_handlers()
     out, err = proc.communicate("go on\n", timeout=30)
     assert proc.returncode == 130
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+
+
+def test_a_process_tied_to_its_grandparent_ends_with_it_and_takes_the_parent_along():
+    """The shape of a vLLM engine under a generator: generator -> engine core -> worker.
+    The worker ties itself to the generator (``die_with``); the generator is SIGKILLed
+    while the worker's main thread is blocked and the engine core ignores SIGTERM: both
+    must be gone at once, not after any grace."""
+    worker = textwrap.dedent("""
+        import os, sys, time
+        from verl_async.lifetime import die_with
+        die_with(int(sys.argv[1]))
+        print(os.getpid(), flush=True)
+        time.sleep(600)  # blocked, as in a broadcast that never completes
+    """)
+    core = textwrap.dedent(f"""
+        import os, signal, subprocess, sys, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        subprocess.Popen([sys.executable, "-c", {worker!r}, str(os.getppid())])
+        time.sleep(600)
+    """)
+    generator = _python(f"""
+        import subprocess, sys, time
+        core = subprocess.Popen([sys.executable, "-c", {core!r}])
+        print(core.pid, flush=True)
+        time.sleep(600)
+    """)
+    core_pid = int(generator.stdout.readline())
+    worker_pid = int(generator.stdout.readline())
+    generator.send_signal(signal.SIGKILL)
+    generator.wait()
+    assert _gone(worker_pid, timeout_s=10) and _gone(core_pid, timeout_s=10)
