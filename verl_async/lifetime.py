@@ -14,7 +14,7 @@ thread of its own kills the process ``ORPHAN_GRACE_S`` after its parent died, in
 SIGTERM was not enough (a Python handler cannot run while native code holds the main
 thread: a collective waiting for a dead peer, a hung user function).
 
-Processes a role does not start itself (vLLM's engine core and its workers, started by the
+Processes a role's libraries start (vLLM's engine core and its workers, started by the
 engine inside a generator) are tied to the role with ``die_with``: a thread of theirs
 waits on a pidfd of the role's process and ends theirs the moment it dies, even while
 their main thread is blocked in a weight broadcast that will never complete.
@@ -45,6 +45,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,7 +135,7 @@ def die_with(pid: int) -> None:
     threading.Thread(target=watch, name=f"die-with-{pid}", daemon=True).start()
 
 
-def wait_for_exit(pid: int, still=lambda: True) -> None:
+def wait_for_exit(pid: int, still: Callable[[], bool] = lambda: True) -> None:
     """Return once process ``pid`` has ended (at once when there is none). Blocks on a
     pidfd of it (Linux 5.3+), else polls. ``still``: checked once the pidfd is open, False
     when ``pid`` already ended before (its number may name another process by then)."""
