@@ -174,8 +174,8 @@ def test_a_stopped_role_ignores_a_second_stop_signal_even_in_its_exit_handlers()
 
         atexit.register(leave)
         stop_on_signals()
-        print("ready", flush=True)
         try:
+            print("ready", flush=True)  # inside: the stop may come right after it
             sys.stdin.readline()
         except KeyboardInterrupt:
             print("interrupted", flush=True)
