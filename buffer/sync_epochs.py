@@ -10,7 +10,9 @@ The buffer is the one place every role talks to, so it hands out the numbers:
   second one for the same id is a restarted process: the groups the old process held are
   taken back at once (the ledger issues them again) rather than after their lease runs
   out, and, once the current epoch's group is complete, a new epoch is wanted (while it
-  is still being built, the new process joins it in the old one's place);
+  is still being built, the new process joins it in the old one's place). A new epoch is
+  built only at the learner's next publish, so the new process waits for weights
+  announced over it (``PollVersion``) before it joins, however long the learner's step;
 - learner rank 0 asks ``SyncStatus`` before each publish (and while it waits for a
   batch); when a new epoch is wanted it drops the old group, announces the weights with
   the new epoch (surviving generators see it in ``PollVersion`` and rejoin), builds the

@@ -107,8 +107,9 @@ class HFEngine:
     ) -> None:
         w = self.cfg.weights
         self.group = await asyncio.to_thread(
-            join_group, host, port, rank_offset, world_size, backend, w.timeout_s, epoch
-        )
+            join_group, host, port, rank_offset, world_size, backend, w.timeout_s, epoch,
+            join_timeout_s=w.join_timeout_s,
+        )  # fmt: skip
         self.sync_epoch = epoch
 
     async def rejoin_weight_sync(self, epoch: int) -> None:

@@ -99,7 +99,8 @@ class RolloutEngine(Protocol):
         self, host: str, port: int, world_size: int, rank_offset: int, backend: str, epoch: int = 0
     ) -> None:
         """Join the weight-sync group of ``epoch`` as rank ``rank_offset`` (and on, one per
-        worker); returns once the whole group has joined."""
+        worker); returns once the whole group has joined (``weights.join_timeout_s`` at
+        most; each broadcast over it then ``weights.timeout_s``)."""
 
     async def rejoin_weight_sync(self, epoch: int) -> None:
         """The learner rebuilt the group: drop the old one and join ``epoch`` (blocks until

@@ -1,6 +1,6 @@
 """Generator process: keep an engine busy with prompt groups and ship rollouts.
 
-    run_generator -> start_and_join (start_engine, join_weight_sync) -> Generator.run:
+    run_generator -> start_and_join (generators/startup.py) -> Generator.run:
         sample_loop:    GetPrompts -> start_group -> generate_group -> sample -> score_and_push
                                                               (score, RolloutPusher.push)
                                    -> evaluate_group -> sample -> score -> PushEval
@@ -34,19 +34,18 @@ import os
 import time
 from collections import Counter
 
-from generators.engines import start_engine
 from generators.episodes import Episode, EpisodeRunner, pack_group
 from generators.interface import RolloutEngine, Sampling
 from generators.leases import HeldGroups, RolloutPusher
 from generators.render import Renderer
+from generators.startup import credentials, start_and_join
 from verl_async import placement
 from verl_async import protocol as P
-from verl_async.auth import GENERATOR, client_credentials
 from verl_async.envs import EnvironmentTable
 from verl_async.rewards.scorer import GroupScores, Scorer
 from verl_async.runtime import RunContext, descendants_cpu, mark, mark_cpu
 from verl_async.transport import AsyncBufferClient
-from verl_async.weight_sync import failure_line, resolve_backend
+from verl_async.weight_sync import failure_line
 
 log = logging.getLogger("verl_async.generator")
 ROOM_POLL_S = 0.05  # ask the buffer again this soon when it had nothing for us
@@ -406,11 +405,6 @@ def engine_eos_ids(tokenizer) -> set[int]:
     return ids
 
 
-def credentials(ctx: RunContext):
-    """This generator's key or token (verl_async/auth.py) for the buffer and reward models."""
-    return client_credentials(ctx.cfg, ctx.run_dir, GENERATOR)
-
-
 def make_scorer(ctx: RunContext, index: int) -> Scorer:
     """Rule sources in a scoring process of this generator's; model sources through a
     client of each reward-model process (endpoints chosen by the launcher)."""
@@ -435,6 +429,8 @@ async def run_generator(ctx: RunContext, index: int) -> None:
         os.nice(nice)  # before the engine starts: its processes inherit it
         log.info("sharing CPU cores with the learner: niceness %d", nice)
     engine = await start_and_join(ctx, index, role)
+    if engine is None:
+        return  # the run stopped before the learner rebuilt the group for this process
     try:
         from transformers import AutoTokenizer
 
@@ -451,41 +447,3 @@ async def run_generator(ctx: RunContext, index: int) -> None:
         finally:
             engine.shutdown()
             mark_cpu(ctx.path, role, live)
-
-
-async def start_and_join(ctx: RunContext, index: int, role: str) -> RolloutEngine:
-    """This generator's engine (``generators.engine``), up and a member of the weight-sync
-    group."""
-    cfg, ep = ctx.cfg, ctx.endpoints
-    seed = cfg.learner.seed * 1000 + index
-    tp = placement.tensor_parallel_size(placement.generator_groups(cfg)[index])
-    engine = start_engine(cfg, ep.model_path, seed, tensor_parallel_size=tp)
-    mark(ctx.path, role, "engine up")
-    try:
-        epoch = await sync_epoch(ctx, index)
-        log.info("engine up; joining the weight-sync group (epoch %d)", epoch)
-        await engine.join_weight_sync(
-            ep.weights_host,
-            ep.weights_port,
-            placement.sync_world_size(cfg),  # every vLLM worker of every engine is a member
-            placement.sync_rank_offset(cfg, index),
-            resolve_backend(cfg.weights.backend),
-            epoch,
-        )
-    except BaseException:
-        engine.shutdown()
-        raise
-    mark(ctx.path, role, "joined weight sync")
-    return engine
-
-
-async def sync_epoch(ctx: RunContext, index: int) -> int:
-    """The weight-sync epoch to join, from the buffer: 0 at the start of a run; a newer one
-    when this generator was started again (the buffer then issues its groups again)."""
-    cfg = ctx.cfg
-    client = AsyncBufferClient(ctx.endpoints.buffer, cfg.buffer.request_timeout_s, credentials(ctx))
-    try:
-        reply, _ = await client.request(P.JoinSync(generator_id=index))
-    finally:
-        client.close()
-    return reply.wanted

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import time
 
 from generators.interface import Sample, Sampling
@@ -27,7 +28,9 @@ def start_vllm_engine(
     cfg: RunConfig, model_path: str, seed: int, tensor_parallel_size: int = 1
 ) -> VllmEngine:
     """The engine over a new AsyncLLM (call it inside the event loop that will use it)."""
-    return VllmEngine(start_async_llm(cfg, model_path, seed, tensor_parallel_size), cfg)
+    engine = VllmEngine(start_async_llm(cfg, model_path, seed, tensor_parallel_size), cfg)
+    engine.tie_workers_to_this_process()
+    return engine
 
 
 def start_async_llm(cfg: RunConfig, model_path: str, seed: int, tensor_parallel_size: int = 1):
@@ -79,6 +82,16 @@ class VllmEngine:
         self.sync_epoch = 0  # the weight-sync group's epoch the workers are members of
         self.weights_lost = False  # an update failed midway: paused until a whole one arrives
         self.adapters = Adapters(llm, cfg) if cfg.model.lora.rank else None  # LoRA runs
+        self.tied: asyncio.Future | None = None  # tie_workers_to_this_process's call
+
+    def tie_workers_to_this_process(self) -> None:
+        """Make every worker process of the engine (and the engine core above them) end
+        when this process ends, SIGKILL included: vLLM's processes do not, and one blocked
+        in a weight broadcast would hang there for good. Sent at once; its reply is
+        awaited by ``join_weight_sync`` (a failure shows there)."""
+        self.tied = asyncio.ensure_future(
+            self.llm.collective_rpc("verl_die_with", args=(os.getpid(),))
+        )
 
     async def join_weight_sync(
         self,
@@ -91,11 +104,14 @@ class VllmEngine:
     ) -> None:
         """Every worker joins the weight-sync group of ``epoch`` (blocks until the whole
         group has)."""
+        if self.tied is not None:
+            await self.tied
         w = self.cfg.weights
+        timeouts = (w.timeout_s, w.join_timeout_s)  # of each broadcast, of the rendezvous
         await self.llm.collective_rpc(
             "verl_join_weight_sync",
             timeout=w.join_timeout_s,
-            args=(host, port, world_size, rank_offset, backend, w.timeout_s, epoch),
+            args=(host, port, world_size, rank_offset, backend, *timeouts, epoch),
         )
         self.sync_epoch = epoch
 

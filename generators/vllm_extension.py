@@ -22,12 +22,19 @@ from pathlib import Path
 import torch
 
 from verl_async import lora
+from verl_async.lifetime import die_with
 from verl_async.protocol import ParamSpec
 from verl_async.schema import LoraConfig
 from verl_async.weight_sync import join_group, receive_weights
 
 
 class WeightSyncExtension:
+    def verl_die_with(self, pid: int) -> None:
+        """End this worker's process when the generator process ``pid`` ends: vLLM's engine
+        processes outlive a SIGKILLed generator otherwise, hung in a weight broadcast
+        that will never complete (verl_async/lifetime.py)."""
+        die_with(pid)
+
     def verl_join_weight_sync(
         self,
         host: str,
@@ -36,11 +43,16 @@ class WeightSyncExtension:
         rank_offset: int,
         backend: str,
         timeout_s: float,
+        join_timeout_s: float,
         epoch: int = 0,
     ) -> int:
-        """Join the group of ``epoch`` as rank ``rank_offset + worker rank``; returns that rank."""
+        """Join the group of ``epoch`` as rank ``rank_offset + worker rank``; returns that
+        rank. Its rendezvous may take ``join_timeout_s``, each broadcast ``timeout_s``."""
         rank = rank_offset + self.rank
-        self.verl_group = join_group(host, port, rank, world_size, backend, timeout_s, epoch)
+        self.verl_group = join_group(
+            host, port, rank, world_size, backend, timeout_s, epoch,
+            join_timeout_s=join_timeout_s,
+        )  # fmt: skip
         return rank
 
     def verl_rejoin_weight_sync(self, epoch: int) -> None:

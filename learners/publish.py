@@ -190,7 +190,7 @@ class WeightSync:
         except Exception as exc:
             raise RuntimeError(
                 f"weight-sync epoch {epoch}: not every generator joined within "
-                f"weights.join_timeout_s={self.group.timeout_s:.0f}s ({exc}); see "
+                f"weights.join_timeout_s={self.group.join_timeout_s:.0f}s ({exc}); see "
                 "logs/generator*.log"
             ) from exc
         self.client.request(P.SyncStatus(formed=epoch))

@@ -19,6 +19,7 @@ import torch
 from learners.critic import load_critic, load_reference
 from learners.trainer import Learner
 from verl_async import lora
+from verl_async.lifetime import interrupt_once
 from verl_async.placement import sync_world_size
 from verl_async.runtime import RunContext, mark, mark_cpu
 from verl_async.weight_sync import join_group, resolve_backend
@@ -94,9 +95,7 @@ def run_learner(ctx: RunContext) -> None:
         route = "shared memory" if group.memory is not None else "the network"
         log.info("weight-sync group ready: updates go through %s", route)
         mark(ctx.path, "learner", "joined weight sync")
-    # SIGTERM (the launcher's stop, e.g. on Ctrl-C) unwinds the loop like Ctrl-C would, so
-    # an in-progress checkpoint write is finished (or abandoned uncommitted) before exit.
-    signal.signal(signal.SIGTERM, _interrupt)
+    stop_on_signals()
     learner = Learner(
         ctx, accelerator, model, optimizer, group, pad_id, scheduler,
         critic, critic_optimizer, reference,
@@ -219,5 +218,9 @@ def fsdp2(model, compute_dtype: torch.dtype):
     return model
 
 
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
+def stop_on_signals() -> None:
+    """SIGTERM (the launcher's stop, e.g. on Ctrl-C) and SIGINT (Ctrl-C where the learner
+    runs in a terminal) unwind the loop like Ctrl-C, so an in-progress checkpoint write is
+    finished (or abandoned uncommitted) before exit: the first of them only, so the stop
+    logs one line and no later signal turns into a traceback."""
+    interrupt_once(signal.SIGTERM, signal.SIGINT)

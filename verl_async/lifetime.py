@@ -14,6 +14,11 @@ thread of its own kills the process ``ORPHAN_GRACE_S`` after its parent died, in
 SIGTERM was not enough (a Python handler cannot run while native code holds the main
 thread: a collective waiting for a dead peer, a hung user function).
 
+Processes a role's libraries start (vLLM's engine core and its workers, started by the
+engine inside a generator) are tied to the role with ``die_with``: a thread of theirs
+waits on a pidfd of the role's process and ends theirs the moment it dies, even while
+their main thread is blocked in a weight broadcast that will never complete.
+
 Run directory lock. Two ``flock`` locks in the run directory::
 
     launcher.lock   exclusive, held by the launcher of the run for its life
@@ -35,10 +40,12 @@ import errno
 import fcntl
 import logging
 import os
+import select
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,12 +89,79 @@ def die_with_parent(grace_s: float = ORPHAN_GRACE_S) -> None:
     watcher.start()
 
 
+def interrupt_once(*signals: int) -> None:
+    """The first of ``signals`` to come raises KeyboardInterrupt in the main thread (a
+    role's loop unwinds, cleaning up on the way, as after Ctrl-C); every later one is
+    ignored. A stop often comes twice: a launcher signals the learner again once its
+    checkpoint write has committed, a Ctrl-C in a terminal reaches torchrun and each of its
+    ranks and torchrun passes it on, and a rank's parent-death signal follows torchrun's
+    exit. Raised again, it would cut the clean-up short or, once the role's main function
+    has returned, come out of an exit handler as a traceback."""
+
+    def interrupt(signum, frame) -> None:
+        for sig in signals:
+            signal.signal(sig, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    for sig in signals:
+        signal.signal(sig, interrupt)
+
+
 def _outlive_parent(parent: int, grace_s: float) -> None:
     """SIGKILL this process ``grace_s`` after its parent is gone (re-parented)."""
-    while os.getppid() == parent:
-        time.sleep(0.5)
+    wait_for_exit(parent, still=lambda: os.getppid() == parent)
     time.sleep(grace_s)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def die_with(pid: int) -> None:
+    """Exit this process (``os._exit``) as soon as process ``pid`` ends, whatever its main
+    thread is doing, from a daemon thread. When ``pid`` is not this process's parent (a
+    vLLM worker under the engine-core process of the generator ``pid``), that parent is
+    SIGKILLed first, so nothing between the two is left either."""
+    parent = os.getppid()
+    between = None
+    if parent != pid:
+        with contextlib.suppress(AttributeError, OSError):
+            between = os.pidfd_open(parent)
+
+    def watch() -> None:
+        wait_for_exit(pid)
+        if between is not None:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(between, signal.SIGKILL)
+        os._exit(1)
+
+    threading.Thread(target=watch, name=f"die-with-{pid}", daemon=True).start()
+
+
+def wait_for_exit(pid: int, still: Callable[[], bool] = lambda: True) -> None:
+    """Return once process ``pid`` has ended (at once when there is none). Blocks on a
+    pidfd of it (Linux 5.3+), else polls. ``still``: checked once the pidfd is open, False
+    when ``pid`` already ended before (its number may name another process by then)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    except (AttributeError, OSError):  # no pidfd on this kernel or Python: poll
+        while still() and _exists(pid):
+            time.sleep(0.5)
+        return
+    try:
+        if still():
+            select.select([fd], [], [])  # readable once the process has ended
+    finally:
+        os.close(fd)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: it exists
+        pass
+    return True
 
 
 # ----------------------------------------------------------------------------- run lock

@@ -371,9 +371,12 @@ class WeightsConfig(_Section):
     forms), updates go through shared memory instead of the loopback network (gloo only;
     docs/scaling.md); false always uses the network."""
     timeout_s: PosFloat = 120.0
-    """No side waits longer than this for one weight update."""
+    """No side waits longer than this for one weight update (a broadcast, once the group is
+    built)."""
     join_timeout_s: PosFloat = 600.0
-    """How long the learner waits for every generator's engine to start and join the group."""
+    """How long the learner waits for every generator's engine to start and join the group,
+    and a generator for the group's rendezvous (a restarted one waits for the learner's next
+    publish first, without a deadline)."""
     port: Port = 0
     """TCPStore port of the weight-sync group; 0 picks a free one."""
     host: str = ""

@@ -138,7 +138,8 @@ class SyncGroup:
     rank: int
     world_size: int
     backend: str
-    timeout_s: float  # of its rendezvous and of each collective
+    timeout_s: float  # of each collective
+    join_timeout_s: float  # of its rendezvous (this epoch's and the next ones')
     epoch: int = 0
     memory: SharedMemory | None = None  # every member on rank 0's host: updates go through it
     offers_memory: bool = True  # rank 0: offer shared memory again when rebuilt
@@ -187,8 +188,9 @@ class SyncGroup:
         offer = self.offers_memory
         self.drop()
         return _build(
-            self.store, self.rank, self.world_size, self.backend, self.timeout_s, epoch, offer
-        )
+            self.store, self.rank, self.world_size, self.backend, self.timeout_s, epoch, offer,
+            self.join_timeout_s,
+        )  # fmt: skip
 
 
 def join_group(
@@ -200,17 +202,20 @@ def join_group(
     timeout_s: float,
     epoch: int = 0,
     shared_memory: bool = True,
+    join_timeout_s: float | None = None,
 ) -> SyncGroup:
     """Create (rank 0) or join the weight-sync group of ``epoch`` over a new store
     connection (a restarted generator joins a later epoch this way; members of an earlier
-    epoch use ``SyncGroup.rebuild``). Blocks until all ranks have joined.
+    epoch use ``SyncGroup.rebuild``). Blocks until all ranks have joined, at most
+    ``join_timeout_s`` (default ``timeout_s``, the bound of each collective).
     ``shared_memory`` (rank 0's say; ``weights.shared_memory``): offer the same-host
     channel."""
+    join_timeout_s = timeout_s if join_timeout_s is None else join_timeout_s
     store = TCPStore(
-        host, port, world_size, is_master=(rank == 0), timeout=dt.timedelta(seconds=timeout_s),
-        wait_for_workers=epoch == 0,
+        host, port, world_size, is_master=(rank == 0),
+        timeout=dt.timedelta(seconds=join_timeout_s), wait_for_workers=epoch == 0,
     )  # fmt: skip
-    return _build(store, rank, world_size, backend, timeout_s, epoch, shared_memory)
+    return _build(store, rank, world_size, backend, timeout_s, epoch, shared_memory, join_timeout_s)
 
 
 def _build(
@@ -221,10 +226,13 @@ def _build(
     timeout_s: float,
     epoch: int,
     shared_memory: bool = True,
+    join_timeout_s: float | None = None,
 ) -> SyncGroup:
     """The process group of ``epoch`` over ``store`` (its keys under an epoch's prefix),
-    with its same-host channel when every member can use it (gloo only)."""
-    timeout = dt.timedelta(seconds=timeout_s)
+    with its same-host channel when every member can use it (gloo only). Its rendezvous
+    may take ``join_timeout_s``; each collective after it ``timeout_s``."""
+    join_timeout_s = timeout_s if join_timeout_s is None else join_timeout_s
+    timeout = dt.timedelta(seconds=join_timeout_s)
     prefixed = PrefixStore(f"verl_async/weights/{epoch}", store)
     if backend == "nccl":
         from torch._C._distributed_c10d import ProcessGroupNCCL
@@ -239,10 +247,11 @@ def _build(
         group = ProcessGroupGloo(prefixed, rank, world_size, options)
     else:
         raise ValueError(f"unknown weight-sync backend '{backend}'")
-    out = SyncGroup(group, store, rank, world_size, backend, timeout_s, epoch)
+    out = SyncGroup(group, store, rank, world_size, backend, timeout_s, join_timeout_s, epoch)
     out.offers_memory = shared_memory
     if backend == "gloo":
         out.memory = _probe_memory(out, prefixed, shared_memory)
+    group.set_timeout(dt.timedelta(seconds=timeout_s))  # formed: the bound of a collective
     return out
 
 

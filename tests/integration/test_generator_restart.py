@@ -1,8 +1,8 @@
 """Generators SIGKILLed mid-run: the launcher starts each again and the run goes on.
 
 ``verl-async train configs/tiny.yaml`` runs with two generators, on each engine. This test
-SIGKILLs generator 1's process (with vLLM, its engine processes are left behind, as after
-a crash), and later generator 0's (on the transformers engine: a vLLM engine's start is the
+SIGKILLs generator 1's process (with vLLM, its engine processes end with it:
+test_engine_lifetime.py), and later generator 0's (on the transformers engine: a vLLM engine's start is the
 most expensive part of the test, and a second kill takes the same path as the first). The
 launcher must start each again; the buffer must
 issue the groups a dead process held to the next generator that asks (not wait out their
@@ -14,7 +14,9 @@ on-policy (``staleness.max=0``), so each one is compared (``rollout_logp_diff_ma
 after the second rebuild (transformers) every group comes from a restarted process.
 
 The learner is gated (tests/slow_learner.py): it waits at each kill until the new process
-has joined, so the rebuilds land where the test says, on any machine.
+has joined, so the rebuilds land where the test says, on any machine. A second test holds
+the learner in a step three times ``weights.timeout_s`` long while a restarted generator
+waits for the group to be rebuilt: the wait is no failure, and the process stays.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -118,3 +121,55 @@ def test_killed_generators_are_restarted_and_the_run_trains_every_group_once(tmp
     assert all(r["rollout_fresh_fraction"] == 1.0 for r in rows)
     worst = max(r["rollout_logp_diff_max"] for r in rows)
     assert worst < LOGP_ATOL, worst
+
+
+SLOW_STEP_TIMEOUT_S = 15  # weights.timeout_s of the slow-learner run: a third of its held step
+
+
+def test_a_restarted_generator_waits_out_a_learner_step_longer_than_the_weights_timeout(tmp_path):
+    """Generator 1 is killed and started again while the learner is held in a step three
+    times ``weights.timeout_s`` long: the new process waits for the learner's next publish
+    (which rebuilds the group) however long the step takes, is not restarted a second time,
+    and gets the weights."""
+    run_dir, gate, out = tmp_path / "run", tmp_path / "gate", tmp_path / "out.txt"
+    steps, first = 4, 2
+    overrides = [
+        "generators.engine=hf",
+        f"trainer.total_steps={steps}",
+        "checkpoint.every_steps=0",
+        "placement.generators=[cpu, cpu]",
+        "placement.learners=[cpu]",
+        "buffer.lease_timeout_s=3600",
+        f"weights.timeout_s={SLOW_STEP_TIMEOUT_S}",
+    ]
+    buffer_log = run_dir / "logs" / "buffer.log"
+    gate.write_text(str(first))
+    proc = launch_gated(["train", "configs/tiny.yaml", "--run-dir", str(run_dir), *overrides],
+                        gate, out)  # fmt: skip
+    again = "the generator1 process exited with code"
+    try:
+        wait_for(proc, lambda: _loaded(run_dir, first), f"version {first} loaded", out,
+                 timeout_s=RESTART_S)  # fmt: skip
+        os.kill(_generator_pid(run_dir, 1), signal.SIGKILL)
+        joined = "generator 1 started again: it joins weight-sync epoch 1"
+        wait_for(proc, lambda: buffer_log.is_file() and joined in buffer_log.read_text(),
+                 joined, out, timeout_s=RESTART_S)  # fmt: skip
+        # The learner stays in its step (the gate) for three times weights.timeout_s: the
+        # new process must still be there at the end, not started a third time.
+        held_until = time.monotonic() + 3 * SLOW_STEP_TIMEOUT_S
+        while time.monotonic() < held_until:
+            assert out.read_text().count(again) == 1, out.read_text()[-3000:]
+            time.sleep(0.2)
+        gate.write_text(str(steps))
+        assert proc.wait(timeout=RESTART_S) == 0, out.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=60)
+    text = out.read_text()
+    assert text.count(again) == 1, text[-3000:]
+    assert [r["step"] for r in _rows(run_dir / "metrics.jsonl")] == list(range(steps))
+    learner_log = (run_dir / "logs" / "learner.log").read_text()
+    assert "weight-sync group rebuilt (epoch 1, 3 members)" in learner_log
+    restarted = (run_dir / "logs" / "generator1.log").read_text().split("epoch 1")[-1]
+    assert "loaded version" in restarted, restarted[-2000:]

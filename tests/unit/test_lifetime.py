@@ -156,3 +156,70 @@ def test_a_role_left_of_a_dead_launcher_keeps_the_run_dir_taken(tmp_path):
         role.send_signal(signal.SIGKILL)
         role.wait()
     claim_run_dir(run_dir).release()  # it died: the directory is free again
+
+
+def test_a_stopped_role_ignores_a_second_stop_signal_even_in_its_exit_handlers():
+    """A learner's stop often comes twice (the launcher signals it again once a checkpoint
+    write has committed; Ctrl-C reaches torchrun and every rank, and torchrun passes it on):
+    the first unwinds the loop, a later one, here while an exit handler runs, is ignored
+    instead of coming out of it as a KeyboardInterrupt traceback."""
+    proc = _python(
+        """
+        import atexit, signal, sys
+        from learners.setup import stop_on_signals
+
+        def leave():
+            print("exiting", flush=True)
+            sys.stdin.readline()  # the second signal lands while this waits
+
+        atexit.register(leave)
+        stop_on_signals()
+        try:
+            print("ready", flush=True)  # inside: the stop may come right after it
+            sys.stdin.readline()
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+            raise SystemExit(130) from None
+        """,
+        stdin=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout.readline() == "ready\n"
+    proc.send_signal(signal.SIGTERM)  # the launcher's stop
+    assert proc.stdout.readline() == "interrupted\n"
+    assert proc.stdout.readline() == "exiting\n"
+    proc.send_signal(signal.SIGINT)  # the same stop again, through another way
+    out, err = proc.communicate("go on\n", timeout=30)
+    assert proc.returncode == 130
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+
+
+def test_a_process_tied_to_its_grandparent_ends_with_it_and_takes_the_parent_along():
+    """The shape of a vLLM engine under a generator: generator -> engine core -> worker.
+    The worker ties itself to the generator (``die_with``); the generator is SIGKILLed
+    while the worker's main thread is blocked and the engine core ignores SIGTERM: both
+    must be gone at once, not after any grace."""
+    worker = textwrap.dedent("""
+        import os, sys, time
+        from verl_async.lifetime import die_with
+        die_with(int(sys.argv[1]))
+        print(os.getpid(), flush=True)
+        time.sleep(600)  # blocked, as in a broadcast that never completes
+    """)
+    core = textwrap.dedent(f"""
+        import os, signal, subprocess, sys, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        subprocess.Popen([sys.executable, "-c", {worker!r}, str(os.getppid())])
+        time.sleep(600)
+    """)
+    generator = _python(f"""
+        import subprocess, sys, time
+        core = subprocess.Popen([sys.executable, "-c", {core!r}])
+        print(core.pid, flush=True)
+        time.sleep(600)
+    """)
+    core_pid = int(generator.stdout.readline())
+    worker_pid = int(generator.stdout.readline())
+    generator.send_signal(signal.SIGKILL)
+    generator.wait()
+    assert _gone(worker_pid, timeout_s=10) and _gone(core_pid, timeout_s=10)

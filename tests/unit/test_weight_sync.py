@@ -78,7 +78,7 @@ def test_same_host_updates_go_through_shared_memory_into_reused_buffers(free_por
 
 
 def test_a_receive_buffer_is_reused_when_it_fits():
-    group = SyncGroup(None, None, 1, 2, "gloo", 1.0)
+    group = SyncGroup(None, None, 1, 2, "gloo", 1.0, 1.0)
     a = group.buffer(1, 64, torch.device("cpu"))
     assert group.buffer(1, 64, torch.device("cpu")) is a
     assert group.buffer(1, 32, torch.device("cpu")).numel() == 32  # another plan: a new one
@@ -91,3 +91,38 @@ def test_a_member_that_cannot_read_the_memory_file_makes_the_group_use_the_netwo
     monkeypatch.setattr(SharedMemory, "readable", staticmethod(lambda path, token: False))
     groups = _roundtrip(free_port(), _tensors())
     assert groups[0].memory is None and groups[1].memory is None
+
+
+def test_a_member_waits_join_timeout_s_for_the_group_and_timeout_s_for_a_broadcast(free_port):
+    """The rendezvous and the collectives after it have deadlines of their own: a member
+    whose rank 0 comes later than ``timeout_s`` still joins (within ``join_timeout_s``),
+    and a broadcast that never comes fails it after ``timeout_s``."""
+    import time
+
+    from verl_async.weight_sync import broadcast_bucket
+
+    port, holder, done = free_port(), {}, threading.Event()
+
+    def member():
+        group = holder["group"] = join_group(
+            "127.0.0.1", port, 1, 2, "gloo", 1.0, shared_memory=False, join_timeout_s=60
+        )
+        t0 = time.monotonic()
+        try:
+            broadcast_bucket(group, torch.empty(4, dtype=torch.uint8))
+        except RuntimeError as exc:
+            holder["failed"] = (time.monotonic() - t0, str(exc))
+        done.set()
+
+    thread = threading.Thread(target=member)
+    thread.start()
+    time.sleep(3.0)  # rank 0 comes three times timeout_s late
+    root = join_group("127.0.0.1", port, 0, 2, "gloo", 60, shared_memory=False)
+    try:
+        assert done.wait(30), "the broadcast never sent did not fail the member"
+        waited, message = holder["failed"]
+        assert waited < 10, (waited, message)
+    finally:
+        thread.join(30)
+        holder["group"].close()
+        root.close()
