@@ -91,8 +91,8 @@ def run_learner(ctx: RunContext) -> None:
             cfg.weights.join_timeout_s,
             shared_memory=cfg.weights.shared_memory,
         )
-        route = "shared memory" if group.memory is not None else "the network"
-        log.info("weight-sync group ready: updates go through %s", route)
+        offered = "offered" if group.memory is not None else "not offered"
+        log.info("weight-sync group ready: shared memory %s", offered)
         mark(ctx.path, "learner", "joined weight sync")
     # SIGTERM (the launcher's stop, e.g. on Ctrl-C) unwinds the loop like Ctrl-C would, so
     # an in-progress checkpoint write is finished (or abandoned uncommitted) before exit.
