@@ -30,6 +30,7 @@ import threading
 import time
 from pathlib import Path
 
+import msgspec
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -46,14 +47,19 @@ def send_weights(group, tensors: dict, specs: list, bucket_bytes: int) -> None:
     send_update(group, (pack_bucket(b, tensors) for b in plan_buckets(specs, bucket_bytes)))
 
 
-def raw_receiver(port: int, specs: list, bucket_bytes: int, repeats: int, backend: str) -> None:
-    from verl_async.protocol import ParamSpec
+def raw_receiver(
+    port: int, specs: list, bucket_bytes: int, repeats: int, backend: str, offers
+) -> None:
+    """Rank 1; ``offers`` brings rank 0's memory offer (as the buffer would), or None."""
+    from verl_async.protocol import MemoryOffer, ParamSpec
     from verl_async.weight_sync import join_group, receive_weights
 
     group = join_group("127.0.0.1", port, 1, 2, backend, 120)
+    offer = offers.get(timeout=120)
+    offer = MemoryOffer(**offer) if offer is not None else None
     specs = [ParamSpec(n, d, tuple(s)) for n, d, s in specs]
     for _ in range(repeats):
-        for _bucket in receive_weights(group, specs, bucket_bytes, torch.device("cpu")):
+        for _bucket in receive_weights(group, specs, bucket_bytes, torch.device("cpu"), offer):
             pass
 
 
@@ -66,10 +72,14 @@ def raw_broadcast(
     port = free_port("127.0.0.1")
     ctx = mp.get_context("spawn")
     wire = [[s.name, s.dtype, list(s.shape)] for s in specs]
-    child = ctx.Process(target=raw_receiver, args=(port, wire, bucket_bytes, repeats, backend))
+    offers = ctx.Queue()
+    child = ctx.Process(
+        target=raw_receiver, args=(port, wire, bucket_bytes, repeats, backend, offers)
+    )
     child.start()
     try:
         group = join_group("127.0.0.1", port, 0, 2, backend, 120, shared_memory=shared_memory)
+        offers.put(msgspec.to_builtins(group.offer) if group.offer is not None else None)
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -126,7 +136,9 @@ async def ours(model_path: Path, args, bucket_bytes: int) -> tuple[list[float], 
             expected = hf_logprobs(learner, PROBE)
             tensors = {k: v.detach() for k, v in learner.state_dict().items()}
             specs = param_specs(tensors.items())
-            update = P.WeightUpdate(version=version, params=specs, bucket_bytes=bucket_bytes)
+            update = P.WeightUpdate(
+                version=version, params=specs, bucket_bytes=bucket_bytes, memory=holder["g"].offer
+            )
             t0 = time.perf_counter()
             sender = threading.Thread(
                 target=send_weights, args=(holder["g"], tensors, specs, bucket_bytes)

@@ -100,6 +100,21 @@ def check_announce(update: P.WeightUpdate, target_version: int) -> None:
     for spec in update.params:
         if any(d < 0 for d in spec.shape):
             raise P.ProtocolError(f"parameter {spec.name[:64]!r} has a negative dimension")
+    if update.memory is not None:
+        check_memory_offer(update.memory)
+
+
+def check_memory_offer(offer: P.MemoryOffer) -> None:
+    """A memory file of the announcing process: ``/proc/<pid>/fd/<n>`` with its own pid and
+    a token of 16 to 64 hex digits (members check the file itself; this keeps junk off the
+    generators)."""
+    fd = offer.path.removeprefix(f"/proc/{offer.pid}/fd/")
+    if offer.pid <= 0 or not (fd.isascii() and fd.isdigit()) or len(fd) > 10:
+        raise P.ProtocolError(
+            f"memory offer path {offer.path[:64]!r} is not /proc/{offer.pid}/fd/<n>"
+        )
+    if not 16 <= len(offer.token) <= 64 or any(c not in "0123456789abcdef" for c in offer.token):
+        raise P.ProtocolError("memory offer token is not 16 to 64 lowercase hex digits")
 
 
 def check_eval_results(body: P.PushEval, num_sources: int, target_version: int) -> None:

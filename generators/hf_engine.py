@@ -40,7 +40,7 @@ import torch
 
 from generators.interface import Sample, Sampling
 from verl_async import lora
-from verl_async.protocol import ParamSpec, WeightUpdate
+from verl_async.protocol import WeightUpdate
 from verl_async.schema import RunConfig
 from verl_async.weight_sync import SyncGroup, join_group, receive_weights
 
@@ -132,7 +132,7 @@ class HFEngine:
         async with self.lock:
             self.abort.clear()
             try:
-                await asyncio.to_thread(self._receive, update.params, update.bucket_bytes)
+                await asyncio.to_thread(self._receive, update)
             except Exception:
                 self.weights_lost = True
                 raise
@@ -144,10 +144,13 @@ class HFEngine:
         return time.perf_counter() - t0
 
     @torch.no_grad()
-    def _receive(self, params: list[ParamSpec], bucket_bytes: int) -> None:
+    def _receive(self, update: WeightUpdate) -> None:
         state = self.model.state_dict(keep_vars=True)  # tied weights under each name
         adapter = lora.enabled(self.cfg)  # a LoRA run sends the adapter alone
-        for bucket in receive_weights(self.group, params, bucket_bytes, self.device):
+        received = receive_weights(
+            self.group, update.params, update.bucket_bytes, self.device, update.memory
+        )
+        for bucket in received:
             for name, tensor in bucket:
                 name = lora.model_name(name) if adapter else name
                 if name not in state:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import msgspec
 
+from generators.vllm_extension import memory_offer
 from verl_async.protocol import WeightUpdate
 from verl_async.schema import RunConfig
 from verl_async.weight_sync import plan_buckets
@@ -112,7 +113,7 @@ class Adapters:
         await self.llm.collective_rpc(
             "verl_receive_adapter",
             timeout=timeout,
-            args=(specs, update.bucket_bytes, str(path), lora_cfg),
+            args=(specs, update.bucket_bytes, str(path), lora_cfg, memory_offer(update)),
         )
         request = LoRARequest(f"v{update.version}", update.version + 1, str(path))
         try:

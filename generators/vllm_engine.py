@@ -16,6 +16,7 @@ import time
 
 from generators.interface import Sample, Sampling
 from generators.vllm_adapters import Adapters, lora_engine_args
+from generators.vllm_extension import memory_offer
 from verl_async.protocol import WeightUpdate
 from verl_async.schema import RunConfig
 
@@ -238,7 +239,7 @@ class VllmEngine:
             await self.llm.collective_rpc(
                 "verl_receive_weights",
                 timeout=self.cfg.weights.timeout_s,
-                args=(specs, update.bucket_bytes),
+                args=(specs, update.bucket_bytes, memory_offer(update)),
             )
         except Exception:
             self.weights_lost = True

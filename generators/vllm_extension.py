@@ -19,11 +19,12 @@ import os
 import shutil
 from pathlib import Path
 
+import msgspec
 import torch
 
 from verl_async import lora
 from verl_async.lifetime import die_with
-from verl_async.protocol import ParamSpec
+from verl_async.protocol import MemoryOffer, ParamSpec, WeightUpdate
 from verl_async.schema import LoraConfig
 from verl_async.weight_sync import join_group, receive_weights
 
@@ -59,8 +60,11 @@ class WeightSyncExtension:
         """The learner rebuilt the group: drop this worker's end of it and join ``epoch``."""
         self.verl_group = self.verl_group.rebuild(epoch)
 
-    def verl_receive_weights(self, specs: list[list], bucket_bytes: int) -> int:
+    def verl_receive_weights(
+        self, specs: list[list], bucket_bytes: int, memory: dict | None = None
+    ) -> int:
         """Receive one update broadcast by the learner and load it; returns bytes received.
+        ``memory``: the update's ``MemoryOffer`` as a dict (``memory_offer``), or None.
 
         A broadcast that fails midway (a member died) still finalizes the reload, so the
         model stays loadable; its weights are then a mix, and the generator does not
@@ -75,7 +79,10 @@ class WeightSyncExtension:
         received = 0
         initialize_layerwise_reload(model)
         try:
-            for bucket in receive_weights(self.verl_group, param_specs, bucket_bytes, self.device):
+            offer = MemoryOffer(**memory) if memory is not None else None
+            for bucket in receive_weights(
+                self.verl_group, param_specs, bucket_bytes, self.device, offer
+            ):
                 model.load_weights(bucket)
                 received += sum(t.numel() * t.element_size() for _, t in bucket)
         finally:
@@ -85,7 +92,12 @@ class WeightSyncExtension:
         return received
 
     def verl_receive_adapter(
-        self, specs: list[list], bucket_bytes: int, path: str, lora_cfg: dict
+        self,
+        specs: list[list],
+        bucket_bytes: int,
+        path: str,
+        lora_cfg: dict,
+        memory: dict | None = None,
     ) -> int:
         """Receive one adapter update and write it as a peft adapter directory at ``path``;
         returns bytes received.
@@ -99,7 +111,10 @@ class WeightSyncExtension:
         writer = self.local_rank == 0
         tensors: dict[str, torch.Tensor] = {}
         received = 0
-        for bucket in receive_weights(self.verl_group, param_specs, bucket_bytes, self.device):
+        offer = MemoryOffer(**memory) if memory is not None else None
+        for bucket in receive_weights(
+            self.verl_group, param_specs, bucket_bytes, self.device, offer
+        ):
             received += sum(t.numel() * t.element_size() for _, t in bucket)
             if writer:
                 tensors.update((name, t.cpu()) for name, t in bucket)
@@ -118,6 +133,12 @@ class WeightSyncExtension:
         if group is not None:
             self.verl_group = None
             group.close()
+
+
+def memory_offer(update: WeightUpdate) -> dict | None:
+    """``update.memory`` as plain values for ``collective_rpc`` (the workers rebuild the
+    ``MemoryOffer``), or None."""
+    return msgspec.to_builtins(update.memory) if update.memory is not None else None
 
 
 def _write_atomically(path: Path, tensors: dict[str, torch.Tensor], cfg: LoraConfig, base: str):

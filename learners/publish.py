@@ -173,21 +173,29 @@ class WeightSync:
         )
 
     def _announce(self, update: P.WeightUpdate) -> None:
-        """Announce ``update`` over the current group, or over a rebuilt one if wanted."""
+        """Announce ``update`` over the current group, or over a rebuilt one if wanted. The
+        announcement carries the group's memory file (``MemoryOffer``): the buffer is the
+        only channel members take it from."""
         status, _ = self.client.request(P.SyncStatus(regroup=self.failed))
         epoch = max(status.wanted, self.epoch)
-        update = msgspec.structs.replace(update, epoch=epoch)
         if epoch == self.epoch:
+            update = msgspec.structs.replace(update, epoch=epoch, memory=self.group.offer)
             self.client.request(P.AnnounceWeights(update=update))
             return
         t0 = time.monotonic()
         log.warning("rebuilding the weight-sync group: epoch %d -> %d", self.epoch, epoch)
         self.group.drop()  # members still blocked in the old group fail now
+        memory = self.group.new_memory()
+        update = msgspec.structs.replace(
+            update, epoch=epoch, memory=memory.offer if memory is not None else None
+        )
         # Announced first: the surviving generators learn the epoch from it and rejoin.
         self.client.request(P.AnnounceWeights(update=update))
         try:  # the group's timeout is weights.join_timeout_s (learners/setup.py)
-            self.group = self.group.rebuild(epoch)
+            self.group = self.group.rebuild(epoch, memory)
         except Exception as exc:
+            if memory is not None:
+                memory.close()
             raise RuntimeError(
                 f"weight-sync epoch {epoch}: not every generator joined within "
                 f"weights.join_timeout_s={self.group.join_timeout_s:.0f}s ({exc}); see "

@@ -92,8 +92,8 @@ def run_learner(ctx: RunContext) -> None:
             cfg.weights.join_timeout_s,
             shared_memory=cfg.weights.shared_memory,
         )
-        route = "shared memory" if group.memory is not None else "the network"
-        log.info("weight-sync group ready: updates go through %s", route)
+        offered = "offered" if group.memory is not None else "not offered"
+        log.info("weight-sync group ready: shared memory %s", offered)
         mark(ctx.path, "learner", "joined weight sync")
     stop_on_signals()
     learner = Learner(

@@ -20,7 +20,8 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 6  # 6: requests bound to roles (Error "forbidden"); clients prove a role
+PROTOCOL_VERSION = 7  # 7: WeightUpdate carries learner rank 0's shared-memory offer
+# 6: requests bound to roles (Error "forbidden"); clients prove a role
 
 _DTYPES = {"float32", "float16", "int32", "int64", "uint8", "bool"}
 # dtype -> name and name -> itemsize, looked up per tensor (``ndarray.dtype.name`` is slow).
@@ -138,6 +139,18 @@ class ParamSpec(msgspec.Struct, frozen=True, array_like=True):
     shape: tuple[int, ...]
 
 
+class MemoryOffer(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Learner rank 0's memory file of a weight-sync epoch (verl_async/weight_sync.py):
+    members on its host open ``path`` and accept it only if it is that process's memory
+    file, of their own user, holding ``token``. It travels only from the learner through
+    the buffer (``AnnounceWeights``, learner-only) to the generators (``VersionStatus``),
+    never through the weight-sync store, which any local process can write."""
+
+    path: str  # /proc/<pid>/fd/<n>
+    token: str  # hex; the file's first bytes until the epoch's first update is written
+    pid: int  # learner rank 0's process id
+
+
 class WeightUpdate(msgspec.Struct, frozen=True, kw_only=True):
     """Announces version ``version``; the bytes follow over the weight-sync group."""
 
@@ -145,6 +158,7 @@ class WeightUpdate(msgspec.Struct, frozen=True, kw_only=True):
     params: list[ParamSpec]
     bucket_bytes: int
     epoch: int = 0  # the weight-sync group it goes over (buffer/sync_epochs.py)
+    memory: MemoryOffer | None = None  # None: no shared memory offered (the network only)
 
 
 # ----------------------------------------------------------------------------- requests

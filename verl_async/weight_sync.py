@@ -23,10 +23,18 @@ The bytes go one of two ways (``send_update``, ``receive_weights``):
 Both ends reuse their memory from one update to the next (rank 0's memory file, each
 member's receive buffers, ``SyncGroup.buffers``): fresh pages would be zeroed by the
 kernel at every update, which on a CPU costs more than copying the bytes.
-  Whether the group can do this is decided once per epoch, when it is built: rank 0
-  writes a random token into the file and each member must read it back through the
-  path (same host, same process namespace, permission to open it). The group's
-  membership, failures and epochs are the same either way.
+
+Whether the group uses shared memory is decided once per epoch, at its first update.
+Rank 0 makes a memory file per epoch holding a random token, and its path, token and pid
+(``MemoryOffer``) travel with every ``WeightUpdate`` it announces: learner to buffer in a
+learner-only request, buffer to generators in ``VersionStatus``, both over the buffer's
+authenticated connections. The TCPStore carries nothing about it: any local process can
+write there. A member opens the offered path and keeps it only if what it opened is a
+memory file named ``verl-async-weights``, owned by its own user, under the pid the
+learner announced, holding the token (``SharedMemory.accept``); then one all-reduce makes
+every member agree, and a single refusal (or a member given no offer: another host, an
+engine that got none) sends the epoch's updates over the network. The group's
+membership, failures and epochs are the same either way.
 
 Membership changes by epochs. The group of epoch e is built under the store prefix
 ``verl_async/weights/e`` (epoch 0: every member at start). When a generator dies and is
@@ -38,8 +46,8 @@ broadcast at once, and everyone builds epoch e + 1 over the same TCPStore
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import os
-import secrets
 import socket
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -55,7 +63,10 @@ from torch._C._distributed_c10d import (
     TCPStore,
 )
 
-from verl_async.protocol import ParamSpec
+from verl_async.protocol import MemoryOffer, ParamSpec
+from verl_async.shared_memory import SharedMemory
+
+log = logging.getLogger("verl_async.weight_sync")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -64,69 +75,6 @@ def resolve_backend(backend: str) -> str:
     if backend == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
     return backend
-
-
-class SharedMemory:
-    """The same-host channel of a gloo group: a memory file of rank 0's (``fd``, rank 0
-    only) that members open by ``path``. It keeps the size of the largest update sent (its
-    pages are written over, not allocated again) and goes away with rank 0's process, so
-    a crash leaves nothing behind."""
-
-    def __init__(self, path: str, fd: int | None = None) -> None:
-        self.path = path
-        self.fd = fd
-
-    @classmethod
-    def offer(cls) -> tuple[SharedMemory, str] | None:
-        """Rank 0: a new memory file holding a random token; None where Linux's
-        ``memfd_create`` is missing."""
-        if not hasattr(os, "memfd_create"):
-            return None
-        fd = os.memfd_create("verl-async-weights", os.MFD_CLOEXEC)
-        token = secrets.token_hex(16)
-        os.pwrite(fd, token.encode(), 0)
-        return cls(f"/proc/{os.getpid()}/fd/{fd}", fd), token
-
-    @staticmethod
-    def readable(path: str, token: str) -> bool:
-        """Member: whether ``path`` opens here and holds ``token``."""
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            return False
-        try:
-            return os.pread(fd, len(token), 0) == token.encode()
-        finally:
-            os.close(fd)
-
-    def reserve(self, nbytes: int) -> None:
-        """Rank 0: allocate the file's pages for an update of ``nbytes`` now (what is in
-        them is written over)."""
-        if hasattr(os, "posix_fallocate"):
-            os.posix_fallocate(self.fd, 0, nbytes)
-
-    def write(self, buffers: Iterable[torch.Tensor]) -> int:
-        """Rank 0: the packed buckets one after another from offset 0; returns bytes."""
-        offset = 0
-        for buf in buffers:
-            view = memoryview(buf.detach().cpu().numpy()).cast("B")
-            while view:
-                n = os.pwrite(self.fd, view, offset)
-                view, offset = view[n:], offset + n
-        return offset
-
-    def read_into(self, fd: int, buf: torch.Tensor, offset: int) -> None:
-        view = memoryview(buf.numpy()).cast("B")
-        while view:
-            n = os.preadv(fd, [view], offset)
-            if n <= 0:
-                raise RuntimeError(f"the weight update in shared memory ended at byte {offset}")
-            view, offset = view[n:], offset + n
-
-    def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
 
 
 @dataclass
@@ -141,9 +89,23 @@ class SyncGroup:
     timeout_s: float  # of each collective
     join_timeout_s: float  # of its rendezvous (this epoch's and the next ones')
     epoch: int = 0
-    memory: SharedMemory | None = None  # every member on rank 0's host: updates go through it
+    # Rank 0: the memory file it offers this epoch; a member: the one it accepted. Once
+    # ``memory_agreed`` (the epoch's first update), every member holds it or none does.
+    memory: SharedMemory | None = None
+    memory_agreed: bool = False
     offers_memory: bool = True  # rank 0: offer shared memory again when rebuilt
     buffers: list[torch.Tensor] = field(default_factory=list)  # a member's, one per bucket
+
+    @property
+    def offer(self) -> MemoryOffer | None:
+        """Rank 0: the memory file announced with each update of this epoch (None: the
+        network only)."""
+        return self.memory.offer if self.memory is not None else None
+
+    def new_memory(self) -> SharedMemory | None:
+        """Rank 0: a memory file for the next epoch, when this group offers one (its offer
+        is announced before the group is built, ``rebuild(epoch, memory)``)."""
+        return SharedMemory.create() if self.offers_memory and self.backend == "gloo" else None
 
     def buffer(self, index: int, nbytes: int, device: torch.device) -> torch.Tensor:
         """A member's receive buffer for bucket ``index`` of an update, the one of the last
@@ -182,15 +144,17 @@ class SyncGroup:
             self.memory.close()
             self.memory = None
 
-    def rebuild(self, epoch: int) -> SyncGroup:
+    def rebuild(self, epoch: int, memory: SharedMemory | None = None) -> SyncGroup:
         """Drop this group and build the group of ``epoch`` with the same rank and members
-        over the same store (rank 0 is its server). Blocks until every member has joined."""
-        offer = self.offers_memory
+        over the same store (rank 0 is its server, offering ``memory``, from
+        ``new_memory``). Blocks until every member has joined."""
         self.drop()
-        return _build(
-            self.store, self.rank, self.world_size, self.backend, self.timeout_s, epoch, offer,
+        out = _build(
+            self.store, self.rank, self.world_size, self.backend, self.timeout_s, epoch, memory,
             self.join_timeout_s,
         )  # fmt: skip
+        out.offers_memory = self.offers_memory
+        return out
 
 
 def join_group(
@@ -209,13 +173,22 @@ def join_group(
     epoch use ``SyncGroup.rebuild``). Blocks until all ranks have joined, at most
     ``join_timeout_s`` (default ``timeout_s``, the bound of each collective).
     ``shared_memory`` (rank 0's say; ``weights.shared_memory``): offer the same-host
-    channel."""
+    channel (``SyncGroup.offer``, announced with each update)."""
     join_timeout_s = timeout_s if join_timeout_s is None else join_timeout_s
     store = TCPStore(
         host, port, world_size, is_master=(rank == 0),
         timeout=dt.timedelta(seconds=join_timeout_s), wait_for_workers=epoch == 0,
     )  # fmt: skip
-    return _build(store, rank, world_size, backend, timeout_s, epoch, shared_memory, join_timeout_s)
+    offers = shared_memory and rank == 0 and backend == "gloo"
+    memory = SharedMemory.create() if offers else None
+    out = _build(store, rank, world_size, backend, timeout_s, epoch, memory, join_timeout_s)
+    out.offers_memory = shared_memory
+    return out
+
+
+class GroupFailed(RuntimeError):
+    """The group of an epoch did not form: a member missing or late, or the store's keys
+    not what the members wrote (anyone who reaches the store can write there)."""
 
 
 def _build(
@@ -225,34 +198,44 @@ def _build(
     backend: str,
     timeout_s: float,
     epoch: int,
-    shared_memory: bool = True,
+    memory: SharedMemory | None = None,
     join_timeout_s: float | None = None,
 ) -> SyncGroup:
-    """The process group of ``epoch`` over ``store`` (its keys under an epoch's prefix),
-    with its same-host channel when every member can use it (gloo only). Its rendezvous
-    may take ``join_timeout_s``; each collective after it ``timeout_s``."""
+    """The process group of ``epoch`` over ``store`` (its keys under an epoch's prefix);
+    rank 0 offers ``memory`` (gloo only), which the epoch's first update settles. Its
+    rendezvous may take ``join_timeout_s`` (default ``timeout_s``), each collective after
+    it ``timeout_s``. Raises ``GroupFailed`` (one line) when it does not form."""
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"unknown weight-sync backend '{backend}'")
     join_timeout_s = timeout_s if join_timeout_s is None else join_timeout_s
-    timeout = dt.timedelta(seconds=join_timeout_s)
     prefixed = PrefixStore(f"verl_async/weights/{epoch}", store)
+    try:
+        group = _process_group(prefixed, rank, world_size, backend, join_timeout_s, store.host)
+    except Exception as exc:  # gloo and the store raise RuntimeErrors, and C++ ones
+        raise GroupFailed(
+            f"weight-sync epoch {epoch}: the group did not form within {join_timeout_s:g}s "
+            f"(rank {rank} of {world_size}): {failure_line(exc)}"
+        ) from exc
+    group.set_timeout(dt.timedelta(seconds=timeout_s))  # formed: the bound of a collective
+    return SyncGroup(
+        group, store, rank, world_size, backend, timeout_s, join_timeout_s, epoch, memory
+    )
+
+
+def _process_group(
+    store: PrefixStore, rank: int, world_size: int, backend: str, timeout_s: float, host: str
+) -> ProcessGroup:
+    timeout = dt.timedelta(seconds=timeout_s)
     if backend == "nccl":
         from torch._C._distributed_c10d import ProcessGroupNCCL
 
         options = ProcessGroupNCCL.Options()
         options._timeout = timeout
-        group = ProcessGroupNCCL(prefixed, rank, world_size, options)
-    elif backend == "gloo":
-        options = ProcessGroupGloo._Options()
-        options._timeout = timeout
-        options._devices = [gloo_device(store.host)]
-        group = ProcessGroupGloo(prefixed, rank, world_size, options)
-    else:
-        raise ValueError(f"unknown weight-sync backend '{backend}'")
-    out = SyncGroup(group, store, rank, world_size, backend, timeout_s, join_timeout_s, epoch)
-    out.offers_memory = shared_memory
-    if backend == "gloo":
-        out.memory = _probe_memory(out, prefixed, shared_memory)
-    group.set_timeout(dt.timedelta(seconds=timeout_s))  # formed: the bound of a collective
-    return out
+        return ProcessGroupNCCL(store, rank, world_size, options)
+    options = ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [gloo_device(host)]
+    return ProcessGroupGloo(store, rank, world_size, options)
 
 
 def gloo_device(store_host: str):
@@ -275,28 +258,21 @@ def route_source(host: str) -> str:
         return s.getsockname()[0]
 
 
-def _probe_memory(group: SyncGroup, store: PrefixStore, offer: bool) -> SharedMemory | None:
-    """Rank 0 offers a memory file (its path and a token in the store); every member says
-    whether it reads the token there; one all-reduce (minimum) makes them agree."""
-    mine = None
-    if group.rank == 0:
-        offered = SharedMemory.offer() if offer else None
-        mine = offered[0] if offered else None
-        store.set("memory", f"{mine.path} {offered[1]}" if mine else "")
-        ok = mine is not None
-    else:
-        found = store.get("memory").decode().split()
-        ok = bool(found) and SharedMemory.readable(*found)
-        mine = SharedMemory(found[0]) if ok else None
-    flag = torch.tensor([int(ok)], dtype=torch.int32)
+def _agree_on_memory(group: SyncGroup, memory: SharedMemory | None) -> None:
+    """The epoch's first update: rank 0 offers its memory file, each member says whether
+    it accepted the offer it was announced; one all-reduce (minimum) makes them agree, and
+    the group keeps the file only if all did."""
+    flag = torch.tensor([int(memory is not None)], dtype=torch.int32)
     opts = AllreduceOptions()
     opts.reduceOp = ReduceOp.MIN
     group.group.allreduce([flag], opts).wait()
-    if int(flag) == 1:
-        return mine
-    if mine is not None:
-        mine.close()
-    return None
+    if int(flag) != 1 and memory is not None:
+        memory.close()
+        memory = None
+    group.memory, group.memory_agreed = memory, True
+    if group.rank == 0:
+        route = "shared memory" if memory is not None else "the network"
+        log.info("weight-sync epoch %d: updates go through %s", group.epoch, route)
 
 
 def failure_line(exc: BaseException) -> str:
@@ -387,9 +363,13 @@ def broadcast_bucket(group: SyncGroup, buf: torch.Tensor) -> None:
     group.group.broadcast([buf], opts).wait()
 
 
+NETWORK, MEMORY, AGREE = 0, 1, 2  # a header's first value: how the update travels
+
+
 def _header(group: SyncGroup, values: list[int] | None = None) -> list[int]:
-    """Rank 0 sends ``values`` (how this update travels: [1 = shared memory, bytes]), the
-    others receive them."""
+    """Rank 0 sends ``values`` ([route, bytes]: ``NETWORK``, ``MEMORY`` with the update's
+    size, or ``AGREE``, which comes first in an epoch's first update when rank 0 offers
+    its memory file), the others receive them."""
     device = torch.device("cuda", torch.cuda.current_device()) if group.backend == "nccl" else "cpu"
     buf = torch.tensor(values or [0, 0], dtype=torch.int64, device=device)
     broadcast_bucket(group, buf)
@@ -419,55 +399,68 @@ def send_update(group: SyncGroup, buffers: Iterable[torch.Tensor]) -> str:
     """Rank 0: one update's buckets made by ``pack_bucket``, in plan order (consumed one at
     a time), to every member; returns the way they went ('memory' or 'network').
 
-    Through shared memory the buckets are written first, then announced, and the call
-    returns once every member has read them; over the network each is broadcast as it
-    comes. A member that fails either way fails the call (RuntimeError with gloo)."""
+    The epoch's first update settles whether its memory file is used (``AGREE``). Through
+    shared memory the buckets are written first, then announced, and the call returns
+    once every member has read them; over the network each is broadcast as it comes. A
+    member that fails either way fails the call (RuntimeError with gloo)."""
+    if group.memory is not None and not group.memory_agreed:
+        _header(group, [AGREE, 0])
+        _agree_on_memory(group, group.memory)
     if group.memory is not None:
         nbytes = group.memory.write(buffers)
-        _header(group, [1, nbytes])
+        _header(group, [MEMORY, nbytes])
         _all_read(group)
         return "memory"
-    _header(group, [0, 0])
+    _header(group, [NETWORK, 0])
     for buf in buffers:
         broadcast_bucket(group, buf)
     return "network"
 
 
 def receive_weights(
-    group: SyncGroup, specs: list[ParamSpec], bucket_bytes: int, device: torch.device
+    group: SyncGroup,
+    specs: list[ParamSpec],
+    bucket_bytes: int,
+    device: torch.device,
+    offer: MemoryOffer | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Rank > 0: yield each received bucket as (name, tensor) views, in send order.
 
-    Each bucket has a buffer of its own (the consumer may keep references until its layer
-    is complete), reused by the next update (``SyncGroup.buffer``): the consumer must be
-    done with one update's tensors before it receives the next.
+    ``offer`` is the memory file the update was announced with (``WeightUpdate.memory``,
+    from the buffer); it is used only if accepted (``SharedMemory.accept``) at the
+    epoch's first update. Each bucket has a buffer of its own (the consumer may keep
+    references until its layer is complete), reused by the next update
+    (``SyncGroup.buffer``): the consumer must be done with one update's tensors before it
+    receives the next.
     """
     buckets = plan_buckets(specs, bucket_bytes)
-    memory, nbytes = _header(group)
-    if memory:
+    route, nbytes = _header(group)
+    if route == AGREE:
+        _agree_on_memory(group, SharedMemory.accept(offer) if offer is not None else None)
+        route, nbytes = _header(group)
+    if route == MEMORY:
         expected = sum(b.nbytes for b in buckets)
+        if group.memory is None:
+            raise RuntimeError("a weight update in a memory file this member did not accept")
         if nbytes != expected:
             raise RuntimeError(f"a weight update of {nbytes} bytes, where its plan says {expected}")
-    fd = os.open(group.memory.path, os.O_RDONLY) if memory else None
-    try:
-        offset = 0
-        for i, bucket in enumerate(buckets):
-            if memory:  # gloo: a CPU buffer, moved where the consumer wants it
-                buf = group.buffer(i, bucket.nbytes, torch.device("cpu"))
-                group.memory.read_into(fd, buf, offset)
-                buf = buf.to(device)
-            else:
-                buf = group.buffer(i, bucket.nbytes, device)
-                broadcast_bucket(group, buf)
-            offset += bucket.nbytes
-            out = []
-            for spec, offset_in in zip(bucket.specs, bucket.offsets, strict=True):
-                n = _nbytes(spec)
-                t = buf[offset_in : offset_in + n].view(dtype_of(spec.dtype)).view(spec.shape)
-                out.append((spec.name, t))
-            yield out
-    finally:
-        if fd is not None:
-            os.close(fd)
-    if memory:
+    elif route != NETWORK:
+        raise RuntimeError(f"a weight update header of route {route}")
+    offset = 0
+    for i, bucket in enumerate(buckets):
+        if route == MEMORY:  # gloo: a CPU buffer, moved where the consumer wants it
+            buf = group.buffer(i, bucket.nbytes, torch.device("cpu"))
+            group.memory.read_into(buf, offset)
+            buf = buf.to(device)
+        else:
+            buf = group.buffer(i, bucket.nbytes, device)
+            broadcast_bucket(group, buf)
+        offset += bucket.nbytes
+        out = []
+        for spec, offset_in in zip(bucket.specs, bucket.offsets, strict=True):
+            n = _nbytes(spec)
+            t = buf[offset_in : offset_in + n].view(dtype_of(spec.dtype)).view(spec.shape)
+            out.append((spec.name, t))
+        yield out
+    if route == MEMORY:
         _all_read(group)

@@ -100,6 +100,9 @@ def test_a_lora_run_samples_with_the_learner_s_adapter(tmp_path, engine):
     assert [r["version"] for r in rows] == list(range(1, steps + 1))
     assert all(r["rollout_fresh_fraction"] == 1.0 for r in rows)
     assert max(r["rollout_logp_diff_max"] for r in rows) < 1e-3
+    # One host: the engine accepted the memory file announced through the buffer.
+    learner_log = (run_dir / "logs/learner.log").read_text()
+    assert "weight-sync epoch 0: updates go through shared memory" in learner_log
     assert not processes_mentioning(str(run_dir)), "processes outlived the run"
 
 

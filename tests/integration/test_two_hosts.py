@@ -216,7 +216,7 @@ def _train_across(h: Hosts, tmp: Path, keys: Path, steps: int = STEPS) -> str:
     groups = [g for t in trail for g, _ in t["groups"]]
     assert sorted(groups) == list(range(steps * 8)), "a group was lost or trained twice"
     learner_log = logs["learner"].read_text()  # a role command logs to its output
-    assert "weight-sync group ready: updates go through the network" in learner_log
+    assert "weight-sync epoch 0: updates go through the network" in learner_log
     loaded = [
         int(line.split("loaded version ")[1].split()[0])
         for line in logs["generator"].read_text().splitlines()
@@ -309,7 +309,7 @@ def test_launcher_ray_on_a_two_node_cluster_places_the_generator_on_the_other_ho
     groups = [g for t in trail for g, _ in t["groups"]]
     assert sorted(groups) == list(range(steps * 8)), "a group was lost or trained twice"
     log = (run_dir / "logs" / "learner.log").read_text()
-    assert "weight-sync group ready: updates go through the network" in log
+    assert "weight-sync epoch 0: updates go through the network" in log
     loaded = re.findall(r"loaded version (\d+)", (run_dir / "logs" / "generator0.log").read_text())
     assert loaded and max(map(int, loaded)) >= steps // 2, loaded[-5:]
 

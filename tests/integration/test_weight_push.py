@@ -62,13 +62,16 @@ async def scenario(tiny_model, port, count: int, kind: str):
 
         tensors = {k: v.detach() for k, v in learner.state_dict().items()}
         specs = param_specs(tensors.items())
-        update = P.WeightUpdate(version=1, params=specs, bucket_bytes=1 << 20)
+        # With the learner's memory file, as the buffer relays it: both engines read it.
+        group = holder["g"]
+        update = P.WeightUpdate(version=1, params=specs, bucket_bytes=1 << 20, memory=group.offer)
         sender = threading.Thread(target=send_weights, args=(holder["g"], tensors, specs, 1 << 20))
         sender.start()
         await asyncio.gather(
             *(e.apply_update(update) for e in engines)
         )  # one broadcast, both receive
         sender.join(60)
+        assert group.memory_agreed and group.memory is not None  # the shared-memory route
         after = [await engine_logprobs(e, SEQUENCE) for e in engines]
         return old, before, new, after, [e.loaded_version for e in engines]
     finally:

@@ -680,6 +680,8 @@ def test_wrong_requests_get_errors_and_change_nothing(harness):
         (batch_req(step=0, world_size=0), "world_size 0 is outside 1..4096"),
         (batch_req(step=4), "step 4 is past the run's last step 3"),
         (P.AnnounceWeights(update=P.WeightUpdate(version=7, params=[], bucket_bytes=1)), "version 7 announced while the newest is 1: versions go up one at a time"),
+        (P.AnnounceWeights(update=P.WeightUpdate(version=2, params=[], bucket_bytes=1, memory=P.MemoryOffer(path="/tmp/x", token="ab" * 16, pid=7))), "memory offer path '/tmp/x' is not /proc/7/fd/<n>"),
+        (P.AnnounceWeights(update=P.WeightUpdate(version=2, params=[], bucket_bytes=1, memory=P.MemoryOffer(path="/proc/7/fd/3", token="XY", pid=7))), "memory offer token is not 16 to 64 lowercase hex digits"),
         (P.SnapshotBuffer(step=-2, version=0), "SnapshotBuffer.step = -2 is negative"),
         (P.SnapshotBuffer(step=3, version=0), "snapshot at step 3, but only 0 steps were consumed"),
         (P.FetchSnapshot(step=0), "no snapshot was taken at step 0"),

@@ -62,6 +62,16 @@ def test_rollout_group_roundtrip_with_tensor_frames():
                 version=3, params=[P.ParamSpec("w", "float32", (2, 3))], bucket_bytes=64
             )
         ),
+        P.VersionStatus(
+            target_version=3,
+            update=P.WeightUpdate(
+                version=3,
+                params=[],
+                bucket_bytes=64,
+                memory=P.MemoryOffer(path="/proc/7/fd/3", token="ab" * 16, pid=7),
+            ),
+            stop=False,
+        ),
         P.VersionStatus(target_version=3, update=None, stop=False),
         P.RenewLeases(leases=[3, 17]),
         P.Renewed(lost=[17]),
@@ -141,3 +151,15 @@ def test_collate_aligns_response_logprobs_with_targets():
     assert b.behav_logprobs[0, 2:].tolist() == [-1.0, -2.0]
     assert b.behav_logprobs[1, 2].item() == -1.5
     assert b.attention_mask.tolist() == [[1] * 5, [1, 1, 1, 1, 0]]
+
+
+def test_a_memory_offer_decodes_strictly():
+    """The offer a generator hands its engine: a field the protocol does not name is a
+    malformed message, not ignored."""
+    offer = P.MemoryOffer(path="/proc/7/fd/3", token="ab" * 16, pid=7)
+    update = P.WeightUpdate(version=1, params=[], bucket_bytes=64, memory=offer)
+    raw = msgspec.to_builtins(P.Envelope(P.PROTOCOL_VERSION, 1, P.AnnounceWeights(update=update)))
+    assert P.decode([msgspec.msgpack.encode(raw)])[0].body.update.memory == offer
+    raw[2]["update"]["memory"]["uid"] = 0
+    with pytest.raises(P.ProtocolError, match="malformed"):
+        P.decode([msgspec.msgpack.encode(raw)])
