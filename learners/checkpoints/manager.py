@@ -62,7 +62,7 @@ class Checkpoints:
         self.fetch = fetch
         self.writer = None  # rank 0's writer thread (writer.py)
         if main and cfg.every_steps:
-            # ``writer.Checkpointer`` looked up here: a test may slow it down (slow_learner.py)
+            # looked up when built, so a custom learner can replace it (tests/slow_learner.py)
             self.writer = writer.Checkpointer(run_dir, cfg.keep_last, cfg.write_timeout_s, meta)
         self.layout: full.FullFiles | shards.Shards | None = None
         if cfg.every_steps and dp.world > 1:
