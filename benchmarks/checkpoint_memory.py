@@ -1,5 +1,5 @@
 """Host memory and step time of a checkpoint on several learner ranks: sharded (each rank
-writes its own shards with DCP, learners/sharded.py) against gathering everything into
+writes its own shards with DCP, learners/checkpoints/shards.py) against gathering everything into
 rank 0 (what a multi-rank learner did before: full model and optimizer state gathered
 with ``cpu_offload``, staged into rank 0's safetensors buffers, written by rank 0).
 
@@ -65,7 +65,7 @@ def _gathered(model, optimizer, rank: int, out: Path, stager):
         get_optimizer_state_dict,
     )
 
-    from learners import checkpointing
+    from learners.checkpoints import writer
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     weights = get_model_state_dict(model, options=options)
@@ -81,7 +81,7 @@ def _gathered(model, optimizer, rank: int, out: Path, stager):
         "learner/model.safetensors": stager.stage("model", weights, {"format": "pt"}),
         "learner/state.safetensors": stager.stage("state", tensors),
     }
-    return lambda: checkpointing.Checkpointer._write_files(out, files, {})
+    return lambda: writer.Checkpointer._write_files(out, files, {})
 
 
 def rank_main(way: str, checkpoints: int, model_path: str, out: Path) -> None:
@@ -89,7 +89,7 @@ def rank_main(way: str, checkpoints: int, model_path: str, out: Path) -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from learners import sharded
+    from learners.checkpoints import shards as sharded
     from learners.setup import fsdp2
     from verl_async.checkpoint import SHARDS
 
@@ -107,10 +107,10 @@ def rank_main(way: str, checkpoints: int, model_path: str, out: Path) -> None:
         optimizer.zero_grad(set_to_none=True)
 
     step()
-    from learners import checkpointing
+    from learners.checkpoints.writer import Stager
 
     writer = sharded.ShardWriter(600) if way == "sharded" else None
-    stager = checkpointing.Stager()  # rank 0's staging buffers, kept across checkpoints
+    stager = Stager()  # rank 0's staging buffers, kept across checkpoints
     shard = _local_mib(list(model.parameters())) * 3  # weights, exp_avg, exp_avg_sq
     held, total = [], []
     _trim()

@@ -163,13 +163,14 @@ def profile_step(step, dev: torch.device) -> None:
 def time_finite_checks(model, optimizer, any_rank, dev: torch.device, n: int) -> dict:
     """Seconds of ``require_finite`` over what the learner checks before a publish and
     before a checkpoint (every rank its own shards, one collective), ``n`` times each."""
-    from learners.finite import require_finite, state_tensors
+    from learners.checkpoints.state import LearnerState
+    from learners.finite import require_finite
 
     checks = {
         "weights (each publish)": lambda: model.state_dict().items(),
-        "weights + optimizer state (each checkpoint)": lambda: state_tensors(
-            ("model", model, optimizer)
-        ),
+        "weights + optimizer state (each checkpoint)": lambda: LearnerState(
+            model, optimizer
+        ).named_tensors(),
     }
     times: dict[str, list[float]] = {}
     for what, named in checks.items():

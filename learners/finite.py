@@ -6,7 +6,7 @@ that never leave.
                   gradient norm not finite       -> skipped: nonfinite_grad
                   else                           -> optimizer.step
                   the gradients are dropped either way
-    publish, checkpoint:  require_finite(every tensor) or stop with NonFiniteWeights
+    publish, checkpoint, resume:  require_finite(every tensor) or stop with NonFiniteWeights
 
 Rewards are checked where they are accepted (verl_async/numerics.py), so a non-finite loss
 comes from something else: a reward sum that overflows float32, an estimator or loss that
@@ -16,14 +16,14 @@ moment and weight it touches, the weights would go to the generators (which then
 sample) and into the checkpoints a resume starts from. With the step guarded, weights can
 turn non-finite only through a bug; then nothing is published or checkpointed, and the
 learner stops instead of training on (a resume starts from the last checkpoint, which was
-checked when it was written).
+checked when it was written, and is checked again when it is loaded: learners/checkpoints/).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -121,9 +121,11 @@ def require_finite(
     what: str,
     named: Iterable[tuple[str, torch.Tensor]],
     any_rank: Callable[[bool], bool] | None = None,
+    advice: str = "the last checkpoint written is finite (resume from it)",
 ) -> None:
     """Raise ``NonFiniteWeights`` (on every rank, through ``any_rank``) when a tensor of
-    ``named`` is not finite; ``what`` says what was about to happen to them."""
+    ``named`` is not finite; ``what`` says what was about to happen to them, ``advice``
+    what to do instead."""
     bad = nonfinite_names(named)
     if not (any_rank(bool(bad)) if any_rank is not None else bad):
         return
@@ -131,21 +133,7 @@ def require_finite(
     message = (
         f"refusing to {what}: {shown or 'tensors on another rank'} hold NaN or infinite "
         "values. Optimizer steps with a non-finite loss or gradient are skipped, so this is "
-        "a bug; the last checkpoint written is finite (resume from it)"
+        f"a bug; {advice}"
     )
     log.error("%s", message)
     raise NonFiniteWeights(message)
-
-
-def state_tensors(*parts: tuple) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors a checkpoint holds of each ``(prefix, model, optimizer)`` of ``parts``
-    (a part whose model is None is left out): the model's by ``prefix.name``, its
-    optimizer's state by ``prefix_optim.name.key``."""
-    for prefix, model, optimizer in parts:
-        if model is None:
-            continue
-        yield from ((f"{prefix}.{n}", t) for n, t in model.state_dict().items())
-        for name, param in model.named_parameters():
-            for key, value in optimizer.state.get(param, {}).items():
-                if isinstance(value, torch.Tensor):
-                    yield f"{prefix}_optim.{name}.{key}", value

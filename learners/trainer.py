@@ -20,9 +20,10 @@ import msgspec
 import numpy as np
 import torch
 
-from learners import checkpointing, sharded
 from learners.advantages import Advantages, episode_returns, estimate, kl_controller
 from learners.batching import Prefetcher, TrainBatch
+from learners.checkpoints.manager import Checkpoints, buffer_fetch
+from learners.checkpoints.state import LearnerState
 from learners.critic import (
     CriticStats,
     critic_update,
@@ -32,16 +33,15 @@ from learners.critic import (
 )
 from learners.distributed import DataParallel
 from learners.evaluation import EvalTracker
-from learners.finite import SkipLog, require_finite, state_tensors
+from learners.finite import SkipLog, require_finite
 from learners.plan import plan_update
 from learners.publish import WeightSync, gathered_buckets
-from learners.state_dicts import model_state
 from learners.step_metrics import GeneratorTiming, algo_metrics, multiturn_metrics, step_row
 from learners.update import StepStats, policy_update, prox_pass
 from verl_async import lora
 from verl_async import protocol as P
-from verl_async.auth import LEARNER, Credentials, client_credentials
-from verl_async.checkpoint import SHARDS, in_run, step_dir
+from verl_async.auth import LEARNER, client_credentials
+from verl_async.checkpoint import in_run
 from verl_async.metrics import MetricsWriter
 from verl_async.rewards.aggregate import RunningStats, combine, summarize
 from verl_async.runtime import RunContext, mark
@@ -102,21 +102,17 @@ class Learner:
         self.running = {src.name: RunningStats() for src in self.cfg.rewards.sources}
         self.evals = EvalTracker(self.cfg, self.client, ctx.path) if main else None
         self.skips = SkipLog() if main else None  # the first skipped step of each kind
-        ck = self.cfg.checkpoint
-        self.checkpointer = (
-            checkpointing.Checkpointer(
-                ctx.path, ck.keep_last, ck.write_timeout_s, {"model_path": ctx.endpoints.model_path}
-            )
-            if main and ck.every_steps
-            else None
+        critic_state = None if critic is None else (self.raw_critic, critic_optimizer)
+        self.checkpoints = Checkpoints(
+            ctx.path,
+            self.cfg.checkpoint,
+            LearnerState(self.raw_model, optimizer, scheduler, critic_state),
+            self.dp,
+            main,
+            self.client,
+            buffer_fetch(ctx.endpoints.buffer, self.cfg.buffer.request_timeout_s, self.curve),
+            meta={"model_path": ctx.endpoints.model_path},
         )
-        # Several ranks: every rank writes its own shards (learners/sharded.py).
-        self.shards = (
-            sharded.ShardWriter(ck.write_timeout_s)
-            if self.dp.world > 1 and ck.every_steps
-            else None
-        )
-        self.checkpoint_wait_s = 0.0  # of the last checkpoint: waiting for a staging slot
 
     def train(self) -> None:
         resumed = self.restore()
@@ -152,10 +148,7 @@ class Learner:
         except KeyboardInterrupt:  # SIGTERM from the launcher (Ctrl-C) lands here too
             batches.close()
             log.warning("interrupted after %d steps", self.steps_done)
-            if self.checkpointer is not None:
-                self.checkpointer.close(grace_s=self.cfg.checkpoint.write_timeout_s)
-            elif self.shards is not None:  # rank 0 decides whether the write commits
-                self.shards.wait(self.cfg.checkpoint.write_timeout_s)
+            self.checkpoints.interrupted()
             raise
         self.finish()
 
@@ -323,94 +316,13 @@ class Learner:
 
     def checkpoint(self) -> float | None:
         """At the barrier after every ``checkpoint.every_steps``-th step: snapshot learner and
-        buffer state into host memory and hand it to the background writer. Returns the
-        seconds the step spent on it (None when no checkpoint was due).
-
-        One rank writes full files (``checkpoint_full``); several write shards
-        (``checkpoint_shards``). A state that is not finite is never written: every rank
+        buffer state into host memory and hand it to the background writers
+        (learners/checkpoints/). Returns the seconds the step spent on it (None when no
+        checkpoint was due). A state that is not finite is never written: every rank
         raises ``NonFiniteWeights`` instead."""
-        every = self.cfg.checkpoint.every_steps
-        if not every or self.steps_done % every:
+        if not self.checkpoints.due(self.steps_done):
             return None
-        t0 = time.monotonic()
-        actor = ("model", self.raw_model, self.optimizer)
-        named = state_tensors(actor, ("critic", self.raw_critic, self.critic_optimizer))
-        require_finite(f"checkpoint step {self.steps_done}", named, self.dp.any_rank)
-        if self.shards is not None:
-            self.checkpoint_shards(t0)
-        else:
-            self.checkpoint_full(t0)
-        return time.monotonic() - t0
-
-    def checkpoint_full(self, t0: float) -> None:
-        """One rank: stage model, optimizer (and critic) into the writer's host buffers."""
-        critic = None
-        if self.critic is not None:
-            critic = (model_state(self.raw_critic), self.critic_optimizer.state_dict())
-        stager = self.checkpointer.stager()  # waits only if both staging slots are busy
-        self.checkpoint_wait_s = time.monotonic() - t0
-        step = self.steps_done
-        # The buffer takes its cut (of state as of ``step``, whenever it runs) while the
-        # learner stages its own; the reply must be in before the writer may fetch the cut.
-        cut = self.client.send(P.SnapshotBuffer(step=step, version=self.version))
-        snap = checkpointing.take_snapshot(
-            stager,
-            step,
-            self.version,
-            model_state(self.raw_model),
-            self.optimizer.state_dict(),
-            self.scheduler.state_dict() if self.scheduler else None,
-            self.checkpoint_info(),
-            self.buffer_files(step),
-            critic=critic,
-        )
-        self.client.receive(cut)
-        self.checkpointer.save(snap)
-
-    def checkpoint_shards(self, t0: float) -> None:
-        """Several ranks: each stages its own shards and writes them behind the step (DCP,
-        learners/sharded.py); rank 0 adds the JSON state and the buffer's files, and
-        commits once every rank's shards are written. One such save is in flight at a time.
-
-        Rank 0 empties the step directory before its save starts; no rank writes into it
-        before that, since DCP's writes wait for a plan that needs every rank's save."""
-        step = self.steps_done
-        ckpt = step_dir(self.ctx.path, step)
-        if self.checkpointer is not None:  # rank 0: the previous checkpoint is committed
-            self.checkpointer.wait()
-        if not self.shards.wait(self.cfg.checkpoint.write_timeout_s):
-            raise TimeoutError(
-                f"checkpoint shards not written after checkpoint.write_timeout_s="
-                f"{self.cfg.checkpoint.write_timeout_s:.0f}s; is the disk full or very slow?"
-            )
-        if self.checkpointer is not None:
-            checkpointing.clear_step_dir(ckpt)
-        self.checkpoint_wait_s = time.monotonic() - t0
-        tensors, groups = sharded.shard_tensors(self.raw_model, self.optimizer, sharded.ACTOR)
-        critic_groups = None
-        if self.critic is not None:
-            critic, critic_groups = sharded.shard_tensors(
-                self.raw_critic, self.critic_optimizer, sharded.CRITIC
-            )
-            tensors |= critic
-        main = self.checkpointer is not None
-        # Rank 0: the buffer takes its cut while the shards are staged (as with one rank).
-        cut = self.client.send(P.SnapshotBuffer(step=step, version=self.version)) if main else None
-        written = self.shards.save(tensors | sharded.rng_tensors(), ckpt / SHARDS)
-        if not main:
-            return
-        snap = checkpointing.take_sharded_snapshot(
-            step,
-            self.version,
-            groups,
-            self.scheduler.state_dict() if self.scheduler else None,
-            self.checkpoint_info(),
-            self.buffer_files(step),
-            written,
-            critic_groups,
-        )
-        self.client.receive(cut)
-        self.checkpointer.save(snap)
+        return self.checkpoints.save(self.steps_done, self.version, self.checkpoint_info)
 
     def checkpoint_info(self) -> dict:
         """Counters and running state of the JSON part of a checkpoint."""
@@ -420,11 +332,6 @@ class Learner:
             "kl_ctrl": self.kl_ctrl.state_dict(),
         }
 
-    def buffer_files(self, step: int):
-        """What the writer thread calls to fetch the buffer's cut of ``step``."""
-        endpoint, timeout_s = self.ctx.endpoints.buffer, self.cfg.buffer.request_timeout_s
-        return lambda: fetch_buffer_files(endpoint, timeout_s, step, self.curve)
-
     def restore(self) -> bool:
         """Load the checkpoint the launcher chose (``endpoints.resume_from``), if any (every
         rank reads it and keeps its own shards). It must be one of this run's checkpoints:
@@ -432,11 +339,7 @@ class Learner:
         if not self.ctx.endpoints.resume_from:
             return False
         ckpt = in_run(self.ctx.path, self.ctx.endpoints.resume_from)
-        critic = None if self.critic is None else (self.raw_critic, self.critic_optimizer)
-        group = None if self.shards is None else self.shards.group
-        info = checkpointing.load(
-            ckpt, self.raw_model, self.optimizer, self.scheduler, critic, self.dp.world, group
-        )
+        info = self.checkpoints.load(ckpt)
         self.steps_done = info["step"]
         self.version = info["version"]
         self.t_start = time.monotonic() - info["wall_s"]
@@ -502,10 +405,7 @@ class Learner:
                 row["weight_broadcast_s"] = round(self.sync.broadcast.seconds, 4)
             row["weight_sync_epoch"] = self.sync.epoch
         if checkpoint_s is not None:
-            row["checkpoint_s"] = round(checkpoint_s, 4)
-            row["checkpoint_wait_s"] = round(self.checkpoint_wait_s, 4)
-            row["checkpoint_write_s"] = round(self.checkpointer.last_write_s, 4)  # last finished
-            row["checkpoint_write_cpu_s"] = round(self.checkpointer.last_write_cpu_s, 4)
+            row.update(self.checkpoints.metrics(checkpoint_s))
         if self.scheduler is not None:
             row["lr"] = self.scheduler.get_last_lr()[0]
         return row
@@ -531,10 +431,7 @@ class Learner:
             self.sync.finish()
         if self.evals is not None:
             self.evals.finish(self.cfg.eval.timeout_s)  # the final weights' evaluation
-        if self.checkpointer is not None:
-            self.checkpointer.wait()  # the last checkpoint is committed before we say done
-        if self.shards is not None and not self.shards.wait(self.cfg.checkpoint.write_timeout_s):
-            raise TimeoutError("checkpoint shards not written before exit")
+        self.checkpoints.finish()  # the last checkpoint is committed before we say done
         if self.acc.is_main_process:
             self.client.request(P.Shutdown())
         if self.metrics is not None:
@@ -545,29 +442,12 @@ class Learner:
     def close(self) -> None:
         """At exit, however the loop ended: stop the writer thread and shut the weight-sync
         group down while the interpreter is fully alive (not during its teardown)."""
-        if self.checkpointer is not None:
-            self.checkpointer.stop()
-        if self.shards is not None:
-            self.shards.close()
+        self.checkpoints.close()
         if self.sync is not None:
             try:
                 self.sync.close()
             except Exception as exc:  # a peer already gone; never mask the loop's own error
                 log.warning("weight-sync group shutdown failed: %s", exc)
-
-
-def fetch_buffer_files(
-    endpoint: str, timeout_s: float, step: int, curve: Credentials | None = None
-) -> dict[str, memoryview]:
-    """The buffer's files of the cut taken at ``step`` (on the checkpoint writer's thread,
-    with a socket of its own: the buffer encodes them while training goes on), as views
-    on the received frames: written and hashed from there without a copy."""
-    client = BufferClient(endpoint, timeout_s, curve)
-    try:
-        reply, frames = client.request(P.FetchSnapshot(step=step))
-    finally:
-        client.close()
-    return {name: memoryview(P.tensor(ref, frames)) for name, ref in reply.files.items()}
 
 
 def longest_response(cfg) -> int:

@@ -22,10 +22,10 @@ import dataclasses
 import functools
 import time
 
-from learners import checkpointing
+from learners.checkpoints import writer
 
 
-class SlowCheckpointer(checkpointing.Checkpointer):
+class SlowCheckpointer(writer.Checkpointer):
     """A ``Checkpointer`` whose writes sleep ``delay_s`` after the learner's files, before
     the buffer's files and the manifest."""
 
@@ -33,7 +33,7 @@ class SlowCheckpointer(checkpointing.Checkpointer):
         super().__init__(*args, **kwargs)
         self.delay_s = delay_s
 
-    def write(self, snap: checkpointing.Snapshot) -> None:
+    def write(self, snap: writer.Snapshot) -> None:
         fetch = snap.deferred  # called right after the learner's files are written
 
         def late() -> dict[str, list]:
@@ -96,8 +96,8 @@ def main() -> None:
     parser.add_argument("--gate", default="")
     args, rest = parser.parse_known_args()
     if args.write_delay_s:
-        # The learner builds its writer as ``checkpointing.Checkpointer(...)``.
-        checkpointing.Checkpointer = functools.partial(SlowCheckpointer, delay_s=args.write_delay_s)
+        # The learner's ``Checkpoints`` builds its writer as ``writer.Checkpointer(...)``.
+        writer.Checkpointer = functools.partial(SlowCheckpointer, delay_s=args.write_delay_s)
     if args.update_delay_s:
         slow_updates(args.update_delay_s)
     if args.gate:

@@ -53,7 +53,7 @@ log = logging.getLogger("verl_async.checkpoint")
 
 MANIFEST = "manifest.json"
 SPARE = "spare"
-SHARDS = "learner/shards"  # the DCP files of a learner of several ranks (learners/sharded.py)
+SHARDS = "learner/shards"  # the DCP files of a learner of several ranks (learners/checkpoints/)
 _PREFIX = "step_"
 _STEP_NAME = re.compile(r"step_(\d+)")  # what ``step_dir`` makes; nothing else is a checkpoint
 DAMAGED = "damaged_"  # a committed checkpoint that failed verification at a resume

@@ -19,6 +19,7 @@ import copy
 import json
 import math
 import sys
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -27,6 +28,8 @@ import torch.distributed as dist
 
 from buffer.ledger import StoredGroup, shard_samples
 from learners.batching import collate
+from learners.checkpoints.manager import Checkpoints
+from learners.checkpoints.state import LearnerState
 from learners.distributed import DataParallel
 from learners.finite import NonFiniteWeights, require_finite
 from learners.logprobs import logits_of
@@ -36,7 +39,7 @@ from learners.update import policy_update
 from verl_async import lora
 from verl_async import protocol as P
 from verl_async.algos import token_logprobs
-from verl_async.schema import AlgoConfig, LoraConfig
+from verl_async.schema import AlgoConfig, CheckpointConfig, LoraConfig
 
 CASES = {
     "token-mean": {},
@@ -209,12 +212,13 @@ def local_state(model, opt) -> list[torch.Tensor]:
     return [t.detach().clone() for t in tensors]
 
 
-def check_nonfinite(base, batch, dp: DataParallel) -> list[list[float]]:
+def check_nonfinite(base, batch, dp: DataParallel, run_dir: Path) -> list[list[float]]:
     """Rank 1's advantages are NaN (rank 0's are not): every rank must skip the step, for
     the loss (the collective makes rank 1's NaN loss rank 0's verdict too), and keep its
     shards of weights and AdamW state; then a NaN planted in rank 1's shard of a weight
-    must stop the publish on every rank. Per rank: [skipped for the loss, skipped for the
-    gradient, state unchanged, publish refused, refused naming a tensor of its own]."""
+    must stop the publish and the sharded checkpoint on every rank. Per rank: [skipped for
+    the loss, skipped for the gradient, state unchanged, publish refused, refused naming a
+    tensor of its own, checkpoint refused, a checkpoint directory written]."""
     model = fsdp2(copy.deepcopy(base), torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     local = dp.local(batch)
@@ -242,13 +246,32 @@ def check_nonfinite(base, batch, dp: DataParallel) -> list[list[float]]:
         refused = own = False
     except NonFiniteWeights as exc:
         refused, own = True, "another rank" not in str(exc)
+    ckpt_refused = refuses_checkpoint(model, opt, dp, run_dir)
+    written = (run_dir / "checkpoints").exists()
     row = torch.tensor(
-        [stats.skipped_nonfinite_loss, stats.skipped_nonfinite_grad, unchanged, refused, own],
+        [stats.skipped_nonfinite_loss, stats.skipped_nonfinite_grad, unchanged, refused, own,
+         ckpt_refused, written],
         dtype=torch.float64,
-    )
+    )  # fmt: skip
     rows = [torch.empty_like(row) for _ in range(dp.world)]
     dist.all_gather(rows, row)
     return [r.tolist() for r in rows]
+
+
+def refuses_checkpoint(model, opt, dp: DataParallel, run_dir: Path) -> bool:
+    """Whether ``Checkpoints.save`` (the sharded layout: two ranks) refuses the state."""
+    cfg = CheckpointConfig(every_steps=1, write_timeout_s=60.0)
+    state = LearnerState(model, opt)
+    checkpoints = Checkpoints(
+        run_dir, cfg, state, dp, dp.rank == 0, buffer=None, fetch=dict, meta={}
+    )  # no buffer: a refused save never reaches it
+    try:
+        checkpoints.save(1, 1, dict)
+        return False
+    except NonFiniteWeights:
+        return True
+    finally:
+        checkpoints.close()
 
 
 def main() -> None:
@@ -266,7 +289,7 @@ def main() -> None:
         "longest_row": int(batch.attention_mask.sum(dim=1).max()),
         "gather_max_abs_diff": check_gather(base, batch, dp),
         "cases": {name: run_case(name, spec, base, batch, dp) for name, spec in CASES.items()},
-        "nonfinite": check_nonfinite(base, batch, dp),
+        "nonfinite": check_nonfinite(base, batch, dp, Path(sys.argv[1]).parent / "run"),
     }
     if dp.rank == 0:
         with open(sys.argv[1], "w") as f:

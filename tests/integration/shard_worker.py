@@ -2,7 +2,7 @@
 torchrun or alone as a one-rank job).
 
 ``save DIR``: a tiny Llama with a tied head, sharded with FSDP2 (learners/setup.py), takes
-two AdamW steps; every rank writes its shards into ``DIR/ckpt`` with learners/sharded.py,
+two AdamW steps; every rank writes its shards into ``DIR/ckpt`` with learners/checkpoints/shards.py,
 and rank 0 writes the full weights and optimizer state, gathered, to
 ``DIR/reference.safetensors`` (with the optimizer's param groups in ``DIR/groups.json``).
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from learners import sharded
+from learners.checkpoints import shards as sharded
 from learners.setup import fsdp2
 from verl_async.checkpoint import SHARDS
 

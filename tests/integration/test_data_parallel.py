@@ -62,10 +62,10 @@ def test_a_nan_on_one_rank_skips_the_step_and_stops_the_publish_on_every_rank(re
     """Rank 1 alone has NaN advantages, then a NaN in its shard of a weight: both ranks skip
     the step for the loss (rank 0's own loss was finite: the verdict is shared) and keep
     their shards of weights and AdamW state; both refuse to publish, rank 0 without a bad
-    tensor of its own."""
+    tensor of its own, and both refuse the sharded checkpoint, which writes nothing."""
     rank0, rank1 = report["nonfinite"]
-    assert rank0 == [1, 0, 1, 1, 0], rank0
-    assert rank1 == [1, 0, 1, 1, 1], rank1
+    assert rank0 == [1, 0, 1, 1, 0, 1, 0], rank0
+    assert rank1 == [1, 0, 1, 1, 1, 1, 0], rank1
 
 
 def test_shards_balance_tokens_within_one_sequence(report):

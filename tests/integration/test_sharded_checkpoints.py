@@ -1,4 +1,4 @@
-"""Sharded checkpoints (learners/sharded.py) with real torch.distributed jobs: two FSDP2
+"""Sharded checkpoints (learners/checkpoints/shards.py) with real torch.distributed jobs: two FSDP2
 ranks save with DCP, each its own file; the shards load back, equal to the gathered
 state, on one rank (no process group), on two and on three (resharded); ``export``'s
 reader gets the model's full tensors without a process group

@@ -436,7 +436,7 @@ def test_export_reads_the_checkpoint_it_verified_while_the_run_writes_on(tmp_pat
     from safetensors.torch import load_file, save
     from transformers import AutoModelForCausalLM
 
-    from learners.checkpointing import Checkpointer, Snapshot
+    from learners.checkpoints.writer import Checkpointer, Snapshot
     from verl_async.checkpoint import list_checkpoints
     from verl_async.launch import export
     from verl_async.launch.tiny_model import build_tiny_model

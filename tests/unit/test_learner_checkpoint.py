@@ -1,4 +1,5 @@
-"""The learner's checkpoint files: written behind, committed, restored to the same state."""
+"""The learner's checkpoints (learners/checkpoints/): written behind, committed, restored
+to the same state through ``Checkpoints.save`` and ``Checkpoints.load``."""
 
 import json
 import pickle  # to plant a hostile DCP index: the system itself never unpickles
@@ -8,8 +9,13 @@ import weakref
 import pytest
 import torch
 
-from learners import checkpointing
+from learners.checkpoints import writer as checkpointing
+from learners.checkpoints.manager import Checkpoints
+from learners.checkpoints.state import LearnerState
+from learners.distributed import DataParallel
+from learners.finite import NonFiniteWeights
 from tests.slow_learner import SlowCheckpointer
+from verl_async import protocol as P
 from verl_async.checkpoint import (
     CheckpointError,
     commit,
@@ -18,6 +24,7 @@ from verl_async.checkpoint import (
     step_dir,
     verify,
 )
+from verl_async.schema import CheckpointConfig
 
 
 def _trainer(seed: int):
@@ -35,30 +42,47 @@ def _step(model, opt, sched, x):
     sched.step()
 
 
+class _Buffer:
+    """The buffer's side of the barrier: records the cuts it was asked to take."""
+
+    def __init__(self) -> None:
+        self.cuts: list = []
+
+    def send(self, message):
+        self.cuts.append(message)
+        return message
+
+    def receive(self, cut) -> None:
+        assert cut is self.cuts[-1]
+
+
+def _checkpoints(run_dir, model, opt, sched, critic=None, files=None, meta=None) -> Checkpoints:
+    """One learner rank's checkpoints (every step, the two newest kept)."""
+    files = {"ledger.json": b"{}"} if files is None else files
+    return Checkpoints(
+        run_dir, CheckpointConfig(every_steps=1, keep_last=2, write_timeout_s=30.0),
+        LearnerState(model, opt, sched, critic), DataParallel(), True, _Buffer(),
+        lambda step: files, meta or {},
+    )  # fmt: skip
+
+
 def test_restore_continues_exactly_where_the_snapshot_was_taken(tmp_path):
     model, opt, sched = _trainer(0)
     x = torch.randn(16, 4)
     for _ in range(3):
         _step(model, opt, sched, x)
-    writer = checkpointing.Checkpointer(tmp_path, keep_last=2, timeout_s=30, meta={"m": "x"})
-    snap = checkpointing.take_snapshot(
-        writer.stager(),
-        step=3,
-        version=3,
-        model=model.state_dict(),
-        optimizer=opt.state_dict(),
-        scheduler=sched.state_dict(),
-        info={"wall_s": 1.5},
-        buffer_files=lambda: {"ledger.json": b"{}", "rollouts.arrow": b"arrow"},
-    )
-    writer.save(snap)
+    files = {"ledger.json": b"{}", "rollouts.arrow": b"arrow"}
+    checkpoints = _checkpoints(tmp_path, model, opt, sched, files=files, meta={"m": "x"})
+    assert checkpoints.due(3) and checkpoints.save(3, 3, lambda: {"wall_s": 1.5}) > 0
+    assert checkpoints.buffer.cuts == [P.SnapshotBuffer(step=3, version=3)]
     # Training goes on while the writer works: the snapshot holds copies, not views.
     # (The step draws no random numbers, so the next draws are the snapshot's.)
     _step(model, opt, sched, x)
     expected_rand = torch.rand(3)
     expected_py = random.random()
     _step(model, opt, sched, x)
-    assert writer.wait()
+    checkpoints.finish()
+    checkpoints.close()
 
     ckpt = step_dir(tmp_path, 3)
     assert verify(ckpt) == []
@@ -74,7 +98,7 @@ def test_restore_continues_exactly_where_the_snapshot_was_taken(tmp_path):
     assert json.loads((ckpt / "learner/trainer_state.json").read_text())["version"] == 3
 
     fresh, fresh_opt, fresh_sched = _trainer(1)  # different init: everything must be loaded
-    info = checkpointing.load(ckpt, fresh, fresh_opt, fresh_sched)
+    info = _checkpoints(tmp_path, fresh, fresh_opt, fresh_sched).load(ckpt)
     assert (info["step"], info["version"], info["wall_s"]) == (3, 3, 1.5)
     _step(fresh, fresh_opt, fresh_sched, x)
     assert torch.equal(torch.rand(3), expected_rand) and random.random() == expected_py
@@ -195,15 +219,10 @@ def test_the_critic_and_its_optimizer_are_restored_with_the_actor(tmp_path):
         critic(x).pow(2).mean().backward()
         critic_opt.step()
         critic_opt.zero_grad()
-    writer = checkpointing.Checkpointer(tmp_path, keep_last=2, timeout_s=30, meta={})
-    snap = checkpointing.take_snapshot(
-        writer.stager(), 2, 2, model.state_dict(), opt.state_dict(), sched.state_dict(),
-        {"wall_s": 0.0, "kl_ctrl": {"value": 0.3}},
-        lambda: {"ledger.json": b"{}"},
-        critic=(critic.state_dict(), critic_opt.state_dict()),
-    )  # fmt: skip
-    writer.save(snap)
-    assert writer.wait()
+    checkpoints = _checkpoints(tmp_path, model, opt, sched, critic=(critic, critic_opt))
+    checkpoints.save(2, 2, lambda: {"wall_s": 0.0, "kl_ctrl": {"value": 0.3}})
+    checkpoints.finish()
+    checkpoints.close()
     ckpt = step_dir(tmp_path, 2)
     assert verify(ckpt) == []
     assert {"learner/critic.safetensors", "learner/critic_state.safetensors"} <= set(
@@ -212,7 +231,8 @@ def test_the_critic_and_its_optimizer_are_restored_with_the_actor(tmp_path):
 
     fresh, fresh_opt, fresh_sched = _trainer(1)
     fresh_critic, fresh_critic_opt, _ = _trainer(3)
-    info = checkpointing.load(ckpt, fresh, fresh_opt, fresh_sched, (fresh_critic, fresh_critic_opt))
+    fresh_critic_pair = (fresh_critic, fresh_critic_opt)
+    info = _checkpoints(tmp_path, fresh, fresh_opt, fresh_sched, fresh_critic_pair).load(ckpt)
     assert info["kl_ctrl"] == {"value": 0.3}
     for a, b in zip(critic.parameters(), fresh_critic.parameters(), strict=True):
         assert torch.equal(a, b)
@@ -224,17 +244,14 @@ def test_the_critic_and_its_optimizer_are_restored_with_the_actor(tmp_path):
         assert torch.equal(a, b)
     # A run without a critic cannot take this checkpoint (nor the other way round).
     with pytest.raises(ValueError, match="written with a critic"):
-        checkpointing.load(ckpt, fresh, fresh_opt, fresh_sched)
+        _checkpoints(tmp_path, fresh, fresh_opt, fresh_sched).load(ckpt)
 
 
 def _committed(tmp_path, model, opt, sched):
-    writer = checkpointing.Checkpointer(tmp_path, keep_last=2, timeout_s=30, meta={})
-    snap = checkpointing.take_snapshot(
-        writer.stager(), 1, 1, model.state_dict(), opt.state_dict(), sched.state_dict(),
-        {"wall_s": 0.0}, lambda: {"ledger.json": b"{}"},
-    )  # fmt: skip
-    writer.save(snap)
-    assert writer.wait()
+    checkpoints = _checkpoints(tmp_path, model, opt, sched)
+    checkpoints.save(1, 1, lambda: {"wall_s": 0.0})
+    checkpoints.finish()
+    checkpoints.close()
     return step_dir(tmp_path, 1)
 
 
@@ -248,7 +265,7 @@ def test_an_altered_weight_file_is_refused_and_nothing_is_loaded(tmp_path):
     fresh, fresh_opt, fresh_sched = _trainer(1)
     before = [p.detach().clone() for p in fresh.parameters()]
     with pytest.raises(CheckpointError, match="model.safetensors: sha256 differs"):
-        checkpointing.load(ckpt, fresh, fresh_opt, fresh_sched)
+        _checkpoints(tmp_path, fresh, fresh_opt, fresh_sched).load(ckpt)
     assert all(torch.equal(a, b) for a, b in zip(before, fresh.parameters(), strict=True))
 
 
@@ -277,5 +294,27 @@ def test_a_planted_shard_index_is_never_unpickled(tmp_path):
     (shards / ".metadata").write_bytes(pickle.dumps(_Planted(marker)))
     model, opt, sched = _trainer(0)
     with pytest.raises(CheckpointError, match="learner/shards/.metadata"):
-        checkpointing.load(ckpt, model, opt, sched)
+        _checkpoints(tmp_path, model, opt, sched).load(ckpt)
     assert not marker.exists()
+
+
+def test_a_verified_checkpoint_that_is_not_finite_is_not_resumed_from(tmp_path):
+    """The manifest vouches for the bytes, not for the numbers: a checkpoint committed
+    with a NaN weight (by hand here; the save path refuses to write one) is refused by
+    load instead of being trained on."""
+    from safetensors.torch import load_file, save_file
+
+    model, opt, sched = _trainer(0)
+    _step(model, opt, sched, torch.randn(16, 4))
+    ckpt = _committed(tmp_path, model, opt, sched)
+    weights = ckpt / "learner" / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["2.bias"][1] = float("nan")
+    save_file(tensors, weights)
+    commit(ckpt, 1, 1)  # the manifest now vouches for the NaN
+    assert verify(ckpt) == []
+    fresh, fresh_opt, fresh_sched = _trainer(1)
+    with pytest.raises(
+        NonFiniteWeights, match=r"refusing to resume from step_00000001: model\.2\.bias"
+    ):
+        _checkpoints(tmp_path, fresh, fresh_opt, fresh_sched).load(ckpt)

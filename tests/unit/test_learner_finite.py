@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from learners import checkpointing
 from learners.advantages import estimate
+from learners.checkpoints.manager import Checkpoints
+from learners.checkpoints.state import LearnerState
 from learners.critic import critic_update, critic_values, load_critic
 from learners.distributed import DataParallel
 from learners.finite import NonFiniteWeights, SkipLog, guarded_step, nonfinite_names
@@ -234,16 +235,17 @@ def _learner(tmp_path, model, optimizer):
     cfg = msgspec.structs.replace(
         cfg, checkpoint=msgspec.structs.replace(cfg.checkpoint, every_steps=1, keep_last=5)
     )
+    files = {"ledger.json": b"{}", "rollouts.arrow": b""}
+    checkpoints = Checkpoints(
+        tmp_path, cfg.checkpoint, LearnerState(model, optimizer), DataParallel(), True,
+        _Buffer(), lambda step: files, {},
+    )  # fmt: skip
     learner = SimpleNamespace(
-        cfg=cfg, raw_model=model, optimizer=optimizer, scheduler=None, critic=None, raw_critic=None,
-        critic_optimizer=None,
-        dp=DataParallel(), version=3, steps_done=3, shards=None, sync=_Sync(), client=_Buffer(),
-        checkpointer=checkpointing.Checkpointer(tmp_path, 5, 30.0, {}),
+        cfg=cfg, raw_model=model, dp=DataParallel(), version=3, steps_done=3, sync=_Sync(),
+        checkpoints=checkpoints,
     )  # fmt: skip
     learner.published = lambda: Learner.published(learner)
-    learner.checkpoint_full = lambda t0: Learner.checkpoint_full(learner, t0)
     learner.checkpoint_info = lambda: {"wall_s": 0.0}
-    learner.buffer_files = lambda step: lambda: {"ledger.json": b"{}", "rollouts.arrow": b""}
     return learner
 
 
@@ -262,7 +264,7 @@ def test_what_is_not_finite_is_never_published_nor_checkpointed(tmp_path, poison
     # Finite: published and written (the set-up can tell a refusal from doing nothing).
     Learner.publish_weights(learner)
     Learner.checkpoint(learner)
-    learner.checkpointer.wait()
+    learner.checkpoints.finish()
     assert learner.sync.versions == [4] and _committed(tmp_path) == ["step_00000003"]
 
     with torch.no_grad():
@@ -281,7 +283,7 @@ def test_what_is_not_finite_is_never_published_nor_checkpointed(tmp_path, poison
     name = "model.2.weight" if poisoned == "weight" else "model_optim.0.bias.exp_avg"
     with pytest.raises(NonFiniteWeights, match=rf"refusing to checkpoint step 4: {name} hold"):
         Learner.checkpoint(learner)
-    learner.checkpointer.wait()
+    learner.checkpoints.finish()
     assert _committed(tmp_path) == ["step_00000003"]
     assert not step_dir(tmp_path, 4).exists()
-    learner.checkpointer.stop()
+    learner.checkpoints.close()

@@ -1,40 +1,17 @@
-"""The learner's side of asynchronous checkpoints: snapshot at the barrier, write behind.
+"""Writing checkpoints behind the step: rank 0's writer thread.
 
-At the barrier after step s-1 (s steps done, version s published) the learner
+``Checkpointer`` (rank 0) takes ``Snapshot``s from a queue in step order. For each it
+writes the learner's files, then fetches the buffer's files (``FetchSnapshot``: the buffer
+encodes its cut as Arrow then, in its own process) and writes them, waits for the
+shards when there are several ranks and hashes them from disk, and commits the manifest
+(verl_async/checkpoint.py) before it prunes old checkpoints. The first one pruned is kept
+as the spare, and the next write overwrites its files in place instead of creating new
+ones.
 
-1. copies model, optimizer, scheduler, RNG and counters into host memory
-   (``take_snapshot``: one ``copy_`` per tensor into reusable staging buffers),
-2. has the buffer take its cut as of step s (``SnapshotBuffer``: one round trip, the
-   buffer only collects references),
-3. hands both to ``Checkpointer.save``. A writer thread writes the learner's files while
-   training goes on, then fetches the buffer's files (``FetchSnapshot``: the buffer
-   encodes its cut as Arrow then, in its own process), writes them, commits the manifest
-   (verl_async/checkpoint.py) and prunes old ones. The first one pruned is kept as the
-   spare, and the next write overwrites its files in place instead of creating new ones.
-
-Writes commit in step order. Snapshots alternate between two staging slots, so a step
-waits only when a write is still running two checkpoints later (that wait is part of
-``checkpoint_s`` and shown alone as ``checkpoint_wait_s``). An error in a writer is
-raised in the training thread at the next checkpoint or at exit.
-
-Files of ``checkpoints/step_NNNNNNNN/`` (no pickle anywhere: tensors in safetensors,
-everything else in JSON)::
-
-    learner/model.safetensors     full (unsharded) weights by Hugging Face name
-    learner/state.safetensors     optimizer state tensors ("optim.<param>.<key>"), RNG states
-    learner/critic.safetensors    the critic's weights (algo.adv_estimator: gae only)
-    learner/critic_state.safetensors  its optimizer state tensors
-    learner/trainer_state.json    step, version, counters, optimizer param groups and
-                                  scalars, scheduler state, Python RNG, KL controller
-                                  and critic optimizer scalars (readable)
-    buffer/ledger.json            buffer/snapshot.py
-    buffer/rollouts.arrow
-    manifest.json                 written last: the commit
-
-A learner of several ranks writes its model, optimizer and RNG state as shards instead
-(``learner/shards/``, one DCP file per rank: learners/sharded.py); the writer thread of
-rank 0 then writes ``trainer_state.json`` and the buffer's files, waits for the shards
-and hashes them from disk before the manifest.
+Snapshots alternate between two staging slots (``Stager``), so a step waits only when a
+write is still running two checkpoints later (that wait is part of ``checkpoint_s`` and
+shown alone as ``checkpoint_wait_s``). An error in a writer is raised in the training
+thread at the next checkpoint or at exit.
 
 Each file is hashed from the bytes in memory as it is written, so the commit reads
 nothing back; hashing and writing large buffers release the GIL. The writer runs at
@@ -50,7 +27,6 @@ import json
 import logging
 import os
 import queue
-import random
 import shutil
 import threading
 import time
@@ -61,16 +37,12 @@ from pathlib import Path
 
 import torch
 
-from learners import sharded
-from learners.state_dicts import load_model_state, load_optimizer_state
 from verl_async import runtime
 from verl_async.checkpoint import (
     SHARDS,
     FileEntry,
     fsync_dir,
-    is_sharded,
     prune,
-    require_valid,
     sha256_file,
     step_dir,
     take_spare,
@@ -91,7 +63,7 @@ class Snapshot:
     # More files, produced on the writer thread after ``files`` are written (the buffer's,
     # fetched from the buffer process so that encoding them costs the step nothing).
     deferred: Callable[[], dict[str, list]] | None = None
-    # With several ranks: the DCP save of every rank's shards (learners/sharded.py) into a
+    # With several ranks: the DCP save of every rank's shards (shards.py) into a
     # directory made before it started; written when it completes, committed after that.
     shards: Future | None = None
 
@@ -168,135 +140,6 @@ class Stager:
         if staged is None or not staged.fits(tensors):
             staged = self.files[rel] = StagedFile(tensors, metadata)
         return staged.stage(tensors)
-
-
-def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1])}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate((3, tuple(state["python"]), None))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def split_optimizer(optimizer: dict, prefix: str = "optim") -> tuple[dict[str, torch.Tensor], dict]:
-    """An optimizer state_dict -> (tensors named "<prefix>.<param>.<key>", JSON-able rest)."""
-    tensors: dict[str, torch.Tensor] = {}
-    scalars: dict[str, dict] = {}
-    for param, entries in optimizer["state"].items():
-        for key, value in entries.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"{prefix}.{param}.{key}"] = value
-            else:
-                scalars.setdefault(str(param), {})[key] = value
-    return tensors, {"param_groups": optimizer["param_groups"], "scalars": scalars}
-
-
-def join_optimizer(tensors: dict[str, torch.Tensor], rest: dict, prefix: str = "optim") -> dict:
-    """Inverse of ``split_optimizer`` (tensors of other prefixes are ignored)."""
-    state: dict[int, dict] = {}
-    for param, entries in rest["scalars"].items():
-        state.setdefault(int(param), {}).update(entries)
-    for name, tensor in tensors.items():
-        kind, _, tail = name.partition(".")
-        if kind == prefix:
-            param, _, key = tail.partition(".")
-            state.setdefault(int(param), {})[key] = tensor
-    return {"state": state, "param_groups": rest["param_groups"]}
-
-
-def split_state(optimizer: dict, rng: dict) -> tuple[dict[str, torch.Tensor], dict]:
-    """Optimizer state_dict and RNG state -> (tensors for safetensors, JSON-able rest)."""
-    tensors, optim_rest = split_optimizer(optimizer)
-    tensors["rng.torch"] = rng["torch"]
-    for i, cuda in enumerate(rng.get("cuda", [])):
-        tensors[f"rng.cuda.{i}"] = cuda
-    return tensors, {"optimizer": optim_rest, "python_rng": rng["python"]}
-
-
-def join_state(tensors: dict[str, torch.Tensor], rest: dict) -> tuple[dict, dict]:
-    """Inverse of ``split_state``: (optimizer state_dict, rng state)."""
-    cuda = [
-        (int(name[len("rng.cuda.") :]), t)
-        for name, t in tensors.items()
-        if name.startswith("rng.cuda.")
-    ]
-    rng = {"torch": tensors["rng.torch"], "python": rest["python_rng"]}
-    if cuda:
-        rng["cuda"] = [t for _, t in sorted(cuda, key=lambda c: c[0])]
-    return join_optimizer(tensors, rest["optimizer"]), rng
-
-
-def take_snapshot(
-    stager: Stager,
-    step: int,
-    version: int,
-    model: dict[str, torch.Tensor],
-    optimizer: dict,
-    scheduler: dict | None,
-    info: dict,
-    buffer_files: Callable[[], dict[str, bytes | memoryview]],
-    critic: tuple[dict[str, torch.Tensor], dict] | None = None,
-) -> Snapshot:
-    """Stage everything into host memory (the part of a checkpoint the step waits for).
-
-    ``buffer_files`` returns the buffer's files; the writer thread calls it. ``critic`` is
-    the critic's (weights, optimizer state_dict) when the run trains one."""
-    tensors, rest = split_state(optimizer, rng_state())
-    state = {"step": step, "version": version, **info, **rest, "scheduler": scheduler}
-    files = {
-        "learner/model.safetensors": stager.stage("model", model, {"format": "pt"}),
-        "learner/state.safetensors": stager.stage("state", tensors),
-    }
-    if critic is not None:
-        critic_tensors, state["critic_optimizer"] = split_optimizer(critic[1])
-        files["learner/critic.safetensors"] = stager.stage("critic", critic[0], {"format": "pt"})
-        files["learner/critic_state.safetensors"] = stager.stage("critic_state", critic_tensors)
-    files["learner/trainer_state.json"] = [json.dumps(state, indent=1).encode()]
-    return Snapshot(step, version, files, _buffer(buffer_files))
-
-
-def take_sharded_snapshot(
-    step: int,
-    version: int,
-    groups: list[dict],
-    scheduler: dict | None,
-    info: dict,
-    buffer_files: Callable[[], dict[str, bytes | memoryview]],
-    shards: Future,
-    critic_groups: list[dict] | None = None,
-) -> Snapshot:
-    """Rank 0's part of a sharded checkpoint: the JSON state (the shards are ``shards``,
-    being written by every rank)."""
-    state = {
-        "step": step,
-        "version": version,
-        **info,
-        "optimizer_groups": groups,
-        "python_rng": rng_state()["python"],
-        "scheduler": scheduler,
-    }
-    if critic_groups is not None:
-        state["critic_optimizer_groups"] = critic_groups
-    files = {"learner/trainer_state.json": [json.dumps(state, indent=1).encode()]}
-    return Snapshot(step, version, files, _buffer(buffer_files), shards)
-
-
-def _buffer(buffer_files: Callable[[], dict]) -> Callable[[], dict[str, list]]:
-    return lambda: {f"buffer/{name}": [data] for name, data in buffer_files().items()}
-
-
-def clear_step_dir(ckpt: Path) -> None:
-    """Make ``ckpt`` empty before a sharded save writes into it (what an uncommitted write
-    of the same step left before a crash goes)."""
-    if ckpt.exists():
-        shutil.rmtree(ckpt)
-    ckpt.mkdir(parents=True)
 
 
 class Checkpointer:
@@ -469,58 +312,3 @@ def _make_durable(paths: list[Path]) -> None:
             os.fsync(f.fileno())
     for directory in sorted({p.parent for p in paths}):
         fsync_dir(directory)
-
-
-def load(
-    ckpt: Path,
-    model: torch.nn.Module,
-    optimizer,
-    scheduler,
-    critic=None,
-    world: int = 1,
-    group=None,
-) -> dict:
-    """Restore a checkpoint's learner files into live objects; returns the JSON state.
-
-    Either form loads on any number of ranks: full files (written by one rank) or shards
-    (written by several, learners/sharded.py; ``group``: the gloo group DCP reads over).
-    ``critic`` is (critic model, critic optimizer) when the run trains one; a checkpoint
-    written without a critic cannot resume a run with one (and the other way round).
-    ``world`` > 1: every rank of an FSDP2 job calls this and keeps its shards.
-
-    The learner's files are verified against the manifest before any is opened (a
-    ``CheckpointError`` otherwise): DCP's ``.metadata`` is a pickle."""
-    from safetensors.torch import load_file
-
-    require_valid(ckpt, "learner")
-    learner = ckpt / "learner"
-    state = json.loads((learner / "trainer_state.json").read_text())
-    shards = is_sharded(ckpt)
-    has_critic = ("critic_optimizer_groups" if shards else "critic_optimizer") in state
-    if has_critic != (critic is not None):
-        raise ValueError(
-            f"{ckpt} was written {'with' if has_critic else 'without'} a critic and this run "
-            f"has {'one' if critic is not None else 'none'} (algo.adv_estimator changed?)"
-        )
-    if scheduler is not None and state["scheduler"] is not None:
-        scheduler.load_state_dict(state["scheduler"])
-    if shards:
-        groups = state["optimizer_groups"]
-        sharded.load_shards(ckpt, model, optimizer, groups, sharded.ACTOR, world, group)
-        if critic is not None:
-            groups = state["critic_optimizer_groups"]
-            sharded.load_shards(ckpt, *critic, groups, sharded.CRITIC, world, group)
-        rng = sharded.load_rng(ckpt, world, group)
-        set_rng_state({**rng, "python": state["python_rng"]})
-        return state
-    load_model_state(model, load_file(learner / "model.safetensors"), world)
-    optimizer_state, rng = join_state(load_file(learner / "state.safetensors"), state)
-    load_optimizer_state(model, optimizer, optimizer_state, world)
-    if critic is not None:
-        load_model_state(critic[0], load_file(learner / "critic.safetensors"), world)
-        tensors = load_file(learner / "critic_state.safetensors")
-        load_optimizer_state(
-            critic[0], critic[1], join_optimizer(tensors, state["critic_optimizer"]), world
-        )
-    set_rng_state(rng)
-    return state

@@ -1,4 +1,4 @@
-"""Sharded checkpoints: with several learner ranks, each rank writes its own shards.
+"""The sharded layout: with several learner ranks, each rank writes its own shards.
 
 A learner job of L > 1 ranks (FSDP2) saves with torch.distributed.checkpoint (DCP)
 instead of gathering the whole state into rank 0's memory: each rank hands its shards of
@@ -27,14 +27,83 @@ whatever part of each tensor a rank owns), so a run saved on 2 ranks resumes on 
 
 from __future__ import annotations
 
+import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 
-from verl_async.checkpoint import SHARDS, read_shards
+from learners.checkpoints.state import LearnerState, Staged
+from learners.checkpoints.writer import Checkpointer
+from verl_async.checkpoint import SHARDS, read_shards, step_dir
 from verl_async.weight_sync import tied_names, with_tied
+
+
+class Shards:
+    """Several ranks: every rank stages its shards and writes them behind the step;
+    rank 0 (the one with a ``writer``) commits once every rank's are written."""
+
+    critic_key = "critic_optimizer_groups"  # in trainer_state.json when the run has a critic
+
+    def __init__(self, run_dir: Path, writer: Checkpointer | None, timeout_s: float) -> None:
+        self.run_dir = run_dir
+        self.writer = writer  # rank 0's
+        self.timeout_s = timeout_s
+        self.shards = ShardWriter(timeout_s)  # a collective: every rank makes it at start
+
+    @property
+    def group(self):
+        """The gloo group DCP saves and loads over."""
+        return self.shards.group
+
+    def ready(self, step: int) -> None:
+        """Wait for the save in flight (on rank 0: until it is committed); rank 0 then
+        empties the step directory. No rank writes into it before that, since DCP's writes
+        wait for a plan that needs every rank's save."""
+        if self.writer is not None:
+            self.writer.wait()
+        if not self.shards.wait(self.timeout_s):
+            raise TimeoutError(
+                f"checkpoint shards not written after checkpoint.write_timeout_s="
+                f"{self.timeout_s:.0f}s; is the disk full or very slow?"
+            )
+        if self.writer is not None:
+            clear_step_dir(step_dir(self.run_dir, step))
+
+    def stage(self, step: int, state: LearnerState) -> Staged:
+        tensors, groups = shard_tensors(state.model, state.optimizer, ACTOR)
+        staged = Staged({"optimizer_groups": groups})
+        if state.critic is not None:
+            critic, staged.json[self.critic_key] = shard_tensors(*state.critic, CRITIC)
+            tensors |= critic
+        path = step_dir(self.run_dir, step) / SHARDS
+        staged.shards = self.shards.save(tensors | rng_tensors(), path)
+        return staged
+
+    def wait(self, timeout_s: float) -> bool:
+        return self.shards.wait(timeout_s)
+
+    def close(self) -> None:
+        self.shards.close()
+
+
+def clear_step_dir(ckpt: Path) -> None:
+    """Make ``ckpt`` empty before a sharded save writes into it (what an uncommitted write
+    of the same step left before a crash goes)."""
+    if ckpt.exists():
+        shutil.rmtree(ckpt)
+    ckpt.mkdir(parents=True)
+
+
+def load(ckpt: Path, saved: dict, state: LearnerState, world: int, group=None) -> dict:
+    """Restore the shards of ``ckpt`` (verified) into ``state``, resharded to this job's
+    ranks (``group``: the gloo group DCP reads over). Returns the torch RNG states."""
+    load_shards(ckpt, state.model, state.optimizer, saved["optimizer_groups"], ACTOR, world, group)
+    if state.critic is not None:
+        groups = saved["critic_optimizer_groups"]
+        load_shards(ckpt, *state.critic, groups, CRITIC, world, group)
+    return load_rng(ckpt, world, group)
 
 
 class ShardWriter:
@@ -199,7 +268,7 @@ def rng_tensors() -> dict[str, torch.Tensor]:
 
 
 def load_rng(ckpt: Path, world: int, group=None) -> dict:
-    """The RNG states of ``ckpt`` in ``checkpointing.set_rng_state``'s form (no Python one);
+    """The RNG states of ``ckpt`` in ``state.set_rng_state``'s form (no Python one);
     a CUDA state saved by a GPU run is left out on a machine without CUDA."""
     cuda = torch.cuda.is_available()
     tensors = read_shards(
