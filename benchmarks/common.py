@@ -31,24 +31,31 @@ def train_command(
     return [sys.executable, "-m", "verl_async.launch.cli", *args]
 
 
-def run_train(
-    config: Path, run_dir: Path, overrides: list[str], learner: list[str] | None = None
-) -> tuple[list[dict], float]:
-    """Run ``train_command(...)`` to the end (from the repository root); returns (metrics
-    rows, seconds)."""
+def run_to_end(cmd: list[str], what: str) -> float:
+    """Run ``cmd`` from the repository root to its end; returns its seconds. A failure
+    stops the benchmark with the end of the command's stderr, headed by ``what``."""
     t0 = time.monotonic()
     res = subprocess.run(
-        train_command(config, run_dir, overrides, learner),
+        cmd,
         cwd=ROOT,
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
-    seconds = time.monotonic() - t0
     if res.returncode != 0:
-        raise SystemExit(
-            f"run {run_dir.name} failed ({' '.join(overrides)}):\n{res.stderr[-3000:]}"
-        )
+        raise SystemExit(f"{what} failed:\n{res.stderr[-3000:]}")
+    return time.monotonic() - t0
+
+
+def run_train(
+    config: Path, run_dir: Path, overrides: list[str], learner: list[str] | None = None
+) -> tuple[list[dict], float]:
+    """Run ``train_command(...)`` to the end (from the repository root); returns (metrics
+    rows, seconds)."""
+    seconds = run_to_end(
+        train_command(config, run_dir, overrides, learner),
+        f"run {run_dir.name} ({' '.join(overrides)})",
+    )
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
     return rows, seconds
 

@@ -20,8 +20,6 @@ import argparse
 import contextlib
 import importlib
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from common import run_to_end  # noqa: E402
 from cpu_hog import cpu_hog  # noqa: E402
 
 SUITES = {  # --suite -> the test module whose CASES it runs
@@ -39,17 +38,10 @@ SUITES = {  # --suite -> the test module whose CASES it runs
 
 def run_case(case, run_dir: Path, seed: int, extra: list[str]) -> tuple[list, float]:
     """One training run of ``case`` at ``seed``: (its checks, seconds)."""
-    t0 = time.monotonic()
-    res = subprocess.run(
+    seconds = run_to_end(
         [sys.executable, "-m", "verl_async.launch.cli", *case.args(run_dir, seed), *extra],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        str(run_dir),
     )
-    seconds = time.monotonic() - t0
-    if res.returncode != 0:
-        raise SystemExit(f"{run_dir} failed:\n{res.stderr[-3000:]}")
     return case.measure(run_dir), seconds
 
 
