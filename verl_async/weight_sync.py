@@ -269,9 +269,15 @@ def _agree_on_memory(group: SyncGroup, memory: SharedMemory | None) -> None:
     if int(flag) != 1 and memory is not None:
         memory.close()
         memory = None
-    group.memory, group.memory_agreed = memory, True
+    group.memory = memory
+    _settled(group)
+
+
+def _settled(group: SyncGroup) -> None:
+    """The epoch's way for updates is settled (rank 0 says which, once per epoch)."""
+    group.memory_agreed = True
     if group.rank == 0:
-        route = "shared memory" if memory is not None else "the network"
+        route = "shared memory" if group.memory is not None else "the network"
         log.info("weight-sync epoch %d: updates go through %s", group.epoch, route)
 
 
@@ -406,6 +412,8 @@ def send_update(group: SyncGroup, buffers: Iterable[torch.Tensor]) -> str:
     if group.memory is not None and not group.memory_agreed:
         _header(group, [AGREE, 0])
         _agree_on_memory(group, group.memory)
+    elif not group.memory_agreed:  # nothing offered: the network, with nothing to agree
+        _settled(group)
     if group.memory is not None:
         nbytes = group.memory.write(buffers)
         _header(group, [MEMORY, nbytes])

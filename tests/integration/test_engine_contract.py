@@ -117,7 +117,9 @@ async def push_tensors(rig: Rig, version: int, tensors: dict[str, torch.Tensor])
     sender = threading.Thread(target=send_weights, args=(rig.learner_group, tensors, specs, BUCKET))
     sender.start()
     seconds = await rig.engine.apply_update(
-        P.WeightUpdate(version=version, params=specs, bucket_bytes=BUCKET)
+        P.WeightUpdate(
+            version=version, params=specs, bucket_bytes=BUCKET, memory=rig.learner_group.offer
+        )
     )
     await asyncio.to_thread(sender.join, 60)
     return seconds
