@@ -61,22 +61,38 @@ def _generator_pid(run_dir: Path, index: int) -> int:
     return pids[0]
 
 
+def _two_generators(engine: str, steps: int) -> list[str]:
+    """Overrides of a run with two generators on ``engine`` and one learner rank, in which
+    only a restart hands a dead generator's groups on (no lease runs out)."""
+    return [
+        f"generators.engine={engine}",
+        f"trainer.total_steps={steps}",
+        "checkpoint.every_steps=0",
+        "placement.generators=[cpu, cpu]",
+        "placement.learners=[cpu]",
+        "buffer.lease_timeout_s=3600",
+    ]
+
+
+def _kill_until_rejoined(proc, run_dir: Path, index: int, epoch: int, out: Path) -> None:
+    """SIGKILL generator ``index``; return once its new process has joined ``epoch``."""
+    os.kill(_generator_pid(run_dir, index), signal.SIGKILL)
+    buffer_log = run_dir / "logs" / "buffer.log"
+    joined = f"generator {index} started again: it joins weight-sync epoch {epoch}"
+    wait_for(proc, lambda: buffer_log.is_file() and joined in buffer_log.read_text(),
+             joined, out, timeout_s=RESTART_S)  # fmt: skip
+
+
 @pytest.mark.parametrize("engine", ["hf", "vllm"])
 def test_killed_generators_are_restarted_and_the_run_trains_every_group_once(tmp_path, engine):
     run_dir, gate, out = tmp_path / "run", tmp_path / "gate", tmp_path / "out.txt"
     overrides = [
-        f"generators.engine={engine}",
-        f"trainer.total_steps={STEPS}",
-        "checkpoint.every_steps=0",
-        "placement.generators=[cpu, cpu]",
-        "placement.learners=[cpu]",
-        "buffer.lease_timeout_s=3600",  # only the restart may hand the dead one's groups on
+        *_two_generators(engine, STEPS),
         # On-policy: every token is sampled by the weights the learner trains, so each one
         # is compared with the learner's log-prob (rollout_logp_diff_max).
         "staleness.max=0",
         f"generators.max_inflight_groups={B // 2}",
     ]
-    buffer_log = run_dir / "logs" / "buffer.log"
     gate.write_text(str(FIRST))
     proc = launch_gated(["train", "configs/tiny.yaml", "--run-dir", str(run_dir), *overrides],
                         gate, out)  # fmt: skip
@@ -88,10 +104,7 @@ def test_killed_generators_are_restarted_and_the_run_trains_every_group_once(tmp
             # join, let the learner go on (its next publication rebuilds the group).
             wait_for(proc, lambda s=steps: _loaded(run_dir, s), f"version {steps} loaded",
                      out, timeout_s=RESTART_S)  # fmt: skip
-            os.kill(_generator_pid(run_dir, index), signal.SIGKILL)
-            joined = f"generator {index} started again: it joins weight-sync epoch {epoch}"
-            wait_for(proc, lambda j=joined: buffer_log.is_file() and j in buffer_log.read_text(),
-                     joined, out, timeout_s=RESTART_S)  # fmt: skip
+            _kill_until_rejoined(proc, run_dir, index, epoch, out)
             gate.write_text(str(kills[k + 1][1] if k + 1 < len(kills) else STEPS))
         assert proc.wait(timeout=RESTART_S) == 0, out.read_text()[-3000:]
     finally:
@@ -133,16 +146,7 @@ def test_a_restarted_generator_waits_out_a_learner_step_longer_than_the_weights_
     and gets the weights."""
     run_dir, gate, out = tmp_path / "run", tmp_path / "gate", tmp_path / "out.txt"
     steps, first = 4, 2
-    overrides = [
-        "generators.engine=hf",
-        f"trainer.total_steps={steps}",
-        "checkpoint.every_steps=0",
-        "placement.generators=[cpu, cpu]",
-        "placement.learners=[cpu]",
-        "buffer.lease_timeout_s=3600",
-        f"weights.timeout_s={SLOW_STEP_TIMEOUT_S}",
-    ]
-    buffer_log = run_dir / "logs" / "buffer.log"
+    overrides = [*_two_generators("hf", steps), f"weights.timeout_s={SLOW_STEP_TIMEOUT_S}"]
     gate.write_text(str(first))
     proc = launch_gated(["train", "configs/tiny.yaml", "--run-dir", str(run_dir), *overrides],
                         gate, out)  # fmt: skip
@@ -150,10 +154,7 @@ def test_a_restarted_generator_waits_out_a_learner_step_longer_than_the_weights_
     try:
         wait_for(proc, lambda: _loaded(run_dir, first), f"version {first} loaded", out,
                  timeout_s=RESTART_S)  # fmt: skip
-        os.kill(_generator_pid(run_dir, 1), signal.SIGKILL)
-        joined = "generator 1 started again: it joins weight-sync epoch 1"
-        wait_for(proc, lambda: buffer_log.is_file() and joined in buffer_log.read_text(),
-                 joined, out, timeout_s=RESTART_S)  # fmt: skip
+        _kill_until_rejoined(proc, run_dir, 1, 1, out)
         # The learner stays in its step (the gate) for three times weights.timeout_s: the
         # new process must still be there at the end, not started a third time.
         held_until = time.monotonic() + 3 * SLOW_STEP_TIMEOUT_S
