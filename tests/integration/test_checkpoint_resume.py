@@ -32,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 
 from benchmarks.custom_learner import command
 from verl_async.checkpoint import MANIFEST, SHARDS, is_sharded, list_checkpoints
+from verl_async.lifetime import RUN_LOCK, RunDirInUse, claim_run_dir, holders
 
 from .conftest import (
     ROOT,
@@ -135,13 +136,27 @@ def _loaded_versions(run_dir: Path) -> list[int]:
     ]
 
 
-def _settle(run_dir: Path, timeout_s: float = 30.0) -> None:
-    """Nothing may survive the tree kill; PR_SET_PDEATHSIG is asynchronous, and a process
-    with much memory mapped takes a while to leave /proc on a loaded machine."""
+def _settle(run_dir: Path, timeout_s: float = 60.0) -> None:
+    """Nothing may survive the tree kill, and the run directory must be free again before
+    the next launch (a launcher refuses it while any process of the run holds its lock).
+    PR_SET_PDEATHSIG is asynchronous, and a process with much memory mapped takes a while
+    to leave /proc on a loaded machine."""
     deadline = time.monotonic() + timeout_s
-    while processes_mentioning(str(run_dir)) and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        if not processes_mentioning(str(run_dir)) and _free(run_dir):
+            return
         time.sleep(0.2)
     assert not processes_mentioning(str(run_dir)), "processes outlived SIGKILL of the tree"
+    assert _free(run_dir), holders(run_dir / RUN_LOCK)
+
+
+def _free(run_dir: Path) -> bool:
+    """Whether a launcher could claim ``run_dir`` now (the claim is let go at once)."""
+    try:
+        claim_run_dir(run_dir).release()
+    except RunDirInUse:
+        return False
+    return True
 
 
 # PPO with a critic and a KL loss to the reference: the learner holds three models, and
