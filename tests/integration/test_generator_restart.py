@@ -21,6 +21,7 @@ waits for the group to be rebuilt: the wait is no failure, and the process stays
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -61,6 +62,17 @@ def _generator_pid(run_dir: Path, index: int) -> int:
     return pids[0]
 
 
+@contextlib.contextmanager
+def _interrupted_if_left(proc):
+    """Run the block; a run still going after it (a failed check) is stopped with Ctrl-C."""
+    try:
+        yield
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=60)
+
+
 def _two_generators(engine: str, steps: int) -> list[str]:
     """Overrides of a run with two generators on ``engine`` and one learner rank, in which
     only a restart hands a dead generator's groups on (no lease runs out)."""
@@ -96,7 +108,7 @@ def test_killed_generators_are_restarted_and_the_run_trains_every_group_once(tmp
     gate.write_text(str(FIRST))
     proc = launch_gated(["train", "configs/tiny.yaml", "--run-dir", str(run_dir), *overrides],
                         gate, out)  # fmt: skip
-    try:
+    with _interrupted_if_left(proc):
         kills = KILLS[engine]
         for k, (index, steps, epoch) in enumerate(kills):
             # The learner waits after ``steps`` steps, and both generators have loaded its
@@ -107,10 +119,6 @@ def test_killed_generators_are_restarted_and_the_run_trains_every_group_once(tmp
             _kill_until_rejoined(proc, run_dir, index, epoch, out)
             gate.write_text(str(kills[k + 1][1] if k + 1 < len(kills) else STEPS))
         assert proc.wait(timeout=RESTART_S) == 0, out.read_text()[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(timeout=60)
     text = out.read_text()
     for index, _, _ in kills:
         assert f"the generator{index} process exited with code -9; restarting it (1/3)" in text
@@ -151,7 +159,7 @@ def test_a_restarted_generator_waits_out_a_learner_step_longer_than_the_weights_
     proc = launch_gated(["train", "configs/tiny.yaml", "--run-dir", str(run_dir), *overrides],
                         gate, out)  # fmt: skip
     again = "the generator1 process exited with code"
-    try:
+    with _interrupted_if_left(proc):
         wait_for(proc, lambda: _loaded(run_dir, first), f"version {first} loaded", out,
                  timeout_s=RESTART_S)  # fmt: skip
         _kill_until_rejoined(proc, run_dir, 1, 1, out)
@@ -163,10 +171,6 @@ def test_a_restarted_generator_waits_out_a_learner_step_longer_than_the_weights_
             time.sleep(0.2)
         gate.write_text(str(steps))
         assert proc.wait(timeout=RESTART_S) == 0, out.read_text()[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(timeout=60)
     text = out.read_text()
     assert text.count(again) == 1, text[-3000:]
     assert [r["step"] for r in _rows(run_dir / "metrics.jsonl")] == list(range(steps))
