@@ -81,7 +81,7 @@ def unpack_rollout(
     prompt_id, data_source = g.prompt_id, g.data_source
     if issued is not None:
         prompt_id, record = issued
-        prompt = _check_prompt(where, g, prompt, prompt_id, record)
+        prompt = _check_prompt(where, g, prompt, prompt_id, record, limits.max_response_tokens)
         data_source = record.data_source
     _check_token_ids(where, "response_ids", resp, limits.vocab_size)
     if lp.size and not (lp.max() <= 0 and lp.min() > -np.inf):  # NaN fails both
@@ -118,9 +118,15 @@ def unpack_rollout(
 
 
 def _check_prompt(
-    where: str, g: RolloutGroup, prompt: np.ndarray, prompt_id: int, record: PromptRecord
+    where: str,
+    g: RolloutGroup,
+    prompt: np.ndarray,
+    prompt_id: int,
+    record: PromptRecord,
+    cap: int | None = None,
 ) -> np.ndarray:
-    """The issued prompt's token ids, once the rollout is seen to name that prompt."""
+    """The issued prompt's token ids, once the rollout is seen to name that prompt (a
+    multi-turn group's own, which its environment may have given)."""
     if g.prompt_id != prompt_id:
         raise ProtocolError(f"{where}: prompt_id {g.prompt_id}, it was issued for {prompt_id}")
     if g.data_source != record.data_source:
@@ -129,6 +135,17 @@ def _check_prompt(
             f"{record.data_source[:64]!r}"
         )
     issued = np.asarray(record.prompt_ids, dtype=np.int32)
+    if g.episodes and not np.array_equal(prompt, issued):
+        # An environment may start its episodes from a prompt of its own (``reset``, or
+        # the row's with the tools' schemas): the ids the episodes really continued, which
+        # the learner must train on. Their ids were checked against the vocabulary; the
+        # prompt's index and data source, what trained.jsonl and the metrics name, are
+        # still the buffer's. It fits in an episode (multiturn.max_episode_tokens).
+        if cap is not None and len(prompt) > cap:
+            raise ProtocolError(
+                f"{where}: an episode's prompt of {len(prompt)} tokens, the run allows {cap}"
+            )
+        return prompt
     if not np.array_equal(prompt, issued):
         raise ProtocolError(
             f"{where}: prompt_ids ({len(prompt)} tokens) are not the {len(issued)} tokens "
@@ -219,6 +236,7 @@ def _check_episodes(where: str, episodes: list[EpisodeStats], n: int) -> None:
         "tool_calls",
         "tool_errors",
         "tool_timeouts",
+        "tool_parse_errors",
         "observation_tokens",
         "versions_spanned",
     )

@@ -995,3 +995,25 @@ def test_hostile_messages_get_one_error_each_and_change_nothing(messages):
             assert h.state() == before
     finally:
         h.close()
+
+
+def test_an_episode_group_may_start_from_its_environment_s_prompt_and_no_other_group_may():
+    """An environment's ``reset`` (or the tools' schemas) gives its episodes a prompt of
+    their own: the ids they continued are what the learner trains on; index and data
+    source stay the buffer's. A single-turn group's prompt is the issued one or refused."""
+    record = PromptRecord("p", "1", prompt_ids=(1, 2))
+    stats = P.EpisodeStats(1, 0, 0, 0, 0.0, 0, "", 0, False, 0.0)
+    own = np.array([3, 4, 5], np.int32)
+    group, frames = make_group(prompt=own)
+    episodes = replace(group, episodes=[stats, stats])
+    limits = RolloutLimits(num_sources=1, group_size=2, vocab_size=32, max_response_tokens=6)
+    wire = received(frames)
+    stored = unpack_rollout(episodes, wire, limits, VERSIONS, issued=(0, record))
+    assert stored.prompt_ids.tolist() == [3, 4, 5] and stored.data_source == record.data_source
+    with pytest.raises(P.ProtocolError, match="are not the 2 tokens it was issued with"):
+        unpack_rollout(group, wire, limits, VERSIONS, issued=(0, record))
+    # The prompt fits in an episode.
+    long_prompt, frames = make_group(prompt=np.arange(7, dtype=np.int32))
+    long_prompt = replace(long_prompt, episodes=[stats, stats])
+    with pytest.raises(P.ProtocolError, match="an episode's prompt of 7 tokens, the run allows 6"):
+        unpack_rollout(long_prompt, received(frames), limits, VERSIONS, issued=(0, record))
