@@ -33,6 +33,7 @@ from cpu_hog import cpu_hog  # noqa: E402
 SUITES = {  # --suite -> the test module whose CASES it runs
     "estimators": "tests.integration.test_estimators_e2e",
     "multiturn": "tests.integration.test_multiturn",
+    "tools": "tests.integration.test_tools",
 }
 
 

@@ -61,8 +61,8 @@ def produce_through_buffer(
 
 async def _produce(endpoint: str, run_dir: Path, index: int, size: int, window: int) -> None:
     """The generator's client side: GetPrompts, then each group through ``RolloutPusher``."""
-    from generators.episodes import Packed
     from generators.leases import RolloutPusher
+    from generators.trajectory import Packed
     from verl_async import protocol as P
     from verl_async.auth import GENERATOR, load_role_token
     from verl_async.rewards.scorer import GroupScores

@@ -25,6 +25,7 @@ from typing import Any
 
 from generators.env_threads import EnvCallError, EnvThreads, InstanceThread
 from generators.render import Renderer
+from generators.tool_calls import ToolBox
 from verl_async import protocol as P
 from verl_async.envs import EnvRow, Step, as_prompt, as_step
 from verl_async.numerics import finite32
@@ -46,6 +47,7 @@ class EnvCounts:
     tool_timeouts: int = 0
     env_seconds: float = 0.0
     observation_tokens: int = 0
+    tool_parse_errors: int = 0  # malformed tool calls (episodes with tools)
     env_reward: float = 0.0  # the environment's rewards, summed
     weighted_reward: float = 0.0  # the same times env_reward_weight: what the learner sums
 
@@ -67,6 +69,10 @@ class EnvInstance:
     obj: Any = None  # the instance, once built (set on its thread)
     initial: Any = None  # its initial prompt; None: its episode runs without it
     closed: bool = False
+    # An episode with tools: its entry's tools, and the renderer that puts their schemas in
+    # its prompt (None: no tools, the generator's renderer).
+    tools: ToolBox | None = None
+    renderer: Renderer | None = None
 
     def usable(self) -> bool:
         return self.obj is not None and not self.closed and not self.thread.stuck
@@ -84,14 +90,23 @@ class Environments:
         self._logged: set[tuple] = set()
 
     async def start_group(
-        self, spec: EnvironmentConfig, cls: type, group: P.PromptGroup, n: int
+        self,
+        spec: EnvironmentConfig,
+        cls: type,
+        group: P.PromptGroup,
+        n: int,
+        tools: ToolBox | None = None,
     ) -> tuple[Any, list[int], list[EnvInstance]]:
         """``n`` instances reset on ``group``'s row, and the group's initial prompt and its
-        ids; never raises for their faults (cancelled, it closes what it built)."""
+        ids (rendered with ``tools``' schemas when the entry has tools); never raises for
+        their faults (cancelled, it closes what it built)."""
         envs: list[EnvInstance] = []
         try:
             await asyncio.gather(*(self._start(spec, cls, group, envs) for _ in range(n)))
-            prompt, prompt_ids = await self._group_prompt(group, envs)
+            for env in envs:
+                env.tools, env.renderer = tools, tools.renderer if tools else None
+            renderer = tools.renderer if tools else self.renderer
+            prompt, prompt_ids = await self._group_prompt(group, envs, renderer)
         except BaseException:
             self.close_later(envs)
             raise
@@ -105,7 +120,9 @@ class Environments:
             self._threads[key] = EnvThreads(name, self.threads_per_env)
         return self._threads[key]
 
-    async def _call(self, env: EnvInstance, what: str, fn, *args, then=None, timeout_s=None):
+    async def call(self, env: EnvInstance, what: str, fn, *args, then=None, timeout_s=None):
+        """``fn(*args)`` on the instance's thread, timed into its ``env_seconds``; raises
+        ``EnvCallError`` (generators/env_threads.py)."""
         t0 = time.perf_counter()
         if timeout_s is None:
             timeout_s = min(self.mt.step_timeout_s, env.deadline - time.monotonic())
@@ -138,9 +155,9 @@ class Environments:
             left = min(self.mt.step_timeout_s, env.deadline - time.monotonic())
             env.thread = await self._pool(spec).acquire(left)
             build = functools.partial(cls, **spec.args)
-            await self._call(env, "constructor", build, then=functools.partial(_keep, env))
+            await self.call(env, "constructor", build, then=functools.partial(_keep, env))
             reset = functools.partial(_invoke, env, "reset")
-            initial = await self._call(env, "reset", reset, row, then=self._initial)
+            initial = await self.call(env, "reset", reset, row, then=self._initial)
         except EnvCallError as err:
             self.fault(env, err)
             await self.close(env)
@@ -164,7 +181,7 @@ class Environments:
             )
         return prompt
 
-    async def _group_prompt(self, group: P.PromptGroup, envs: list[EnvInstance]):
+    async def _group_prompt(self, group: P.PromptGroup, envs: list[EnvInstance], renderer):
         """The group's initial prompt and its ids: the one most instances gave that renders
         and leaves room for a turn (the row's when none does). The instances that gave
         another are faults: closed, their episodes run without them."""
@@ -180,7 +197,7 @@ class Environments:
         chosen, errors = None, {}
         for i, (prompt, members) in enumerate(candidates):
             try:
-                ids = self._prompt_ids(group, prompt)
+                ids = self._prompt_ids(group, prompt, renderer)
             except Exception as exc:  # noqa: BLE001 (the environment's prompt's fault)
                 errors[i] = exc
                 continue
@@ -200,15 +217,24 @@ class Environments:
                 self.fault(env, EnvCallError(what, errors.get(i, odd), timed_out=False))
                 failed.append(self.close(env))
         await asyncio.gather(*failed)
-        if chosen is None:
+        if chosen is not None:
+            return chosen[1], chosen[2]
+        if renderer is self.renderer:
             return group.prompt, list(group.prompt_ids)
-        return chosen[1], chosen[2]
+        try:  # the row's own prompt, with the tools' schemas
+            return group.prompt, self._prompt_ids(group, group.prompt, renderer)
+        except Exception as exc:  # noqa: BLE001 (then the episodes run without tools)
+            for env in envs:
+                self.fault(env, EnvCallError("prompt with tools", exc, timed_out=False))
+                env.tools = env.renderer = None
+            return group.prompt, list(group.prompt_ids)
 
-    def _prompt_ids(self, group: P.PromptGroup, prompt) -> list[int]:
-        """``prompt``'s ids (the buffer rendered the row's own), if it leaves room for a turn."""
-        if prompt == group.prompt:
+    def _prompt_ids(self, group: P.PromptGroup, prompt, renderer: Renderer) -> list[int]:
+        """``prompt``'s ids (the buffer rendered the row's own, without tools), if it leaves
+        room for a turn."""
+        if prompt == group.prompt and renderer is self.renderer:
             return list(group.prompt_ids)
-        ids = self.renderer.prompt_ids(prompt)
+        ids = renderer.prompt_ids(prompt)
         if len(ids) >= self.mt.max_episode_tokens:
             raise ValueError(
                 f"reset gave a prompt of {len(ids)} tokens, which leaves no room for a turn in "
@@ -229,7 +255,7 @@ class Environments:
             if env.thread.stuck:
                 env.thread.submit(_close, env)
             else:
-                await self._call(env, "close", _close, env, timeout_s=self.mt.step_timeout_s)
+                await self.call(env, "close", _close, env, timeout_s=self.mt.step_timeout_s)
         except EnvCallError as err:
             self.fault(env, err)
         finally:
@@ -251,7 +277,7 @@ class Environments:
         counts = env.counts
         check = functools.partial(checked_step, mt=self.mt, total=counts.weighted_reward)
         try:
-            step = await self._call(env, "step", _invoke, env, "step", text, then=check)
+            step = await self.call(env, "step", _invoke, env, "step", text, then=check)
         except EnvCallError as err:
             self.fault(env, err)
             if err.running:

@@ -5,7 +5,8 @@
                         step = env.step(turn text)  -> observation, reward, done
                         ids += observation delta    (generators/render.py)
                   env.close()
-                  -> Episode: ids, loss mask, log-probs, versions, turn rewards, stats
+                  -> Trajectory: ids, loss mask, log-probs, versions, turn rewards, stats
+                     (generators/trajectory.py)
 
 A turn is one engine request; ``engine.sample`` returns only whole turns (a request cut
 by an abort-mode weight swap goes on from its prefix inside it), so a tool call is never
@@ -33,68 +34,24 @@ error in its group, a cancelled group), ``close`` with a deadline of its own.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
-from generators.env_instances import EnvCounts, EnvInstance, Environments
+from generators.env_instances import EnvInstance, Environments
 from generators.env_threads import EnvCallError, error_text
-from generators.interface import RolloutEngine, Sample, Sampling
+from generators.interface import RolloutEngine, Sampling
 from generators.render import Renderer
+from generators.tool_calls import ToolBox
+from generators.trajectory import Trajectory
 from verl_async import protocol as P
+from verl_async.envs import EnvironmentTable
 from verl_async.schema import EnvironmentConfig, MultiTurnConfig
+from verl_async.tools.chat_templates import chat_template
 
 # An observation's text is cut to this many characters per allowed token before it is
 # tokenized at all: a tool that returns megabytes costs no tokenizer time.
 _CHARS_PER_TOKEN = 8
-
-
-@dataclass
-class Episode:
-    """One finished episode as a sample: every token after the prompt, turns and
-    observations, with what the learner needs per token."""
-
-    prompt_ids: list[int]
-    sample: Sample  # token_ids / logprobs / versions over the whole response
-    loss_mask: list[int] = field(default_factory=list)  # 1: sampled, 0: observation
-    turn_rewards: list[float] = field(default_factory=list)  # weighted, at turns' last tokens
-    final_text: str = ""  # the last turn's text (what the reward sources score)
-    messages: list[dict] = field(default_factory=list)  # the conversation, for reward models
-    stats: P.EpisodeStats | None = None
-
-
-@dataclass
-class _Trajectory:
-    """An episode's tokens as they grow, with what each one is."""
-
-    prompt_ids: list[int]
-    out: Sample = field(default_factory=Sample)
-    mask: list[int] = field(default_factory=list)
-    rewards: list[float] = field(default_factory=list)
-    turns: list[str] = field(default_factory=list)
-    observations: list[list[dict]] = field(default_factory=list)
-
-    def length(self) -> int:
-        return len(self.prompt_ids) + len(self.out.token_ids)
-
-    def add_turn(self, turn: Sample, text: str) -> None:
-        out = self.out
-        if out.prompt_ids is None:
-            out.prompt_ids = turn.prompt_ids
-        out.token_ids += turn.token_ids
-        out.logprobs += turn.logprobs
-        out.versions += turn.versions
-        self.mask += [1] * len(turn.token_ids)
-        self.rewards += [0.0] * len(turn.token_ids)
-        self.turns.append(text)
-
-    def add_observation(self, messages: list[dict], ids: list[int]) -> None:
-        self.observations.append(messages)
-        self.out.token_ids += ids
-        self.out.logprobs += [0.0] * len(ids)
-        # The version of the sampled token before (a placeholder nothing reads).
-        self.out.versions += [self.out.versions[-1] if self.out.versions else 0] * len(ids)
-        self.mask += [0] * len(ids)
-        self.rewards += [0.0] * len(ids)
 
 
 class EpisodeRunner:
@@ -110,22 +67,34 @@ class EpisodeRunner:
         tokenizer,
         mt: MultiTurnConfig,
         episodes_in_flight: int = 64,
+        table: EnvironmentTable | None = None,
     ) -> None:
         self.engine = engine
         self.renderer = renderer
         self.tokenizer = tokenizer
         self.mt = mt
         self.envs = Environments(renderer, mt, mt.env_threads or 2 * episodes_in_flight)
+        # The tools of each environment entry that has some, by the entry (its config).
+        self.toolboxes: dict[int, ToolBox] = {}
+        for spec, tools, methods in table.tool_entries() if table is not None else []:
+            template = (
+                chat_template(mt.tool_template, "multiturn.tool_template")
+                if mt.tool_template
+                else None
+            )
+            box = ToolBox(tools, methods, mt, tokenizer, renderer, template)
+            self.toolboxes[id(spec)] = box
 
     async def run_group(
         self, spec: EnvironmentConfig, cls: type, group: P.PromptGroup, n: int, how: Sampling
-    ) -> list[Episode]:
+    ) -> list[Trajectory]:
         """``n`` episodes of ``group``'s prompt, all in flight at once; never raises for the
         environment's faults (only the engine's errors and cancellation go through). Every
         episode starts from the same prompt (the group is compared with itself): the one
         most of the instances' resets gave; an episode whose environment failed to start,
         or gave another, runs as a single turn on it without its environment."""
-        prompt, prompt_ids, envs = await self.envs.start_group(spec, cls, group, n)
+        tools = self.toolboxes.get(id(spec))
+        prompt, prompt_ids, envs = await self.envs.start_group(spec, cls, group, n, tools)
         plays = [asyncio.ensure_future(self._play(env, prompt, prompt_ids, how)) for env in envs]
         try:
             return await asyncio.gather(*plays)
@@ -139,25 +108,24 @@ class EpisodeRunner:
 
     async def _play(self, env: EnvInstance, prompt, prompt_ids: list[int], how: Sampling):
         """One episode from ``prompt``: its turns, then its environment closed."""
-        traj = _Trajectory(list(prompt_ids))
+        traj = Trajectory(list(prompt_ids))
         budget, ended = await self._turns(env, traj, how)
         await self.envs.close(env)
-        return self._episode(prompt, traj, env.counts, budget, ended)
+        return self._episode(env, prompt, traj, budget, ended)
 
-    async def _turns(self, env: EnvInstance, traj: _Trajectory, how: Sampling) -> tuple[str, bool]:
+    async def _turns(self, env: EnvInstance, traj: Trajectory, how: Sampling) -> tuple[str, bool]:
         """Turns until the environment is done or a budget ends the episode: (the budget
         that ended it or "", whether its last turn ended with an end-of-sequence token)."""
         mt = self.mt
+        renderer = env.renderer or self.renderer
         ended = False
         while True:
             room = mt.max_episode_tokens - traj.length()
             if room <= 0:
                 return "episode_tokens", ended
             turn_budget = min(how.max_tokens, room)
-            turn = await self.engine.sample(
-                traj.prompt_ids + traj.out.token_ids, replace(how, max_tokens=turn_budget)
-            )
-            ended = bool(turn.token_ids) and turn.token_ids[-1] in self.renderer.eos_ids
+            turn = await self.engine.sample(traj.ids(), replace(how, max_tokens=turn_budget))
+            ended = bool(turn.token_ids) and turn.token_ids[-1] in renderer.eos_ids
             text = self.tokenizer.decode(turn.token_ids, skip_special_tokens=True)
             traj.add_turn(turn, text)
             cut = not ended and len(turn.token_ids) >= turn_budget
@@ -169,50 +137,82 @@ class EpisodeRunner:
             budget = "turn_tokens" if cut else ""
             if not env.usable():
                 return budget, ended
-            faults = env.counts.tool_errors + env.counts.tool_timeouts
-            step = await self.envs.step(env, text)
-            if step is None:  # the call still runs: calling the instance again would wait
+            answer = await self._answer(env, traj, text)
+            if answer is None:  # the call still runs: calling the instance again would wait
                 return "episode_timeout" if time.monotonic() >= env.deadline else budget, ended
-            if step.reward is not None:  # at the turn's last sampled token
-                traj.rewards[-1] += mt.env_reward_weight * step.reward
-            if step.done:
+            messages, done, counted = answer
+            if done:
                 return budget, ended
             if len(traj.turns) >= mt.max_turns:
                 return "turns", ended
             if time.monotonic() >= env.deadline:
                 return "episode_timeout", ended
-            # An error observation of a failed call is not counted again if it is cut.
-            failed = env.counts.tool_errors + env.counts.tool_timeouts > faults
-            observation = self._observation(env, step.observations, failed)
+            observation = self._observation(env, messages, counted)
             if observation is None:
                 return budget, ended
             messages, ids = observation
             if not ended:  # not sampled: what the template writes after a turn's content
-                ids = [self.renderer.end_of_turn, *ids]
+                ids = [renderer.end_of_turn, *ids]
             if traj.length() + len(ids) >= mt.max_episode_tokens:
                 return "episode_tokens", ended  # no room for the observation and a token
             traj.add_observation(messages, ids)
             env.counts.observation_tokens += len(ids)
+
+    async def _answer(self, env: EnvInstance, traj: Trajectory, text: str):
+        """What answers a turn: (observation messages, done, whether a fault in them is
+        counted already), or None when the environment's call still runs. A turn with tool
+        calls (in an episode with tools) is answered by them; any other by ``step``."""
+        tools = env.tools
+        parsed = tools.parse(text, len(traj.turns) - 1) if tools is not None else None
+        if parsed is not None and (parsed.calls or parsed.errors):
+            return await self._call_tools(env, tools, parsed), False, True
+        faults = env.counts.tool_errors + env.counts.tool_timeouts
+        step = await self.envs.step(env, text)
+        if step is None:
+            return None
+        if step.reward is not None:  # at the turn's last sampled token
+            traj.add_reward(self.mt.env_reward_weight * step.reward)
+        # An error observation of a failed call is not counted again if it is cut.
+        failed = env.counts.tool_errors + env.counts.tool_timeouts > faults
+        return step.observations, step.done, failed
+
+    async def _call_tools(self, env: EnvInstance, tools: ToolBox, parsed) -> list[dict]:
+        """The turn's calls run and answered (generators/tool_calls.py), counted."""
+
+        async def on_instance(name: str, kwargs: dict, timeout_s: float):
+            method = functools.partial(_call_method, env, name, kwargs)
+            return await self.envs.call(env, f"tool {name}", method, timeout_s=timeout_s)
+
+        answer = await tools.answer(parsed, env.deadline, on_instance)
+        c = env.counts
+        c.tool_calls += answer.counts.calls
+        c.tool_errors += answer.counts.errors
+        c.tool_timeouts += answer.counts.timeouts
+        c.tool_parse_errors += answer.counts.parse_errors
+        return answer.messages
 
     def _observation(self, env: EnvInstance, messages: list[dict], counted: bool = False):
         """(messages, delta ids) of an observation within ``max_observation_tokens`` (a
         longer one is cut and counted, unless its call's fault is ``counted`` already: one
         fault, one count); one the chat template refuses becomes an error observation,
         counted; None if even that cannot be rendered."""
+        renderer = env.renderer or self.renderer
         try:
-            messages, ids, cut = self._render_observation(messages)
+            messages, ids, cut = self._render_observation(renderer, messages)
         except Exception as exc:  # noqa: BLE001 (the observation's fault: a role, a text)
             self.envs.fault(env, EnvCallError("observation", exc, timed_out=False))
             counted = True
             error = [{"role": "user", "content": error_text(exc)}]
             try:
-                messages, ids, cut = self._render_observation(error)
+                messages, ids, cut = self._render_observation(renderer, error)
             except Exception:  # noqa: BLE001 (then the template cannot render a user turn)
                 return None
         env.counts.tool_errors += int(cut and not counted)
         return messages, ids
 
-    def _render_observation(self, messages: list[dict]) -> tuple[list[dict], list[int], bool]:
+    def _render_observation(
+        self, renderer: Renderer, messages: list[dict]
+    ) -> tuple[list[dict], list[int], bool]:
         """The observation's messages and delta ids within ``max_observation_tokens``: a
         longer one has its longest message cut (and marked) until it fits; returns whether
         it was cut."""
@@ -224,7 +224,7 @@ class EpisodeRunner:
             if len(m["content"]) > cap:
                 m["content"] = m["content"][:cap] + " [truncated]"
                 cut = True
-        ids = self.renderer.observation_ids(messages)
+        ids = renderer.observation_ids(messages)
         if len(ids) <= limit:
             return messages, ids, cut
         longest = max(messages, key=lambda m: len(m["content"]))
@@ -235,19 +235,17 @@ class EpisodeRunner:
             if keep <= 0:
                 return messages, ids[:limit], True  # the template's own tokens overflow
             longest["content"] = text[:keep] + " [truncated]"
-            ids = self.renderer.observation_ids(messages)
+            ids = renderer.observation_ids(messages)
         return messages, ids, True
 
-    def _episode(self, prompt, traj: _Trajectory, counts: EnvCounts, budget: str, ended: bool):
-        out, mask = traj.out, traj.mask
+    def _episode(self, env: EnvInstance, prompt, traj: Trajectory, budget: str, ended: bool):
+        renderer, counts = env.renderer or self.renderer, env.counts
         try:
-            full = self.renderer.full_ids(prompt, traj.turns, traj.observations)
-            mismatch = not self.renderer.matches_full_render(
-                traj.prompt_ids + out.token_ids, full, ended
-            )
+            full = renderer.full_ids(prompt, traj.turns, traj.observations)
+            mismatch = not renderer.matches_full_render(traj.ids(), full, ended)
         except Exception:  # noqa: BLE001 (the template cannot render the whole conversation)
             mismatch = True
-        sampled = [v for v, m in zip(out.versions, mask, strict=True) if m]
+        sampled = traj.sampled_versions()
         stats = P.EpisodeStats(
             turns=len(traj.turns),
             tool_calls=counts.tool_calls,
@@ -259,10 +257,14 @@ class EpisodeRunner:
             versions_spanned=max(sampled) - min(sampled) if sampled else 0,
             template_mismatch=mismatch,
             env_reward=counts.env_reward,
+            tool_parse_errors=counts.tool_parse_errors,
         )
-        final = traj.turns[-1] if traj.turns else ""
-        conversation = _conversation(prompt, traj.turns, traj.observations)
-        return Episode(traj.prompt_ids, out, mask, traj.rewards, final, conversation, stats)
+        return traj.finish(stats, _conversation(prompt, traj.turns, traj.observations))
+
+
+def _call_method(env: EnvInstance, name: str, kwargs: dict):
+    """(On the instance's thread) one of its methods called as a tool."""
+    return getattr(env.obj, name)(**kwargs)
 
 
 def _conversation(prompt, turns: list[str], observations: list[list[dict]]) -> list[dict]:
@@ -272,32 +274,3 @@ def _conversation(prompt, turns: list[str], observations: list[list[dict]]) -> l
         if i < len(observations):
             messages.extend(observations[i])
     return messages
-
-
-@dataclass
-class Packed:
-    """A group's samples as the arrays of a ``RolloutGroup`` (concatenated over tokens)."""
-
-    prompt_ids: list[int]
-    tokens: object  # np.ndarray [sum T] int32
-    logprobs: object  # float32
-    versions: object  # int32
-    lengths: list[int]
-    loss_mask: object = None  # uint8, multi-turn only
-    turn_rewards: object = None  # float32, multi-turn only
-    episodes: list[P.EpisodeStats] = field(default_factory=list)
-
-
-def pack_group(prompt_ids: list[int], samples: list) -> Packed:
-    """Single-turn ``Sample``s or ``Episode``s of one group, packed."""
-    import numpy as np
-
-    from generators.interface import pack_samples
-
-    if not samples or not isinstance(samples[0], Episode):
-        return Packed(prompt_ids, *pack_samples(samples))
-    packed = Packed(samples[0].prompt_ids, *pack_samples([e.sample for e in samples]))
-    packed.loss_mask = np.fromiter((m for e in samples for m in e.loss_mask), np.uint8)
-    packed.turn_rewards = np.fromiter((r for e in samples for r in e.turn_rewards), np.float32)
-    packed.episodes = [e.stats for e in samples]
-    return packed

@@ -11,11 +11,8 @@ no more.
 from __future__ import annotations
 
 import asyncio
-import itertools
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
-
-import numpy as np
 
 from verl_async.protocol import WeightUpdate
 from verl_async.schema import RunConfig
@@ -117,12 +114,3 @@ class RolloutEngine(Protocol):
 
     def shutdown(self) -> None:
         """Stop the engine and release what it holds (once sampling is over)."""
-
-
-def pack_samples(samples: list[Sample]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]:
-    """Concatenate a group's samples: (tokens [sum T] i32, logprobs f32, versions i32, lengths)."""
-    lengths = [len(s.token_ids) for s in samples]
-    tokens = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in samples), np.int32)
-    logprobs = np.fromiter(itertools.chain.from_iterable(s.logprobs for s in samples), np.float32)
-    versions = np.fromiter(itertools.chain.from_iterable(s.versions for s in samples), np.int32)
-    return tokens, logprobs, versions, lengths

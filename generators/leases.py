@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from generators.episodes import Packed
+from generators.trajectory import Packed
 from verl_async import protocol as P
 from verl_async.rewards.scorer import GroupScores
 from verl_async.transport import AsyncBufferClient

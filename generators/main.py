@@ -34,11 +34,12 @@ import os
 import time
 from collections import Counter
 
-from generators.episodes import Episode, EpisodeRunner, pack_group
+from generators.episodes import EpisodeRunner
 from generators.interface import RolloutEngine, Sampling
 from generators.leases import HeldGroups, RolloutPusher
 from generators.render import Renderer
 from generators.startup import credentials, start_and_join
+from generators.trajectory import Trajectory, pack, single_turn
 from verl_async import placement
 from verl_async import protocol as P
 from verl_async.envs import EnvironmentTable
@@ -94,7 +95,7 @@ class Generator:
             g = self.cfg.generators
             in_flight = g.max_inflight_groups * max(g.group_size, self.cfg.eval.samples)
             self.episodes = EpisodeRunner(
-                engine, renderer, tokenizer, self.cfg.multiturn, episodes_in_flight=in_flight
+                engine, renderer, tokenizer, self.cfg.multiturn, in_flight, self.environments
             )
 
     async def run(self) -> None:
@@ -203,26 +204,29 @@ class Generator:
         waiters[1].cancel()
         self.nudge.clear()
 
-    async def sample(self, group: P.PromptGroup, n: int, how: Sampling) -> list:
-        """``n`` samples of the group's prompt (the token ids the buffer rendered): one
+    async def sample(self, group: P.PromptGroup, n: int, how: Sampling) -> list[Trajectory]:
+        """``n`` trajectories of the group's prompt (the token ids the buffer rendered): one
         response each, or an episode each when an environment takes the group's data
         source (``multiturn.environments``)."""
         found = self.environments.spec_for(group.data_source)
-        if found is None:
-            return await asyncio.gather(
-                *(self.engine.sample(group.prompt_ids, how) for _ in range(n))
-            )
-        _, spec, cls = found
-        return await self.episodes.run_group(spec, cls, group, n, how)
+        if found is not None:
+            _, spec, cls = found
+            return await self.episodes.run_group(spec, cls, group, n, how)
+        samples = await asyncio.gather(
+            *(self.engine.sample(group.prompt_ids, how) for _ in range(n))
+        )
+        decode = self.tokenizer.decode
+        return [
+            single_turn(group.prompt_ids, s, decode(s.token_ids, skip_special_tokens=True))
+            for s in samples
+        ]
 
-    async def score(self, group: P.PromptGroup, samples: list) -> tuple[list[str], GroupScores]:
-        """The samples' texts and their scores (an episode's text is its last turn; a
-        reward model reads its whole conversation)."""
-        if samples and isinstance(samples[0], Episode):
-            texts = [e.final_text for e in samples]
-            return texts, await self.scorer.score_group(group, texts, [e.messages for e in samples])
-        texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
-        return texts, await self.scorer.score_group(group, texts)
+    async def score(self, group: P.PromptGroup, samples: list[Trajectory]) -> GroupScores:
+        """The trajectories' scores: their last turns' texts (a reward model reads an
+        episode's whole conversation)."""
+        texts = [t.text for t in samples]
+        conversations = [t.messages for t in samples] if samples[0].stats is not None else None
+        return await self.scorer.score_group(group, texts, conversations)
 
     def start_group(self, group: P.PromptGroup) -> None:
         """Sample a group the buffer issued. A copy of it still running here lost its
@@ -246,8 +250,8 @@ class Generator:
         self.held.hold(group, self._spawn(self.score_and_push(group, samples, t0), self.scoring))
 
     async def score_and_push(self, group: P.PromptGroup, samples: list, t0: float) -> None:
-        _, scored = await self.score(group, samples)
-        packed = pack_group(list(group.prompt_ids), samples)
+        scored = await self.score(group, samples)
+        packed = pack(list(group.prompt_ids), samples)
         await self.pusher.push(group, packed, scored, time.perf_counter() - t0)
 
     async def evaluate_group(self, round_: int, group: P.PromptGroup) -> None:
@@ -261,20 +265,18 @@ class Generator:
 
     async def _evaluate(self, round_: int, group: P.PromptGroup) -> None:
         samples = await self.sample(group, self.cfg.eval.samples, self.eval_sampling)
-        texts, scored = await self.score(group, samples)
-        episodes = samples if samples and isinstance(samples[0], Episode) else []
-        if episodes:
-            samples = [e.sample for e in episodes]
+        scored = await self.score(group, samples)
+        episodes = [t.stats for t in samples if t.stats is not None]
         result = P.EvalResult(
             group_id=group.group_id,
             data_source=group.data_source,
             scores=scored.scores,
             failed=scored.failed,
-            response_lengths=[len(s.token_ids) for s in samples],
-            versions=[s.versions[0] if s.versions else self.engine.loaded_version for s in samples],
-            example=texts[0],
-            env_rewards=[e.stats.env_reward for e in episodes],
-            turns=[e.stats.turns for e in episodes],
+            response_lengths=[len(t.token_ids) for t in samples],
+            versions=[t.versions[0] if t.versions else self.engine.loaded_version for t in samples],
+            example=samples[0].text,
+            env_rewards=[e.env_reward for e in episodes],
+            turns=[e.turns for e in episodes],
         )
         await self.buffer.request(P.PushEval(round=round_, results=[result]))
 

@@ -44,9 +44,23 @@ class TemplateError(ValueError):
 class Renderer:
     """Prompt and observation token ids for one tokenizer (one per generator)."""
 
-    def __init__(self, tokenizer, chat_template: bool, eos_ids: set[int]) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        chat_template: bool,
+        eos_ids: set[int],
+        tools: list[dict] | None = None,
+        template: str | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
-        self.templated = bool(chat_template and getattr(tokenizer, "chat_template", None))
+        # An episode with tools renders every prompt and observation with their schemas
+        # (the template's ``tools`` argument), and with ``template`` when one is given in
+        # place of the tokenizer's own (multiturn.tool_template).
+        self.tools = tools or None
+        self.template = template
+        self.templated = bool(
+            chat_template and (template or getattr(tokenizer, "chat_template", None))
+        )
         self.eos_ids = set(eos_ids)
         self.separator: list[int] = []  # what the template puts after an assistant turn's end
         # The token that ends an assistant turn (the template's; plain: the tokenizer's EOS).
@@ -64,9 +78,16 @@ class Renderer:
             self.separator = anchor[self._anchor_len :]
             self.end_of_turn = anchor[ends[-1]]
 
+    def with_tools(self, tools: list[dict], template: str | None = None) -> Renderer:
+        """This renderer's tokenizer, rendering with ``tools`` (and ``template``)."""
+        return Renderer(self.tokenizer, True, self.eos_ids, tools, template)
+
     def _render(self, messages: list[Message], generation_prompt: bool) -> list[int]:
+        extra = {"tools": self.tools} if self.tools else {}
+        if self.template:
+            extra["chat_template"] = self.template
         ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=generation_prompt, tokenize=True
+            messages, add_generation_prompt=generation_prompt, tokenize=True, **extra
         )
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 

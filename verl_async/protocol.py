@@ -87,6 +87,7 @@ class EpisodeStats(msgspec.Struct, frozen=True, array_like=True):
     versions_spanned: int  # newest minus oldest weights version of its sampled tokens
     template_mismatch: bool  # the incremental tokens differ from a full render of the conversation
     env_reward: float  # the sum of the environment's per-turn rewards (before env_reward_weight)
+    tool_parse_errors: int = 0  # turns whose tool calls could not be parsed (malformed)
 
 
 class RolloutGroup(msgspec.Struct, frozen=True, kw_only=True):

@@ -161,15 +161,40 @@ class GeneratorConfig(_Section):
     (docs/faults.md)."""
 
 
+class ToolConfig(_Section):
+    function: str
+    """The tool, ``package.module:function``: a function (plain or ``async def``) or a
+    callable object, called with the model's arguments as keywords; its result (a string,
+    or anything JSON can write) is what the model reads (docs/agents.md)."""
+    schema: dict[str, Any] = {}
+    """Its OpenAI function schema (``{name, description, parameters}``, or the whole
+    ``{type: function, function: {...}}``); empty: derived from the function's type hints
+    and docstring."""
+    max_concurrent: NonNegInt = 0
+    """Calls of this tool that may run at once in one generator (a sandbox or an API that
+    allows only so many); more wait their turn within their deadline. 0: no limit."""
+
+
 class EnvironmentConfig(_Section):
     env: str
     """The environment class, ``package.module:Class`` (importable, as for ``function``
-    reward sources): one instance per episode (docs/multi_turn.md)."""
+    reward sources): one instance per episode (docs/multi_turn.md).
+    ``verl_async.envs.tools:ToolAgent`` is the plain tool-calling loop: tools, and no
+    environment of its own (docs/agents.md)."""
     args: dict[str, Any] = {}
     """Keyword arguments of the class's constructor."""
     data_sources: list[str] = []
     """The data sources whose prompts run as episodes of this environment (empty: every
     source no other environment names)."""
+    tools: list[ToolConfig] = []
+    """Tools the model may call in these episodes, in the standard form: their schemas go
+    into the prompt through the chat template's ``tools`` argument, a turn's calls are
+    parsed by ``multiturn.tool_parser`` and answered as ``role: tool`` messages; a turn
+    without a call goes to the environment's ``step`` (docs/agents.md)."""
+    methods_as_tools: bool = False
+    """The environment's public methods (all but ``reset``, ``step`` and ``close``) are tools
+    too, bound to the episode's instance (TRL's ``environment_factory``); they run on the
+    instance's thread, one at a time."""
 
 
 class MultiTurnConfig(_Section):
@@ -204,6 +229,21 @@ class MultiTurnConfig(_Section):
     env_reward_weight: float = 1.0
     """Weight of the environment's per-turn rewards, added to the combined reward of the
     ``rewards`` sources (those score the final turn); finite in float32."""
+    tool_parser: str = "hermes"
+    """How a turn's tool calls are found: a parser by model family, ``hermes`` (Qwen2.5,
+    Qwen3, ChatML: ``<tool_call>{json}</tool_call>``), ``llama3_json`` or ``qwen3_coder``
+    (XML), vLLM's implementations (docs/agents.md)."""
+    tool_template: str = ""
+    """The chat template prompts and tool results are rendered with in episodes that have
+    tools: empty, the tokenizer's own (it must take ``tools``); ``chatml_tools``, the
+    shipped ChatML tool template (the hermes convention, for models whose template has no
+    tool support, such as SmolLM2); or the path of a Jinja file."""
+    max_parallel_calls: PosInt = 4
+    """Tool calls of one turn that run (at once); each call past it is answered with an
+    error message and counted as a tool error."""
+    max_tool_response_tokens: PosInt = 256
+    """Tokens one tool result may take; a longer one is cut (marked, and counted as a
+    tool error). The whole observation is still bounded by ``max_observation_tokens``."""
 
 
 class LearnerConfig(_Section):

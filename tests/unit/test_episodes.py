@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 from generators.env_threads import EnvThreads
-from generators.episodes import EpisodeRunner, pack_group
+from generators.episodes import EpisodeRunner
 from generators.interface import Sample, Sampling
 from generators.render import Renderer
+from generators.trajectory import pack
 from verl_async import protocol as P
 from verl_async.schema import EnvironmentConfig, MultiTurnConfig
 
@@ -130,28 +131,28 @@ def test_masks_placeholders_versions_and_turn_rewards_line_up():
     tok, engine, [ep] = run(["3", "9", "7"], max_turns=5)
     w = tok.vocab["wrong"]
     three, nine, seven = tok.vocab["3"], tok.vocab["9"], tok.vocab["7"]
-    assert ep.sample.token_ids == [three, EOS, w, nine, EOS, w, seven, EOS]
+    assert ep.token_ids == [three, EOS, w, nine, EOS, w, seven, EOS]
     assert ep.loss_mask == [1, 1, 0, 1, 1, 0, 1, 1]
-    assert ep.sample.logprobs == [-0.5, -0.5, 0.0, -0.5, -0.5, 0.0, -0.5, -0.5]
+    assert ep.logprobs == [-0.5, -0.5, 0.0, -0.5, -0.5, 0.0, -0.5, -0.5]
     # One version per turn (the script bumps it); observations repeat the one before.
-    assert ep.sample.versions == [0, 0, 0, 1, 1, 1, 2, 2]
+    assert ep.versions == [0, 0, 0, 1, 1, 1, 2, 2]
     # Each turn's reward at its last sampled token (its end-of-turn), nothing elsewhere.
-    assert ep.turn_rewards == [0, -0.25, 0, 0, -0.25, 0, 0, 1.0]
+    assert ep.rewards == [0, -0.25, 0, 0, -0.25, 0, 0, 1.0]
     s = ep.stats
     assert (s.turns, s.observation_tokens, s.budget, s.versions_spanned) == (3, 2, "", 2)
     assert s.env_reward == pytest.approx(0.5) and not s.template_mismatch
-    assert ep.final_text == "7"
+    assert ep.text == "7"
     # Each turn is a request for the whole conversation so far (same engine).
     assert engine.requests[2][0] == [*GROUP.prompt_ids, three, EOS, w, nine, EOS, w]
-    packed = pack_group(GROUP.prompt_ids, [ep, ep])
+    packed = pack(GROUP.prompt_ids, [ep, ep])
     assert packed.lengths == [8, 8] and packed.loss_mask.dtype == np.uint8
-    assert packed.turn_rewards.tolist() == ep.turn_rewards * 2
+    assert packed.turn_rewards.tolist() == ep.rewards * 2
     assert packed.prompt_ids == GROUP.prompt_ids
 
 
 def test_env_reward_weight_scales_turn_rewards_only():
     _, _, [ep] = run(["3", "7"], env_reward_weight=0.5)
-    assert ep.turn_rewards == [0, -0.125, 0, 0, 0.5]
+    assert ep.rewards == [0, -0.125, 0, 0, 0.5]
     assert ep.stats.env_reward == pytest.approx(0.75)
 
 
@@ -175,12 +176,12 @@ def test_a_turn_reward_float32_cannot_hold_is_the_environment_s_fault(cls, weigh
     as a failed environment call, whose turn gets no reward and an error observation, and
     the episode goes on."""
     tok, _, [ep] = run(["3", "7"], cls=cls, env_reward_weight=weight)
-    assert np.isfinite(np.asarray(ep.turn_rewards, np.float32)).all()
-    assert ep.turn_rewards[:2] == [0, 0]  # the wrong answer's turn: no reward
-    assert ep.turn_rewards[-1] == weight * 1.0  # the right answer's, as usual
+    assert np.isfinite(np.asarray(ep.rewards, np.float32)).all()
+    assert ep.rewards[:2] == [0, 0]  # the wrong answer's turn: no reward
+    assert ep.rewards[-1] == weight * 1.0  # the right answer's, as usual
     assert ep.stats.tool_errors == 1 and ep.stats.turns == 2
     assert ep.stats.env_reward == 1.0
-    error = tok.decode(ep.sample.token_ids[2:-2])
+    error = tok.decode(ep.token_ids[2:-2])
     assert "error: TypeError:" in error and "float32" in error
 
 
@@ -195,9 +196,9 @@ def test_a_turn_cut_by_its_token_budget_is_answered_and_closed_by_a_placeholder_
     tok, _, [ep] = run(["1 2 3 4 5 ...", "7 7 7 7 ..."], how=how)
     one, two, three, w, seven = (tok.vocab[x] for x in ["1", "2", "3", "wrong", "7"])
     # "1 2 3" is judged (wrong); an end-of-turn nobody sampled closes it before "wrong".
-    assert ep.sample.token_ids == [one, two, three, EOS, w, seven, seven, seven]
+    assert ep.token_ids == [one, two, three, EOS, w, seven, seven, seven]
     assert ep.loss_mask == [1, 1, 1, 0, 0, 1, 1, 1]
-    assert ep.turn_rewards == [0, 0, -0.25, 0, 0, 0, 0, 1.0]
+    assert ep.rewards == [0, 0, -0.25, 0, 0, 0, 0, 1.0]
     # The environment ended it; its last turn was cut by the turn budget.
     assert (ep.stats.turns, ep.stats.budget, ep.stats.template_mismatch) == (
         2,
@@ -218,7 +219,7 @@ def test_episode_tokens_stop_before_an_observation_that_would_overflow():
 
 def test_a_long_observation_is_cut_to_its_budget_and_counted():
     _, _, [ep] = run(["3", "7"], cls=Floods, max_observation_tokens=5, max_turns=2)
-    obs = [t for t, m in zip(ep.sample.token_ids, ep.loss_mask, strict=True) if not m]
+    obs = [t for t, m in zip(ep.token_ids, ep.loss_mask, strict=True) if not m]
     assert len(obs) <= 5 and ep.stats.observation_tokens == len(obs)
     assert ep.stats.tool_errors == 1
 
@@ -230,7 +231,7 @@ def test_failing_tools_end_their_turn_with_an_error_observation(cls, kind, count
     assert time.monotonic() - t0 < 5  # a hung tool costs its timeout, not 30 s
     assert getattr(ep.stats, f"tool_{kind}") == count
     assert ep.stats.turns == 2 and ep.stats.budget == "turns"
-    observed = [t for t, m in zip(ep.sample.token_ids, ep.loss_mask, strict=True) if not m]
+    observed = [t for t, m in zip(ep.token_ids, ep.loss_mask, strict=True) if not m]
     assert tok.decode(observed).startswith("error:")
 
 
@@ -279,7 +280,7 @@ def test_a_turn_ended_by_a_stop_string_is_a_whole_turn():
     # The engine stopped early without an end-of-sequence token (a stop string).
     tok, _, [ep] = run(["1 ...", "7"])
     one, w, seven = (tok.vocab[x] for x in ["1", "wrong", "7"])
-    assert ep.sample.token_ids == [one, EOS, w, seven, EOS]
+    assert ep.token_ids == [one, EOS, w, seven, EOS]
     assert ep.loss_mask == [1, 0, 0, 1, 1]
     assert ep.stats.budget == ""
 
@@ -329,11 +330,11 @@ def test_a_prompt_that_leaves_no_room_for_a_turn_is_an_episode_without_turns():
     )
     assert engine.requests == []
     for ep in eps:
-        assert ep.sample.token_ids == ep.loss_mask == ep.turn_rewards == []
-        assert (ep.stats.turns, ep.stats.budget, ep.final_text) == (0, "episode_tokens", "")
+        assert ep.token_ids == ep.loss_mask == ep.rewards == []
+        assert (ep.stats.turns, ep.stats.budget, ep.text) == (0, "episode_tokens", "")
         assert ep.prompt_ids == GROUP.prompt_ids and not ep.stats.template_mismatch
     assert list(closes(log).values()) == [1, 1]
-    assert pack_group(GROUP.prompt_ids, eps).lengths == [0, 0]
+    assert pack(GROUP.prompt_ids, eps).lengths == [0, 0]
 
 
 class LongReset(Recorder):
@@ -428,8 +429,8 @@ class Banana(Retry):
 
 def test_an_observation_the_chat_template_refuses_is_an_error_observation():
     tok, _, [ep] = run(["3", "7"], cls=Banana, tok=TemplatedWords(), templated=True)
-    assert (ep.stats.tool_errors, ep.stats.turns, ep.final_text) == (1, 2, "7")
-    observed = [t for t, m in zip(ep.sample.token_ids, ep.loss_mask, strict=True) if not m]
+    assert (ep.stats.tool_errors, ep.stats.turns, ep.text) == (1, 2, "7")
+    observed = [t for t, m in zip(ep.token_ids, ep.loss_mask, strict=True) if not m]
     assert "error: ValueError: the template has no role 'banana'" in tok.decode(observed)
 
 
@@ -442,7 +443,7 @@ def test_a_fault_whose_error_observation_is_cut_is_counted_once(cls):
         max_turns=2,
     )  # fmt: skip
     assert (ep.stats.tool_errors, ep.stats.turns) == (1 + (cls is Raises), 2)
-    observed = [t for t, m in zip(ep.sample.token_ids, ep.loss_mask, strict=True) if not m]
+    observed = [t for t, m in zip(ep.token_ids, ep.loss_mask, strict=True) if not m]
     assert len(observed) <= 3 + 1  # the cut observation after the turn's end-of-turn
 
 
@@ -490,8 +491,8 @@ def test_turn_rewards_whose_sum_float32_cannot_hold_are_the_environment_s_fault(
     """Each reward is finite in float32 but their sum is not: the learner sums an episode's
     turn rewards in float32, so the step that would overflow it is an error, counted."""
     _, _, [ep] = run(["3", "3", "3"], cls=BigRewards, max_turns=3)
-    assert np.isfinite(np.asarray(ep.turn_rewards, np.float32).sum(dtype=np.float32))
-    assert ep.stats.tool_errors == 2 and sum(ep.turn_rewards) == 2e38
+    assert np.isfinite(np.asarray(ep.rewards, np.float32).sum(dtype=np.float32))
+    assert ep.stats.tool_errors == 2 and sum(ep.rewards) == 2e38
 
 
 class ManyMessages(Retry):
@@ -504,7 +505,7 @@ class ManyMessages(Retry):
 def test_an_observation_of_too_many_messages_is_an_error_observation():
     tok, _, [ep] = run(["3", "7"], cls=ManyMessages, max_observation_messages=4, max_turns=2)
     assert ep.stats.tool_errors == 1 and ep.stats.turns == 2
-    observed = [t for t, m in zip(ep.sample.token_ids, ep.loss_mask, strict=True) if not m]
+    observed = [t for t, m in zip(ep.token_ids, ep.loss_mask, strict=True) if not m]
     text = tok.decode(observed)
     assert text.startswith("error:") and "10000 observation messages" in text, text
 

@@ -24,10 +24,10 @@ from buffer.evaluation import EvalRounds
 from buffer.leases import Leases
 from buffer.ledger import PromptLedger
 from buffer.server import BufferServer
-from generators.episodes import Packed
 from generators.interface import Sample
 from generators.leases import HeldGroups, RolloutPusher
 from generators.main import Generator
+from generators.trajectory import Packed
 from verl_async import protocol as P
 from verl_async.auth import LEARNER, load_role_token, load_role_tokens, write_role_tokens
 from verl_async.config import load_config

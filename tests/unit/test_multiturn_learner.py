@@ -417,7 +417,8 @@ def test_episode_metrics_pinned():
     episodes = [
         _episode(),
         _episode(turns=4, tool_calls=3, tool_errors=2, tool_timeouts=1, env_seconds=2.5,
-                 observation_tokens=40, budget="turns", versions_spanned=3),
+                 observation_tokens=40, budget="turns", versions_spanned=3,
+                 tool_parse_errors=2),
         _episode(turns=3, tool_calls=2, env_seconds=1.0, observation_tokens=17,
                  budget="episode_tokens", versions_spanned=0, template_mismatch=True),
     ]  # fmt: skip
@@ -428,6 +429,7 @@ def test_episode_metrics_pinned():
         "multiturn/tool_calls": 2.0,
         "multiturn/tool_errors": 2,
         "multiturn/tool_timeouts": 1,
+        "multiturn/tool_parse_errors": 2,
         "multiturn/env_seconds": pytest.approx(4.0 / 3),
         "multiturn/observation_tokens": 20.0,
         "multiturn/sampled_tokens": 22.0,

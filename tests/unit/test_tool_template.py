@@ -31,18 +31,9 @@ RESULTS = [
 ]
 
 
-class ToolRenderer(Renderer):
+def ToolRenderer(tokenizer, eos_ids, tools):  # noqa: N802 (reads as the class it builds)
     """``Renderer`` with the tools' schemas passed to the chat template."""
-
-    def __init__(self, tokenizer, eos_ids, tools):
-        self.tools = tools  # before Renderer.__init__, which renders the anchor
-        super().__init__(tokenizer, True, eos_ids)
-
-    def _render(self, messages, generation_prompt):
-        ids = self.tokenizer.apply_chat_template(
-            messages, tools=self.tools, add_generation_prompt=generation_prompt, tokenize=True
-        )
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return Renderer(tokenizer, True, eos_ids, tools=tools)
 
 
 def render(tok, messages, **kwargs):

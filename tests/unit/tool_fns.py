@@ -105,3 +105,46 @@ class Inventory:
 
     def _helper(self) -> None:
         pass
+
+
+def fails(x: int) -> int:
+    """A tool that raises.
+
+    Args:
+        x: Anything.
+    """
+    raise RuntimeError(f"tool broke on {x}")
+
+
+def slow(seconds: float) -> str:
+    """A tool that takes a while (past the step deadline in the tests).
+
+    Args:
+        seconds: How long.
+    """
+    import time
+
+    time.sleep(seconds)
+    return "late"
+
+
+def shout(text: str) -> str:
+    """A long answer.
+
+    Args:
+        text: The word to repeat.
+    """
+    return " ".join([text] * 1000)
+
+
+_MEETING = __import__("threading").Barrier(2, timeout=10)
+
+
+def meet(who: str) -> str:
+    """Wait until a second call is here too (two calls that run at once both return).
+
+    Args:
+        who: Who came.
+    """
+    _MEETING.wait()
+    return f"{who} met"

@@ -13,7 +13,9 @@ Shipped environments:
 - ``calculator.CalculatorEnv``: evaluates ``<calc>EXPRESSION</calc>`` with the safe
   parser of ``safe_math``;
 - ``retry.RetryEnv``: a wrong answer gets feedback and another attempt;
-- ``guess.GuessNumberEnv``: guess a secret integer with higher/lower feedback.
+- ``guess.GuessNumberEnv``: guess a secret integer with higher/lower feedback;
+- ``tools.ToolAgent``: the plain tool-calling loop (tools in the standard form, no
+  environment of its own), and ``tools.calculator``, a tool.
 """
 
 from verl_async.envs.base import (

@@ -175,6 +175,10 @@ def check_environments(mt: MultiTurnConfig) -> None:
     float32, the form of every ``env``, no data source named by two environments, at most
     one catch-all (an environment with no ``data_sources``)."""
     check_finite32("multiturn.env_reward_weight", mt.env_reward_weight)
+    if any(spec.tools or spec.methods_as_tools for spec in mt.environments):
+        from verl_async.tools.parsers import check_parser_name
+
+        check_parser_name(mt.tool_parser, "multiturn.tool_parser")
     claimed: dict[str, int] = {}
     catch_all: int | None = None
     for i, spec in enumerate(mt.environments):
@@ -219,6 +223,19 @@ class EnvironmentTable:
         self._catch_all = next(
             (i for i, (spec, _) in enumerate(self.entries) if not spec.data_sources), None
         )
+        # Each entry's tools, loaded now too (a function that cannot be imported, or whose
+        # schema cannot be derived, fails at start naming its key): (functions, methods).
+        self.tools: list[tuple[list, list]] = [
+            _load_tools(spec, cls, f"multiturn.environments[{i}]")
+            for i, (spec, cls) in enumerate(self.entries)
+        ]
+
+    def tool_entries(self):
+        """(config entry, its tools, its environment's methods as tools) of each entry that
+        has tools."""
+        for (spec, _), (tools, methods) in zip(self.entries, self.tools, strict=True):
+            if tools or methods:
+                yield spec, tools, methods
 
     def spec_for(self, data_source: str) -> tuple[int, EnvironmentConfig, type] | None:
         """(index, config entry, class) of the environment for ``data_source``: the one
@@ -228,6 +245,29 @@ class EnvironmentTable:
             return None
         spec, cls = self.entries[i]
         return i, spec, cls
+
+
+def _load_tools(spec: EnvironmentConfig, cls: type, key: str) -> tuple[list, list]:
+    """The entry's tools (``tools``) and its class's methods as tools (``methods_as_tools``);
+    two tools of one name raise ConfigError."""
+    from verl_async.tools.schemas import load_tool, method_tools
+
+    tools = [
+        load_tool(
+            t.function,
+            key=f"{key}.tools[{i}]",
+            schema=t.schema or None,
+            max_concurrent=t.max_concurrent or None,
+        )
+        for i, t in enumerate(spec.tools)
+    ]
+    methods = method_tools(cls, f"{key}.methods_as_tools") if spec.methods_as_tools else []
+    seen: set[str] = set()
+    for tool in [*tools, *methods]:
+        if tool.name in seen:
+            raise ConfigError(f"bad value for '{key}.tools': two tools are named {tool.name!r}")
+        seen.add(tool.name)
+    return tools, methods
 
 
 def _is_message(m: Any) -> bool:

@@ -40,6 +40,7 @@ import inspect
 import json
 import math
 import re
+import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -161,6 +162,25 @@ def tools_of(instance: Any, key: str = "environment") -> list[Tool]:
         for name in names
         for method in [getattr(instance, name)]
     ]
+
+
+def method_tools(cls: type, key: str = "environment") -> list[Tool]:
+    """The tools ``tools_of`` gives for any instance of ``cls``, known before one is built
+    (the schemas a prompt needs): each ``Tool.fn`` is the unbound method, which the caller
+    calls on the episode's instance by name."""
+    names = [
+        name
+        for name, _ in inspect.getmembers(cls, predicate=inspect.isfunction)
+        if not name.startswith("_") and name not in NOT_TOOLS
+    ]
+    where = f"{key} ({cls.__module__}.{cls.__qualname__})"
+    tools = []
+    for name in names:
+        method = getattr(cls, name)
+        # Bound to a stand-in, the signature has no ``self`` (what get_json_schema reads).
+        schema = derive_schema(types.MethodType(method, object()), f"{where}.{name}")
+        tools.append(_make_tool(method, schema, None, None))
+    return tools
 
 
 def import_callable(spec: str, key: str) -> Callable[..., Any]:

@@ -1,0 +1,170 @@
+"""Tool-calling episodes (generators/tool_calls.py through generators/episodes.py): the
+real hermes parser on a real tokenizer with the tiny tool template, a scripted engine.
+Results come back as ``role: tool`` messages rendered as deltas; each kind of fault is an
+error message the model reads next, counted; calls of one turn run at once."""
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from generators.episodes import EpisodeRunner
+from generators.interface import Sample, Sampling
+from generators.render import Renderer
+from verl_async import protocol as P
+from verl_async.envs import EnvironmentTable
+from verl_async.launch.tiny_model import build_tokenizer
+from verl_async.schema import EnvironmentConfig, MultiTurnConfig, ToolConfig
+from verl_async.tasks.max_digit import VOCAB
+
+
+def call(name: str, **arguments) -> str:
+    """One hermes call as one word of the test vocabulary."""
+    body = json.dumps({"name": name, "arguments": arguments}, separators=(",", ":"))
+    return f"<tool_call>{body}</tool_call>"
+
+
+CALLS = {
+    "add": call("add", a=2, b=3),
+    "add_bad": call("add", a="two"),
+    "nope": call("nope"),
+    "fails": call("fails", x=1),
+    "slow": call("slow", seconds=5),
+    "shout": call("shout", text="7"),
+    "look": call("look"),
+    "put": call("put", item="7"),
+    "meet": call("meet", who="7"),
+    "malformed": '<tool_call>{"name":"add",</tool_call>',
+}
+NAMES = ["add", "nope", "fails", "slow", "shout", "look", "put", "meet"]
+WORDS = [*VOCAB, "tools", "<tool_response>", "</tool_response>", *NAMES, *CALLS.values()]
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    d = tmp_path_factory.mktemp("tok")
+    build_tokenizer(d, WORDS)
+    return AutoTokenizer.from_pretrained(d)
+
+
+class Script:
+    """Each request answered with the next scripted turn (words, then end-of-sequence)."""
+
+    def __init__(self, tok, turns):
+        self.tok, self.turns, self.requests = tok, list(turns), []
+
+    async def sample(self, prompt_ids, how):
+        self.requests.append(list(prompt_ids))
+        ids = [self.tok.convert_tokens_to_ids(w) for w in self.turns.pop(0).split()]
+        ids = ids[: how.max_tokens - 1] + [self.tok.eos_token_id]
+        return Sample(ids, [-0.5] * len(ids), [0] * len(ids), list(prompt_ids))
+
+
+class Final:
+    """The environment: a turn without a call ends the episode with its first word's reward."""
+
+    def reset(self, row):
+        return None
+
+    def step(self, text):
+        return [], 1.0 if text.split()[0] == "7" else 0.0, True
+
+
+GROUP = P.PromptGroup(
+    group_id=0, prompt_id=0, epoch=0, prompt_ids=[3, 4], prompt="max 7 =",
+    ground_truth="7", data_source="d",
+)  # fmt: skip
+
+
+def run(tok, turns, tools=(), methods_as_tools=False, env="tests.unit.test_tool_calls:Final",
+        n=1, **mt):  # fmt: skip
+    spec = EnvironmentConfig(
+        env=env,
+        tools=[ToolConfig(function=f"tests.unit.tool_fns:{t}") for t in tools],
+        methods_as_tools=methods_as_tools,
+    )
+    cfg = MultiTurnConfig(environments=[spec], tool_template="tiny_tools", **mt)
+    table = EnvironmentTable(cfg)
+    engine = Script(tok, turns)
+    runner = EpisodeRunner(engine, Renderer(tok, False, {tok.eos_token_id}), tok, cfg, 8, table)
+    _, spec, cls = table.spec_for("d")
+    how = Sampling(max_tokens=4, temperature=1.0)
+    return engine, asyncio.run(runner.run_group(spec, cls, GROUP, n, how))
+
+
+def words(tok, ids):
+    return tok.convert_ids_to_tokens(ids)
+
+
+def test_a_call_is_run_answered_as_a_tool_message_and_the_next_turn_reads_it(tok):
+    engine, [ep] = run(tok, [CALLS["add"], "7"], tools=["add"])
+    # The prompt carries the tools' names (the template's tools argument).
+    assert words(tok, engine.requests[0]) == ["tools", "add", "max", "7", "="]
+    assert ep.observations == [
+        [{"role": "tool", "tool_call_id": "call_0_0", "name": "add", "content": "5"}]
+    ]
+    assert words(tok, engine.requests[1][5:]) == [
+        CALLS["add"],
+        "<eos>",
+        "<tool_response>",
+        "5",
+        "</tool_response>",
+    ]
+    assert ep.loss_mask == [1, 1, 0, 0, 0, 1, 1]
+    assert ep.rewards[-1] == 1.0 and ep.text == "7"
+    s = ep.stats
+    assert (s.tool_calls, s.tool_errors, s.tool_timeouts, s.tool_parse_errors) == (1, 0, 0, 0)
+    assert s.turns == 2 and not s.template_mismatch
+
+
+def test_every_fault_is_an_error_message_the_model_reads_and_is_counted(tok):
+    cases = [  # turn, tools, content's start, (calls, errors, timeouts, parse errors)
+        (CALLS["nope"], ["add"], "error: there is no tool named 'nope'", (1, 1, 0, 0)),
+        (CALLS["add_bad"], ["add"], "error: add: argument 'a' must be integer", (1, 1, 0, 0)),
+        (CALLS["fails"], ["fails"], "error: RuntimeError: tool broke on 1", (1, 1, 0, 0)),
+        (CALLS["slow"], ["slow"], "error: the tool slow timed out after 0.5 s", (1, 0, 1, 0)),
+        (CALLS["malformed"], ["add"], "error: tool call 1: invalid JSON", (0, 0, 0, 1)),
+    ]
+    for turn, tools, says, counts in cases:
+        t0 = time.monotonic()
+        _, [ep] = run(tok, [turn, "7"], tools=tools, step_timeout_s=0.5)
+        content = ep.observations[0][0]["content"]
+        assert content.startswith(says), (turn, content)
+        s = ep.stats
+        assert (s.tool_calls, s.tool_errors, s.tool_timeouts, s.tool_parse_errors) == counts
+        assert s.turns == 2 and ep.text == "7"  # the episode went on
+        assert time.monotonic() - t0 < 4.5  # the hanging tool did not hold the episode
+
+
+def test_a_long_result_is_cut_to_its_token_budget_and_counted(tok):
+    _, [ep] = run(tok, [CALLS["shout"], "7"], tools=["shout"], max_tool_response_tokens=5)
+    assert ep.observations[0][0]["content"] == "7 7 7 7 7 [truncated]"
+    assert ep.stats.tool_errors == 1
+
+
+def test_calls_of_one_turn_run_at_once_and_past_max_parallel_calls_get_an_error(tok):
+    # Two calls that each wait for the other (a barrier of two) return only if both run
+    # at once; the third is past max_parallel_calls and does not run.
+    turn = " ".join([CALLS["meet"]] * 3)
+    _, [ep] = run(tok, [turn, "7"], tools=["meet"], max_parallel_calls=2)
+    contents = [m["content"] for m in ep.observations[0]]
+    assert contents[:2] == ["7 met", "7 met"]
+    assert contents[2].startswith("error: at most 2 tool calls run per turn")
+    ids = [m.get("tool_call_id") for m in ep.observations[0]]
+    assert ids == ["call_0_0", "call_0_1", "call_0_2"]
+    assert (ep.stats.tool_calls, ep.stats.tool_errors) == (2, 1)
+
+
+def test_an_environment_s_methods_are_tools_bound_to_its_episode(tok):
+    engine, eps = run(
+        tok, [CALLS["put"], CALLS["look"], "7"], env="tests.unit.tool_fns:Inventory",
+        methods_as_tools=True, max_turns=3,
+    )  # fmt: skip
+    [ep] = eps
+    assert words(tok, engine.requests[0])[:3] == ["tools", "look", "put"]
+    assert [o[0]["content"] for o in ep.observations] == ["7: 1", '{"7": 1}']
+    assert ep.stats.tool_calls == 2 and ep.stats.tool_errors == 0
+    assert ep.stats.budget == "turns"  # its step never says done
