@@ -361,6 +361,8 @@ def _reap(proc: subprocess.Popen) -> int:
 def _read_status(pipe, capture: _Capture) -> dict:
     """The child's report; raises SandboxError if it could not confine itself."""
     lines = [json.loads(line) for line in pipe.read().splitlines() if line.strip()]
+    if not lines and (capture.timed_out or capture.cancelled):
+        return {}  # we killed it while it was setting up
     if not lines:
         tail = capture.err.decode(errors="replace").strip()[-500:]
         raise SandboxError(f"the sandbox's child exited before confining itself: {tail}")
@@ -457,6 +459,7 @@ class Sandbox:
         self.python = _interpreter(python or sys.executable)
         self.plan = HostPlan.probe(self.limits.network)
         self._slots = asyncio.Semaphore(max_concurrent)
+        self._active = 0
         self._threads = ThreadPoolExecutor(max_concurrent, thread_name_prefix="sandbox")
         self._check()
 
@@ -489,12 +492,22 @@ class Sandbox:
             job = loop.run_in_executor(
                 self._threads, run_code, code, self.limits, self.plan, self.python, stop
             )
+            self._active += 1
             try:
                 return await asyncio.shield(job)
             except asyncio.CancelledError:
                 stop.set()
                 await asyncio.wait([job])
+                if not job.cancelled():  # retrieved: a failure while dying is not "unhandled"
+                    job.exception()
                 raise
+            finally:
+                self._active -= 1
+
+    @property
+    def active(self) -> int:
+        """Runs holding a slot now (at most ``max_concurrent``); the others wait."""
+        return self._active
 
     def close(self) -> None:
         """Wait for running programs' threads and stop the pool."""
