@@ -178,3 +178,23 @@ def tasks_of(uid: int) -> int:
             except OSError:  # gone meanwhile
                 pass
     return count
+
+
+def live_group_members(pgid: int) -> list[int]:
+    """The processes of group ``pgid`` that have not exited yet (zombies, which only wait
+    for their parent to reap them, do not count)."""
+    try:
+        os.killpg(pgid, 0)  # the common case, an empty group, without reading /proc
+    except (ProcessLookupError, PermissionError):
+        return []
+    members = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                stat = Path(f"/proc/{entry.name}/stat").read_text()
+            except OSError:  # gone meanwhile
+                continue
+            state, _ppid, group = stat.rpartition(")")[2].split()[:3]
+            if int(group) == pgid and state not in ("Z", "X"):
+                members.append(int(entry.name))
+    return members

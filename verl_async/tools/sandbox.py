@@ -11,7 +11,7 @@ One run, from the parent's side (``run_code``, blocking, in one of the pool's th
    TMPDIR, owned by the sandbox user, and removed at the end;
 2. when a pids cgroup is writable (root, cgroup v2 with the pids controller or the v1 pids
    hierarchy) the run gets its own cgroup with ``pids.max = processes``;
-3. ``_sandbox_child.py`` starts in a new session (its own process group), stdin closed,
+3. ``_sandbox_child.py`` starts in a new session (its own process group), stdin /dev/null,
    a minimal environment, and confines itself before it execs ``python -I -u main.py``:
    cgroup, network namespace, rlimits, uid 65534 when we are root, no new privileges
    (its docstring has the order and why);
@@ -21,7 +21,8 @@ One run, from the parent's side (``run_code``, blocking, in one of the pool's th
 5. when the program's main process exits (or is killed) everything it started is killed:
    its process group, and its cgroup when it has one (a process that left the group
    with ``setsid`` is still in the cgroup). The main process is reaped only after these
-   kills, so its pid (the group's id) cannot have been reused by then;
+   kills, so its pid (the group's id) cannot have been reused by then, and the run
+   returns only once every killed process has exited;
 6. the result says what happened; a limit that stopped the program is named in
    ``error`` (``SandboxResult.ok`` is False), never raised.
 
@@ -68,6 +69,7 @@ from verl_async.tools._sandbox_host import (
     SANDBOX_GID,
     HostPlan,
     PidsCgroup,
+    live_group_members,
     signal_quietly,
     tasks_of,
 )
@@ -102,7 +104,7 @@ class SandboxLimits:
     """Address space of each process (RLIMIT_AS): a bigger allocation raises MemoryError."""
     file_mb: int = 16
     """Largest file a process may write (RLIMIT_FSIZE): a bigger write fails with EFBIG."""
-    processes: int = 16
+    processes: int = 8
     """Processes of the run at once, its main process included (cgroup pids.max when a
     cgroup is available; always RLIMIT_NPROC as well, see the module docstring)."""
     output_bytes: int = 65536
@@ -211,6 +213,7 @@ def run_code(
             finally:
                 kill()  # what is left; the main process is not reaped yet: its group id is ours
             returncode = _reap(proc)
+            _wait_until_dead(proc.pid)
             report = _read_status(status_pipe, capture)
         refused = cgroup.refused_forks() if cgroup else 0
     finally:
@@ -356,6 +359,18 @@ def _reap(proc: subprocess.Popen) -> int:
         return proc.wait(timeout=REAP_S)
     except subprocess.TimeoutExpired:
         raise SandboxError(f"sandboxed process {proc.pid} did not die after SIGKILL") from None
+
+
+def _wait_until_dead(pgid: int) -> None:
+    """Return once no process of the group is alive: SIGKILL is delivered asynchronously,
+    and a run ends only when its processes have. (Its group id stays ours while any
+    member exists, so the repeated kill cannot reach another group.)"""
+    give_up = time.monotonic() + REAP_S
+    while live_group_members(pgid):
+        if time.monotonic() > give_up:
+            raise SandboxError(f"processes of group {pgid} survive SIGKILL")
+        signal_quietly(os.killpg, pgid)
+        time.sleep(0.005)
 
 
 def _read_status(pipe, capture: _Capture) -> dict:
