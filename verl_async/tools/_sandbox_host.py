@@ -3,7 +3,9 @@ they get a network namespace, and the pids cgroup each run gets if one is writab
 
 ``HostPlan.probe`` decides once per ``Sandbox``; ``PidsCgroup`` is one run's cgroup. The
 parent never enters a namespace or a cgroup itself: ``_sandbox_child.py`` does, after
-the fork (``sandbox.py`` has the whole sequence).
+the fork (``sandbox.py`` has the whole sequence). Also here, what the parent reads from
+/proc about processes: a user's threads (``tasks_of``, for RLIMIT_NPROC) and a process
+group's live members (``live_group_members``, to know a killed run has ended).
 """
 
 from __future__ import annotations

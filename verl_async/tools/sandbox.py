@@ -297,7 +297,10 @@ def _killer(pid: int, cgroup: PidsCgroup | None) -> Callable[[], None]:
 def _has_exited(pid: int) -> bool:
     """Whether the main process has exited, without reaping it (WNOWAIT)."""
     flags = os.WEXITED | os.WNOHANG | os.WNOWAIT
-    return os.waitid(os.P_PID, pid, flags) is not None
+    try:
+        return os.waitid(os.P_PID, pid, flags) is not None
+    except ChildProcessError:  # reaped by someone else (a child watcher that waits on -1)
+        return True
 
 
 def _supervise(
