@@ -562,8 +562,8 @@ class PythonTool:
     async def python(self, code: str) -> str:
         """Run a Python 3 program and return what it printed.
 
-        Each call is a fresh process in an empty temporary directory, with no input, no
-        network, and limits on time, memory and output; nothing is kept between calls.
+        Each call is a fresh process in an empty temporary directory; nothing is kept.
+        The program has no input and no network, and limits on time, memory and output.
         Print the values you want to see.
 
         Args:
