@@ -15,6 +15,10 @@ Where a tool runs, never on the generator's event loop:
 - an environment's method (``methods_as_tools``): on its instance's thread, one call at
   a time after the other, as code written for one thread expects.
 
+A tool that raises ``ToolError`` (the sandboxed ``python`` tool, when a limit stopped the
+program) is answered with that error's text (what the program printed, then
+``Error: ...``), counted as a tool error.
+
 Each call has the deadline of an environment call (``multiturn.step_timeout_s``, and what
 is left of the episode's ``episode_timeout_s``), waits for its tool's
 ``max_concurrent`` within it, and ends in one of: a result (cut to
@@ -41,6 +45,7 @@ from generators.render import Renderer
 from verl_async.config_base import ConfigError
 from verl_async.schema import MultiTurnConfig
 from verl_async.tools.parsers import ParsedTurn, ToolCall, ToolCallParser
+from verl_async.tools.sandbox import ToolError
 from verl_async.tools.schemas import Tool, ToolCallError, check_arguments, result_text
 
 _CHARS_PER_TOKEN = 8  # a result is cut to this many characters per token before tokenizing
@@ -147,6 +152,8 @@ class ToolBox:
             return f"error: the tool {call.name} timed out after {timeout_s:.3g} s", "timeout"
         except EnvCallError as err:  # an environment's method
             return err.observation(), "timeout" if err.timed_out else "error"
+        except ToolError as exc:  # a contained fault whose text is the answer (a sandbox's)
+            return self._cut(str(exc))[0], "error"
         except Exception as exc:  # noqa: BLE001 (the tool's fault, whatever it is)
             return error_text(exc), "error"
         try:

@@ -170,6 +170,11 @@ class ToolConfig(_Section):
     """Its OpenAI function schema (``{name, description, parameters}``, or the whole
     ``{type: function, function: {...}}``); empty: derived from the function's type hints
     and docstring."""
+    args: dict[str, Any] = {}
+    """Given: ``function`` is a factory (a class, or a function that builds the tool) called
+    once per generator with these keyword arguments, and the callable object it returns
+    is the tool, its schema derived from its ``__call__`` (the sandboxed Python tool:
+    ``verl_async.tools.sandbox:python_tool`` with its limits, docs/agents.md)."""
     max_concurrent: NonNegInt = 0
     """Calls of this tool that may run at once in one generator (a sandbox or an API that
     allows only so many); more wait their turn within their deadline. 0: no limit."""

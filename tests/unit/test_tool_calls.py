@@ -5,6 +5,7 @@ error message the model reads next, counted; calls of one turn run at once."""
 
 import asyncio
 import json
+import sys
 import time
 
 import pytest
@@ -35,9 +36,11 @@ CALLS = {
     "look": call("look"),
     "put": call("put", item="7"),
     "meet": call("meet", who="7"),
+    "py": call("python", code="print(6*7)"),
+    "py_loop": call("python", code="while(1):pass"),
     "malformed": '<tool_call>{"name":"add",</tool_call>',
 }
-NAMES = ["add", "nope", "fails", "slow", "shout", "look", "put", "meet"]
+NAMES = ["add", "nope", "fails", "slow", "shout", "look", "put", "meet", "python"]
 WORDS = [*VOCAB, "tools", "<tool_response>", "</tool_response>", *NAMES, *CALLS.values()]
 
 
@@ -83,7 +86,10 @@ def run(tok, turns, tools=(), methods_as_tools=False, env="tests.unit.test_tool_
         n=1, **mt):  # fmt: skip
     spec = EnvironmentConfig(
         env=env,
-        tools=[ToolConfig(function=f"tests.unit.tool_fns:{t}") for t in tools],
+        tools=[
+            t if isinstance(t, ToolConfig) else ToolConfig(function=f"tests.unit.tool_fns:{t}")
+            for t in tools
+        ],
         methods_as_tools=methods_as_tools,
     )
     cfg = MultiTurnConfig(environments=[spec], tool_template="tiny_tools", **mt)
@@ -168,3 +174,42 @@ def test_an_environment_s_methods_are_tools_bound_to_its_episode(tok):
     assert [o[0]["content"] for o in ep.observations] == ["7: 1", '{"7": 1}']
     assert ep.stats.tool_calls == 2 and ep.stats.tool_errors == 0
     assert ep.stats.budget == "turns"  # its step never says done
+
+
+def _sandbox_python() -> str | None:
+    """This Python if the sandbox user can run it, else the system's (as root programs run
+    as uid 65534, which cannot run a Python under /root)."""
+    from verl_async.tools.sandbox import Sandbox, SandboxError
+
+    for python in (sys.executable, "/usr/bin/python3"):
+        try:
+            Sandbox(python=python).close()
+            return python
+        except SandboxError:
+            continue
+    return None
+
+
+def test_the_sandboxed_python_tool_answers_and_a_contained_fault_is_a_tool_error(tok):
+    python = _sandbox_python()
+    if python is None:
+        pytest.skip("no Python interpreter that the sandbox user can run")
+    tool = ToolConfig(
+        function="verl_async.tools.sandbox:python_tool",
+        args={"python": python, "cpu_s": 1, "wall_s": 5.0},
+        max_concurrent=2,
+    )
+    _, [ep] = run(tok, [CALLS["py"], "7"], tools=[tool])
+    assert ep.observations[0][0]["content"] == "42\n" and ep.stats.tool_errors == 0
+    _, [ep] = run(tok, [CALLS["py_loop"], "7"], tools=[tool])
+    content = ep.observations[0][0]["content"]
+    assert content.startswith("Error:") and "CPU" in content, content
+    assert ep.stats.tool_errors == 1 and ep.stats.turns == 2
+
+
+def test_a_factory_that_refuses_its_args_fails_at_start_naming_the_key(tok):
+    from verl_async.config_base import ConfigError
+
+    tool = ToolConfig(function="verl_async.tools.sandbox:python_tool", args={"cpu": 1})
+    with pytest.raises(ConfigError, match=r"multiturn.environments\[0\].tools\[0\].args"):
+        run(tok, ["7"], tools=[tool])

@@ -250,17 +250,16 @@ class EnvironmentTable:
 def _load_tools(spec: EnvironmentConfig, cls: type, key: str) -> tuple[list, list]:
     """The entry's tools (``tools``) and its class's methods as tools (``methods_as_tools``);
     two tools of one name raise ConfigError."""
-    from verl_async.tools.schemas import load_tool, method_tools
+    from verl_async.tools.schemas import build_tool, load_tool, method_tools
 
-    tools = [
-        load_tool(
-            t.function,
-            key=f"{key}.tools[{i}]",
-            schema=t.schema or None,
-            max_concurrent=t.max_concurrent or None,
-        )
-        for i, t in enumerate(spec.tools)
-    ]
+    tools = []
+    for i, t in enumerate(spec.tools):
+        where, limit = f"{key}.tools[{i}]", t.max_concurrent or None
+        if t.args:  # a factory's tool, built now (a sandbox checks it can run)
+            tools.append(build_tool(t.function, t.args, key=where, max_concurrent=limit))
+        else:
+            tools.append(load_tool(t.function, key=where, schema=t.schema or None,
+                                   max_concurrent=limit))  # fmt: skip
     methods = method_tools(cls, f"{key}.methods_as_tools") if spec.methods_as_tools else []
     seen: set[str] = set()
     for tool in [*tools, *methods]:

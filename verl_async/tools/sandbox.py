@@ -579,3 +579,16 @@ class PythonTool:
         return text
 
     __call__ = python
+
+
+def python_tool(max_concurrent: int = 4, python: str | None = None, **limits: object) -> PythonTool:
+    """The ``python`` tool with a sandbox of its own, as a config names it::
+
+        tools:
+          - function: verl_async.tools.sandbox:python_tool
+            args: {cpu_s: 5, wall_s: 10, memory_mb: 1024, python: /usr/bin/python3}
+
+    ``limits`` are ``SandboxLimits``' fields; ``max_concurrent`` bounds its runs at once;
+    ``python`` is the programs' interpreter (as root it must be one uid 65534 can run).
+    Built once per generator, at start: a sandbox that cannot run fails there."""
+    return PythonTool(Sandbox(SandboxLimits.from_mapping(limits), max_concurrent, python))

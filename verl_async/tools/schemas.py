@@ -146,6 +146,35 @@ def load_tool(
     return _make_tool(fn, full, max_concurrent, timeout_s)
 
 
+def build_tool(
+    factory: str,
+    args: Mapping[str, Any],
+    *,
+    key: str,
+    max_concurrent: int | None = None,
+) -> Tool:
+    """The tool ``factory(**args)`` returns (``package.module:factory``: a class or a
+    function that builds a callable object), its schema derived from the object's
+    ``__call__``, named as that function is. A factory that refuses ``args`` raises
+    ConfigError naming ``<key>.args``."""
+    make = import_callable(factory, f"{key}.function")
+    _check_limits(key, max_concurrent, None)
+    try:
+        fn = make(**args)
+    except ConfigError as exc:
+        raise ConfigError(f"bad value for '{key}.args': {exc}") from None
+    except Exception as exc:  # a factory's own refusal, whatever its type
+        raise ConfigError(
+            f"bad value for '{key}.args': {factory} refused them ({type(exc).__name__}: {exc})"
+        ) from None
+    if not callable(fn):
+        raise ConfigError(
+            f"bad value for '{key}.function': {factory}(**args) gave a {type(fn).__name__}, "
+            "which cannot be called"
+        )
+    return _make_tool(fn, derive_schema(fn, f"{key}.function"), max_concurrent, None)
+
+
 def tools_of(instance: Any, key: str = "environment") -> list[Tool]:
     """The tools an environment instance exposes: its public methods (listed on the class,
     so properties are not evaluated; ``reset``, ``step``, ``close`` and ``get_reward`` left
