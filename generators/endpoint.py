@@ -398,10 +398,10 @@ class EndpointServer:
         try:
             return await self._serve(request, trace)
         except (OpenAIError, web.HTTPException):
-            trace.stats.errors += 1
+            trace.stats.errors += not trace.closed  # a closed trace is no longer ours
             raise
         except Exception:
-            trace.stats.errors += 1
+            trace.stats.errors += not trace.closed
             log.exception("a chat-completions call failed")
             raise OpenAIError(500, "the engine failed to sample this call") from None
 
@@ -467,8 +467,8 @@ class EndpointServer:
         return (text[: min(cuts)], True) if cuts else (text, False)
 
     def _finish_reason(self, ids: list[int], budget: int, stopped: bool, message: dict) -> str:
-        """ "tool_calls" when calls were parsed (as vLLM's server answers, even from a reply
-        cut by the budget), "length" when the budget cut the reply, else "stop"."""
+        """Calls parsed: "tool_calls" (as vLLM's server answers, even for a reply cut by
+        the budget); else "length" when the budget cut the reply, "stop" when it ended."""
         if message.get("tool_calls"):
             return "tool_calls"
         ended = stopped or bool(ids and ids[-1] in self.eos_ids) or len(ids) < budget

@@ -26,6 +26,7 @@ import pytest
 
 from generators.endpoint import EndpointServer
 from generators.interface import Sampling
+from generators.traces import TraceStats
 from verl_async.config import load_config
 from verl_async.launch.tiny_model import build_tiny_model
 from verl_async.schema import TinyModelConfig
@@ -287,6 +288,42 @@ def test_two_calls_of_one_episode_in_flight_at_once_are_both_recorded(hf):
     assert sorted(c.messages[0]["content"] for c in trace.calls) == ["1 =", "2 ="]
     assert [s.ids for s in trace.samples()] == [c.prompt_ids + c.token_ids for c in trace.calls]
     assert trace.prefix_breaks == 1
+
+
+class Held:
+    """The real engine, but each call waits for ``release`` before it samples."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.entered, self.release = engine, asyncio.Event(), asyncio.Event()
+
+    async def sample(self, prompt_ids, how):
+        self.entered.set()
+        await self.release.wait()
+        return await self.engine.sample(prompt_ids, how)
+
+
+def test_a_call_running_when_its_episode_closes_is_refused_and_not_recorded(hf):
+    held = Held(hf.engine)
+    server = hf.endpoint(held)
+    key, base_url = server.open_episode()
+
+    async def agent():
+        async with client(base_url) as c:
+            call = asyncio.create_task(
+                c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "5"}])
+            )
+            await asyncio.wait_for(held.entered.wait(), 30)
+            trace = server.close_episode(key)
+            held.release.set()
+            with pytest.raises(openai.NotFoundError, match="closed during this call"):
+                await call
+            return trace
+
+    try:
+        trace = hf.run(agent())
+    finally:
+        hf.run(server.stop())
+    assert trace.calls == [] and trace.stats == TraceStats()
 
 
 def test_an_agent_that_extends_its_conversation_makes_one_sample(hf):
