@@ -34,6 +34,7 @@ SUITES = {  # --suite -> the test module whose CASES it runs
     "estimators": "tests.integration.test_estimators_e2e",
     "multiturn": "tests.integration.test_multiturn",
     "tools": "tests.integration.test_tools",
+    "agents": "tests.integration.test_agents",
 }
 
 

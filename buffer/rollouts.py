@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,7 +46,7 @@ def max_response_tokens(cfg: RunConfig) -> int:
     claims still get one response, hence the larger of the two.
     """
     single = cfg.generators.max_new_tokens
-    if not cfg.multiturn.environments:
+    if not cfg.multiturn.has_episodes:
         return single
     return max(single, cfg.multiturn.max_episode_tokens)
 
@@ -76,7 +77,7 @@ def unpack_rollout(
     resp = vector(g.response_ids, frames, "int32", f"{where}: response_ids", keep=True)
     lp = vector(g.behav_logprobs, frames, "float32", f"{where}: behav_logprobs", keep=True)
     ver = vector(g.token_versions, frames, "int32", f"{where}: token_versions", keep=True)
-    _check_lengths(where, g.lengths, limits, (len(resp), len(lp), len(ver)))
+    _check_lengths(where, g.lengths, limits, (len(resp), len(lp), len(ver)), g.episodes)
     _check_token_ids(where, "prompt_ids", prompt, limits.vocab_size)
     prompt_id, data_source = g.prompt_id, g.data_source
     if issued is not None:
@@ -155,12 +156,23 @@ def _check_prompt(
 
 
 def _check_lengths(
-    where: str, lengths: list[int], limits: RolloutLimits, sizes: tuple[int, int, int]
+    where: str,
+    lengths: list[int],
+    limits: RolloutLimits,
+    sizes: tuple[int, int, int],
+    episodes: list[EpisodeStats] = (),
 ) -> None:
-    """Sample lengths against the run's group size, token budget and the three tensors."""
+    """Sample lengths against the run's group size (in episodes, when an episode gave
+    several samples), token budget and the three tensors."""
     if not lengths:
         raise ProtocolError(f"{where}: no samples")
-    if limits.group_size is not None and len(lengths) != limits.group_size:
+    count = _episode_count(where, episodes, len(lengths))
+    if count is not None:
+        if limits.group_size is not None and count != limits.group_size:
+            raise ProtocolError(
+                f"{where}: {count} episodes, the run samples {limits.group_size} per group"
+            )
+    elif limits.group_size is not None and len(lengths) != limits.group_size:
         raise ProtocolError(
             f"{where}: {len(lengths)} samples, the run samples {limits.group_size} per group"
         )
@@ -178,8 +190,10 @@ def _check_lengths(
 
 def _loss_mask(where: str, g: RolloutGroup, frames: list, bounds: list[int]) -> np.ndarray | None:
     """The group's loss mask (None: every token sampled), checked: 0 or 1 per response
-    token, and every non-empty sample starts and ends on a sampled token (the model's turn
-    comes first, and an observation no turn answers is nothing to train on)."""
+    token, and every non-empty sample ends on a sampled token (an observation no turn
+    answers is nothing to train on). A sample may begin with tokens that are not sampled:
+    the rest of its own prompt, when the samples of a group do not all start from the same
+    one (an agent's calls; generators/trajectory.py: ``pack``)."""
     if g.loss_mask is None:
         return None
     mask = vector(g.loss_mask, frames, "uint8", f"{where}: loss_mask")
@@ -192,14 +206,11 @@ def _loss_mask(where: str, g: RolloutGroup, frames: list, bounds: list[int]) -> 
             f"{where}: loss_mask holds {mask.max()}; each value is 1 (sampled) or 0 (observation)"
         )
     for i, (start, end) in enumerate(itertools.pairwise(bounds)):
-        if start == end:
-            continue
-        for edge, at in (("starts", start), ("ends", end - 1)):
-            if not mask[at]:
-                raise ProtocolError(
-                    f"{where}: sample {i} {edge} on an observation token (loss_mask 0); "
-                    "a response starts and ends with sampled tokens"
-                )
+        if start != end and not mask[end - 1]:
+            raise ProtocolError(
+                f"{where}: sample {i} ends on an observation token (loss_mask 0); a "
+                "response ends with a sampled token"
+            )
     return mask
 
 
@@ -225,6 +236,29 @@ def _turn_rewards(
     return rewards
 
 
+MAX_SAMPLES_PER_EPISODE = 16  # an agent's episode may give this many samples at most
+
+
+def _episode_count(where: str, episodes: list[EpisodeStats], n: int) -> int | None:
+    """The episodes of a group whose samples name theirs (``EpisodeStats.episode``): each
+    index 0, 1, ... in order, an episode's samples consecutive, at most
+    ``MAX_SAMPLES_PER_EPISODE`` each; None when no sample names one (one per episode)."""
+    if len(episodes) != n or all(e.episode == -1 for e in episodes):
+        return None
+    indices = [e.episode for e in episodes]
+    if indices[0] != 0 or any(b - a not in (0, 1) for a, b in itertools.pairwise(indices)):
+        raise ProtocolError(
+            f"{where}: the samples' episodes {indices[:32]} are not 0, 1, ... in order, each "
+            "episode's samples together"
+        )
+    longest = max(Counter(indices).values())
+    if longest > MAX_SAMPLES_PER_EPISODE:
+        raise ProtocolError(
+            f"{where}: an episode of {longest} samples, at most {MAX_SAMPLES_PER_EPISODE}"
+        )
+    return indices[-1] + 1
+
+
 def _check_episodes(where: str, episodes: list[EpisodeStats], n: int) -> None:
     """No episode stats, or one sane ``EpisodeStats`` per sample."""
     if len(episodes) not in (0, n):
@@ -237,6 +271,7 @@ def _check_episodes(where: str, episodes: list[EpisodeStats], n: int) -> None:
         "tool_errors",
         "tool_timeouts",
         "tool_parse_errors",
+        "prefix_breaks",
         "observation_tokens",
         "versions_spanned",
     )

@@ -47,6 +47,7 @@ closed is answered 404 and not recorded (the trace was handed over).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import secrets
@@ -57,6 +58,7 @@ from dataclasses import dataclass, replace
 from aiohttp import web
 
 from generators.interface import RolloutEngine, Sampling
+from generators.render import Renderer
 from generators.traces import Call, EpisodeTrace
 
 log = logging.getLogger("verl_async.generator")
@@ -65,6 +67,8 @@ log = logging.getLogger("verl_async.generator")
 ParseCalls = Callable[[str, list[dict]], tuple[str | None, list[dict], list[str]]]
 
 ROLES = {"system", "developer", "user", "assistant", "tool"}
+RENDERERS_KEPT = 64  # renderers with a tool set's schemas kept (then all are dropped)
+RENDERS_KEPT = 512  # rendered conversations and deltas kept (the oldest dropped first)
 # Fields that would change or hide what is sampled: refused unless at their default.
 REFUSED_UNLESS = {
     "n": (None, 1),
@@ -244,10 +248,16 @@ def _number(body: dict, name: str) -> float | None:
 
 
 def assistant_reply(
-    text: str, tools: list[dict] | None, tool_choice: str | dict, parse_calls: ParseCalls | None
+    text: str,
+    tools: list[dict] | None,
+    tool_choice: str | dict,
+    parse_calls: ParseCalls | None,
+    ids: str | None = None,
 ) -> tuple[dict, list[str]]:
     """The assistant message answering ``text`` (decoded completion), and the parser's
-    errors: calls are parsed only with a parser, tools, and ``tool_choice`` not "none"."""
+    errors: calls are parsed only with a parser, tools, and ``tool_choice`` not "none".
+    A call without an id of the parser's gets ``<ids>_<i>`` (the episode's call number:
+    an episode replays to the same ids), or a random one."""
     if parse_calls is None or not tools or tool_choice == "none":
         return {"role": "assistant", "content": text}, []
     try:
@@ -258,11 +268,11 @@ def assistant_reply(
     if calls:
         message["tool_calls"] = [
             {
-                "id": c.get("id") or f"call_{secrets.token_hex(12)}",
+                "id": c.get("id") or (f"{ids}_{i}" if ids else f"call_{secrets.token_hex(12)}"),
                 "type": "function",
                 "function": {"name": c["name"], "arguments": _json_text(c.get("arguments"))},
             }
-            for c in calls
+            for i, c in enumerate(calls)
         ]
     return message, list(errors)
 
@@ -323,10 +333,18 @@ class EndpointServer:
         host: str = "127.0.0.1",
         port: int = 0,
         max_body_bytes: int = 4 << 20,
+        renderer: Renderer | None = None,
     ) -> None:
         """``sampling``: the run's settings (defaults and ceiling); ``eos_ids``: the ids that
-        end a completion (default: the tokenizer's EOS), which tell "stop" from "length"."""
+        end a completion (default: the tokenizer's EOS), which tell "stop" from "length";
+        ``renderer``: the generator's (its template, e.g. ``multiturn.tool_template``), with
+        which a call that continues an earlier one is rendered as that call's exact ids and
+        a delta (``_continued``); None: every call rendered whole by the tokenizer."""
         self.engine, self.tokenizer, self.sampling = engine, tokenizer, sampling
+        self.renderer = renderer
+        self._renderers: dict[str, Renderer] = {}  # with each tool set's schemas
+        self._renders: dict[str, list[int]] = {}  # whole conversations' ids, recent ones
+        self._deltas: dict[str, list[int]] = {}  # messages' deltas, recent ones
         self.model_name = model_name
         self.max_episode_tokens, self.max_calls = max_episode_tokens, max_calls
         self.parse_calls = parse_calls
@@ -364,12 +382,18 @@ class EndpointServer:
         if runner is not None:
             await runner.cleanup()
 
-    def open_episode(self) -> tuple[str, str]:
-        """A new episode: (its key, the base URL an openai client is given)."""
+    def open_episode(
+        self, sampling: Sampling | None = None, max_calls: int | None = None
+    ) -> tuple[str, str]:
+        """A new episode: (its key, the base URL an openai client is given); ``sampling``
+        and ``max_calls`` replace the server's for it (an evaluation episode's settings,
+        an agent's own limit)."""
         if self.url is None:
             raise RuntimeError("the chat endpoint is not started: call start() first")
         key = secrets.token_urlsafe(24)
-        self.episodes[key] = EpisodeTrace()
+        trace = EpisodeTrace()
+        trace.sampling, trace.max_calls = sampling, max_calls
+        self.episodes[key] = trace
         return key, f"{self.url}/v1/{key}"
 
     def close_episode(self, key: str) -> EpisodeTrace:
@@ -413,17 +437,20 @@ class EndpointServer:
             raise _bad("the request body is not valid JSON") from None
         req = parse_request(body)
         self._log_ignored(req)
-        prompt = self._render(req)
-        how = self._sampling(req, len(prompt))
-        if trace.admitted >= self.max_calls:
-            raise _bad(f"this episode has made its max_calls={self.max_calls} calls",
+        prompt = self._continued(req, trace) or self._render(req)
+        how = self._sampling(req, len(prompt), trace.sampling or self.sampling)
+        max_calls = trace.max_calls or self.max_calls
+        if trace.admitted >= max_calls:
+            raise _bad(f"this episode has made its max_calls={max_calls} calls",
                        code="max_calls_exceeded")  # fmt: skip
         trace.admitted += 1
         sample = await self.engine.sample(prompt, how)
         if trace.closed:
             raise OpenAIError(404, "the episode was closed during this call", code="episode_closed")
         text, stopped = self._text(sample.token_ids, how.stop)
-        message, errors = assistant_reply(text, req.tools, req.tool_choice, self.parse_calls)
+        message, errors = assistant_reply(
+            text, req.tools, req.tool_choice, self.parse_calls, f"call_{trace.admitted - 1}"
+        )
         finish = self._finish_reason(sample.token_ids, how.max_tokens, stopped, message)
         trace.stats.tool_call_errors += len(errors)
         trace.record(
@@ -433,10 +460,71 @@ class EndpointServer:
         n = len(sample.token_ids)
         return web.json_response(completion_body(self.model_name, message, finish, len(prompt), n))
 
+    def _continued(self, req: ChatRequest, trace: EpisodeTrace) -> list[int] | None:
+        """The ids of a call that continues an earlier one of its episode: its messages
+        begin with that call's messages and the reply it was given (compared as text and
+        parsed calls), with the same tools. Then the prompt is that call's ids as the
+        engine saw and sampled them (and the template's end-of-turn after a reply the
+        budget cut), followed by the delta the template renders for the new messages
+        (generators/render.py), so the sample goes on token for token instead of
+        depending on whether the reply's text, or its calls as the template writes them,
+        tokenize back to what was sampled. None: no such call (rendered whole)."""
+        if self.renderer is None or not self.renderer.templated:
+            return None
+        for call in reversed(trace.calls):
+            seen = [*call.messages, call.reply]
+            if (
+                len(req.messages) > len(seen)
+                and call.tools == req.tools
+                and all(_same(a, b) for a, b in zip(seen, req.messages, strict=False))
+            ):
+                break
+        else:
+            return None
+        renderer = self._renderer_for(req.tools)
+        rest = req.messages[len(seen) :]
+        key = json.dumps([rest, req.tools], sort_keys=True)
+        delta = self._deltas.get(key)
+        if delta is None:
+            try:
+                delta = renderer.observation_ids(rest)
+            except Exception:  # noqa: BLE001 (then the whole render decides, or refuses)
+                return None
+            _keep(self._deltas, key, delta)
+        ids = [*call.prompt_ids, *call.token_ids]
+        if not (call.token_ids and call.token_ids[-1] in renderer.eos_ids):
+            ids.append(renderer.end_of_turn)  # not sampled: what the template writes there
+        return ids + delta
+
+    def _renderer_for(self, tools: list[dict] | None) -> Renderer:
+        """The renderer with these tools' schemas (kept per tool set: building one renders
+        the template's anchor)."""
+        if not tools:
+            return self.renderer
+        key = json.dumps(tools, sort_keys=True)
+        renderer = self._renderers.get(key)
+        if renderer is None:
+            if len(self._renderers) >= RENDERERS_KEPT:
+                self._renderers.clear()
+            renderer = self.renderer.with_tools(tools, self.renderer.template)
+            self._renderers[key] = renderer
+        return renderer
+
     def _render(self, req: ChatRequest) -> list[int]:
+        """The whole conversation rendered (kept a while: the episodes of one group all
+        begin with the same messages)."""
+        key = json.dumps([req.messages, req.tools], sort_keys=True)
+        ids = self._renders.get(key)
+        if ids is None:
+            ids = self._render_whole(req)
+            _keep(self._renders, key, ids)
+        return list(ids)
+
+    def _render_whole(self, req: ChatRequest) -> list[int]:
+        extra = {"chat_template": self.renderer.template} if self._template() else {}
         try:
             ids = self.tokenizer.apply_chat_template(
-                req.messages, tools=req.tools, add_generation_prompt=True, tokenize=True
+                req.messages, tools=req.tools, add_generation_prompt=True, tokenize=True, **extra
             )
         except Exception as exc:  # noqa: BLE001 (the template refused these messages)
             raise _bad(
@@ -444,8 +532,11 @@ class EndpointServer:
             ) from None
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
-    def _sampling(self, req: ChatRequest, prompt_len: int) -> Sampling:
-        """The run's sampling, its token budget cut to the request's and the episode's."""
+    def _template(self) -> str | None:
+        return self.renderer.template if self.renderer is not None else None
+
+    def _sampling(self, req: ChatRequest, prompt_len: int, sampling: Sampling) -> Sampling:
+        """The episode's sampling, its token budget cut to the request's and the episode's."""
         room = self.max_episode_tokens - prompt_len
         if room < 1:
             raise _bad(
@@ -455,9 +546,9 @@ class EndpointServer:
                 "messages",
                 "context_length_exceeded",
             )
-        budget = min(self.sampling.max_tokens, room, req.max_tokens or self.sampling.max_tokens)
-        stop = self.sampling.stop + tuple(s for s in req.stop if s not in self.sampling.stop)
-        return replace(self.sampling, max_tokens=budget, stop=stop)
+        budget = min(sampling.max_tokens, room, req.max_tokens or sampling.max_tokens)
+        stop = sampling.stop + tuple(s for s in req.stop if s not in sampling.stop)
+        return replace(sampling, max_tokens=budget, stop=stop)
 
     def _text(self, token_ids: list[int], stop: tuple[str, ...]) -> tuple[str, bool]:
         """The decoded completion, cut before the first stop string (OpenAI leaves it out);
@@ -485,3 +576,32 @@ class EndpointServer:
             if note not in self._logged and len(self._logged) < LOGGED_AT_MOST:
                 self._logged.add(note)
                 log.info("chat endpoint: requests set %s, which is ignored", note)
+
+
+def _same(sent: dict, got: dict) -> bool:
+    """Whether a message the agent sent back is the one the episode had: role, text, and
+    tool calls by name and parsed arguments (ids and JSON spacing may differ)."""
+    if sent.get("role") != got.get("role") or (sent.get("content") or "") != (
+        got.get("content") or ""
+    ):
+        return False
+    return _calls(sent) == _calls(got)
+
+
+def _calls(message: dict) -> list[tuple]:
+    out = []
+    for c in message.get("tool_calls") or []:
+        f = c.get("function", c)
+        args = f.get("arguments")
+        if isinstance(args, str):
+            with contextlib.suppress(json.JSONDecodeError):
+                args = json.loads(args)
+        out.append((f.get("name"), json.dumps(args, sort_keys=True)))
+    return out
+
+
+def _keep(cache: dict, key, value) -> None:
+    """``cache[key] = value``, dropping the oldest entry past ``RENDERS_KEPT``."""
+    if len(cache) >= RENDERS_KEPT:
+        del cache[next(iter(cache))]
+    cache[key] = value

@@ -34,6 +34,7 @@ import os
 import time
 from collections import Counter
 
+from generators.agents import AgentRunner
 from generators.episodes import EpisodeRunner
 from generators.interface import RolloutEngine, Sampling
 from generators.leases import HeldGroups, RolloutPusher
@@ -90,6 +91,12 @@ class Generator:
         # and the runner of their episodes on this engine (generators/episodes.py).
         self.environments = EnvironmentTable(self.cfg.multiturn)
         self.episodes = None
+        self.agents = None
+        if self.cfg.multiturn.agents:  # agent programs through the chat endpoint
+            self.agents = AgentRunner(
+                engine, tokenizer, agent_renderer(self.cfg, tokenizer), self.cfg.multiturn,
+                self.train_sampling,
+            )  # fmt: skip
         if self.cfg.multiturn.environments:
             renderer = Renderer(tokenizer, self.cfg.data.chat_template, engine_eos_ids(tokenizer))
             g = self.cfg.generators
@@ -99,6 +106,8 @@ class Generator:
             )
 
     async def run(self) -> None:
+        if self.agents is not None:
+            await self.agents.start()
         loops = [
             asyncio.create_task(self.follow_weights()),
             asyncio.create_task(self.renew_leases()),
@@ -112,6 +121,8 @@ class Generator:
                 task.cancel()
             for task in self.inflight | self.scoring:
                 task.cancel()
+            if self.agents is not None:
+                await self.agents.stop()
             self.buffer.close()
         if self.failure is not None:
             raise self.failure
@@ -208,6 +219,9 @@ class Generator:
         """``n`` trajectories of the group's prompt (the token ids the buffer rendered): one
         response each, or an episode each when an environment takes the group's data
         source (``multiturn.environments``)."""
+        agent = self.environments.agent_for(group.data_source)
+        if agent is not None:
+            return await self.agents.run_group(*agent, group, n, how)
         found = self.environments.spec_for(group.data_source)
         if found is not None:
             _, spec, cls = found
@@ -391,6 +405,26 @@ class Generator:
             self.cfg.weights.mode,
             self.engine.resubmitted,
         )
+
+
+def agent_renderer(cfg, tokenizer) -> Renderer:
+    """How the chat endpoint renders an agent's calls: the tokenizer's chat template, or
+    ``multiturn.tool_template`` in its place; an agent needs one."""
+    from verl_async.config_base import ConfigError
+    from verl_async.tools.chat_templates import chat_template
+
+    mt = cfg.multiturn
+    template = (
+        chat_template(mt.tool_template, "multiturn.tool_template") if mt.tool_template else None
+    )
+    renderer = Renderer(tokenizer, True, engine_eos_ids(tokenizer), template=template)
+    if not renderer.templated:
+        raise ConfigError(
+            "bad value for 'multiturn.tool_template': the tokenizer has no chat template, and "
+            "an agent's messages are rendered with one; name a template (chatml_tools, or a "
+            "Jinja file)"
+        )
+    return renderer
 
 
 def engine_eos_ids(tokenizer) -> set[int]:

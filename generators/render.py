@@ -75,6 +75,7 @@ class Renderer:
                     "token; multi-turn episodes need one to know where a turn ends"
                 )
             self._anchor_len = ends[-1] + 1
+            self._anchor = anchor
             self.separator = anchor[self._anchor_len :]
             self.end_of_turn = anchor[ends[-1]]
 
@@ -110,8 +111,7 @@ class Renderer:
             text = "\n" + "\n".join(m["content"] for m in messages) + "\n"
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         full = self._render([*_ANCHOR, *messages], generation_prompt=True)
-        anchor = self._render(_ANCHOR, generation_prompt=False)
-        if full[: self._anchor_len] != anchor[: self._anchor_len]:
+        if full[: self._anchor_len] != self._anchor[: self._anchor_len]:
             raise TemplateError(
                 "the chat template renders a conversation differently once messages follow "
                 "it, so an observation's tokens cannot be cut from it"

@@ -82,6 +82,8 @@ class EpisodeTrace:
         self.stats = TraceStats()
         self.admitted = 0  # calls let through to the engine (``max_calls`` counts these)
         self.closed = False  # a call completing after this is answered 404, not recorded
+        self.sampling = None  # this episode's Sampling (None: the server's)
+        self.max_calls: int | None = None  # this episode's call limit (None: the server's)
 
     def record(self, call: Call) -> None:
         self.calls.append(call)

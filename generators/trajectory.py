@@ -26,7 +26,8 @@ rewards and episode stats on the wire; a single-turn group does not (every token
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -124,10 +125,15 @@ class Packed:
 def pack(prompt_ids: list[int], trajectories: list[Trajectory]) -> Packed:
     """One group's trajectories, packed. A multi-turn group (its trajectories have episode
     stats) starts from its episodes' prompt, which an environment may have given, and
-    carries loss mask, turn rewards and stats; a single-turn group from ``prompt_ids``."""
+    carries loss mask, turn rewards and stats; a single-turn group from ``prompt_ids``.
+    Episodes whose prompts differ (an agent's calls each render their own) share the
+    longest prefix of them as the group's prompt, and each begins its response with the
+    rest of its own, not sampled: the same tokens in the same order."""
     episodes = [t.stats for t in trajectories if t.stats is not None]
     if episodes and len(episodes) != len(trajectories):
         raise ValueError("a group mixes episodes with single-turn samples")
+    if episodes:
+        trajectories = _on_common_prompt(trajectories)
 
     def cat(name: str, dtype) -> np.ndarray:
         values = itertools.chain.from_iterable(getattr(t, name) for t in trajectories)
@@ -146,3 +152,31 @@ def pack(prompt_ids: list[int], trajectories: list[Trajectory]) -> Packed:
         packed.turn_rewards = cat("rewards", np.float32)
         packed.episodes = episodes
     return packed
+
+
+def _on_common_prompt(trajectories: list[Trajectory]) -> list[Trajectory]:
+    """The trajectories over the longest prompt they all begin with (copies where moved)."""
+    prompts = [t.prompt_ids for t in trajectories]
+    if all(p == prompts[0] for p in prompts):
+        return trajectories
+    common = len(os.path.commonprefix(prompts))
+    out = []
+    for t in trajectories:
+        rest = t.prompt_ids[common:]
+        if not rest:
+            out.append(t)
+            continue
+        # The version of the first sampled token (a placeholder nothing reads).
+        first = next((v for v, m in zip(t.versions, t.loss_mask, strict=True) if m), 0)
+        moved = replace(
+            t,
+            prompt_ids=t.prompt_ids[:common],
+            token_ids=rest + t.token_ids,
+            logprobs=[0.0] * len(rest) + t.logprobs,
+            versions=[first] * len(rest) + t.versions,
+            loss_mask=[0] * len(rest) + t.loss_mask,
+            rewards=[0.0] * len(rest) + t.rewards,
+            turn_ends=[e + len(rest) for e in t.turn_ends],
+        )
+        out.append(moved)
+    return out

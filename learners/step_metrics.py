@@ -147,6 +147,7 @@ def episode_metrics(episodes: Sequence[P.EpisodeStats], sampled_tokens: Sequence
         "multiturn/tool_errors": sum(e.tool_errors for e in episodes),
         "multiturn/tool_timeouts": sum(e.tool_timeouts for e in episodes),
         "multiturn/tool_parse_errors": sum(e.tool_parse_errors for e in episodes),
+        "multiturn/prefix_breaks": sum(e.prefix_breaks for e in episodes),
         "multiturn/env_seconds": mean([e.env_seconds for e in episodes]),
         "multiturn/observation_tokens": mean([e.observation_tokens for e in episodes]),
         "multiturn/sampled_tokens": mean(sampled_tokens),

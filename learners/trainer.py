@@ -453,6 +453,6 @@ class Learner:
 def longest_response(cfg) -> int:
     """The most tokens a response may hold: one turn, or a whole episode when the run has
     environments (the default divisor of ``seq-mean-token-sum-norm``)."""
-    if cfg.multiturn.environments:
+    if cfg.multiturn.has_episodes:
         return max(cfg.generators.max_new_tokens, cfg.multiturn.max_episode_tokens)
     return cfg.generators.max_new_tokens

@@ -154,13 +154,13 @@ def check_consistency(cfg: RunConfig) -> None:
     check_lora(cfg)
     mt = cfg.multiturn
     check_environments(mt)
-    if mt.environments and mt.max_episode_tokens > g.max_model_len:
+    if mt.has_episodes and mt.max_episode_tokens > g.max_model_len:
         raise ConfigError(
             "bad value for 'multiturn.max_episode_tokens': an episode must fit the engine's "
             f"generators.max_model_len ({g.max_model_len})"
         )
     if (
-        mt.environments
+        mt.has_episodes
         and cfg.data.max_prompt_length
         and cfg.data.max_prompt_length + g.max_new_tokens > mt.max_episode_tokens
     ):

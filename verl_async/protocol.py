@@ -88,6 +88,12 @@ class EpisodeStats(msgspec.Struct, frozen=True, array_like=True):
     template_mismatch: bool  # the incremental tokens differ from a full render of the conversation
     env_reward: float  # the sum of the environment's per-turn rewards (before env_reward_weight)
     tool_parse_errors: int = 0  # turns whose tool calls could not be parsed (malformed)
+    # An agent's episode through the chat endpoint may give several samples (a call that
+    # rewrote the conversation starts a new one, counted in prefix_breaks): ``episode`` is
+    # the index (0 .. group size - 1) of the episode this sample belongs to, its samples
+    # consecutive; -1: one sample per episode, sample i is episode i.
+    prefix_breaks: int = 0
+    episode: int = -1
 
 
 class RolloutGroup(msgspec.Struct, frozen=True, kw_only=True):

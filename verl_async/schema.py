@@ -202,10 +202,28 @@ class EnvironmentConfig(_Section):
     instance's thread, one at a time."""
 
 
+class AgentConfig(_Section):
+    agent: str
+    """An agent program, ``package.module:function``: ``async def agent(client, row)``
+    where ``client`` is an ``openai.AsyncOpenAI`` whose base URL is this generator's chat
+    endpoint (one per episode) and ``row`` the prompt's ``EnvRow``; it returns the
+    episode's reward (a number) or None (docs/agents.md)."""
+    args: dict[str, Any] = {}
+    """Keyword arguments passed to the agent after ``client`` and ``row``."""
+    data_sources: list[str] = []
+    """The data sources whose prompts this agent runs (empty: every source no environment
+    or other agent names)."""
+    max_calls: PosInt = 16
+    """Chat-completions calls one episode may make; later ones are refused (HTTP 400)."""
+
+
 class MultiTurnConfig(_Section):
     environments: list[EnvironmentConfig] = []
     """Environments that turn prompts into multi-turn episodes (tool calls, feedback,
     games). Empty: every prompt gets one response."""
+    agents: list[AgentConfig] = []
+    """Agent programs that run prompts as episodes through this generator's
+    OpenAI-compatible endpoint, recorded token for token (docs/agents.md)."""
     max_turns: PosInt = 4
     """Sampled turns an episode may take (each at most ``generators.max_new_tokens``)."""
     max_observation_tokens: PosInt = 256
@@ -249,6 +267,11 @@ class MultiTurnConfig(_Section):
     max_tool_response_tokens: PosInt = 256
     """Tokens one tool result may take; a longer one is cut (marked, and counted as a
     tool error). The whole observation is still bounded by ``max_observation_tokens``."""
+
+    @property
+    def has_episodes(self) -> bool:
+        """Whether some prompts run as episodes (of an environment or an agent)."""
+        return bool(self.environments or self.agents)
 
 
 class LearnerConfig(_Section):

@@ -309,3 +309,13 @@ def test_soak(tmp_path):
     assert {"buffer", "generators", "learners"} <= set(result["roles"])
     assert all(s["late_mib"] > 0 for s in result["roles"].values())
     assert "generators:" in out
+
+
+@pytest.mark.bench
+def test_agent_throughput(tmp_path):
+    out_file = tmp_path / "throughput.json"
+    out = _run("agent_throughput.py", ["--groups", "2", "--rounds", "1", "--out", str(out_file)])
+    result = json.loads(out_file.read_text())
+    for path in ("env", "agent"):
+        assert result[path]["samples_per_s"] > 0 and result[path]["turns_per_episode"] >= 1
+    assert result["ratio_samples"] > 0 and "agent /" in out

@@ -218,6 +218,16 @@ def crashed_and_resumed_multiturn(tmp_path_factory) -> Path:
     )
 
 
+@pytest.fixture(scope="module")
+def crashed_and_resumed_agents(tmp_path_factory) -> Path:
+    return _crash_and_resume(
+        tmp_path_factory.mktemp("crash_agents"),
+        ["eval.every_steps=0", "trainer.total_steps=24"],
+        config="configs/tiny_agent.yaml",
+        crashes=1,
+    )
+
+
 def _crash_and_resume(
     tmp: Path,
     extra: list[str],
@@ -365,6 +375,16 @@ def test_exactly_once_holds_with_multi_turn_episodes_in_flight(crashed_and_resum
     rows = _rows(run_dir / "metrics.jsonl")
     assert all("multiturn/turns_mean" in r for r in rows)
     assert any(r["multiturn/turns_max"] > 1 for r in rows)
+
+
+def test_exactly_once_holds_with_agent_episodes_in_flight(crashed_and_resumed_agents):
+    """An agent's episodes in flight at a kill run again from the start (their group is
+    issued again to the new generator, whose endpoint has none of the old keys)."""
+    run_dir = crashed_and_resumed_agents
+    _audit_exactly_once(run_dir, resumes=1)
+    rows = _rows(run_dir / "metrics.jsonl")
+    assert all("multiturn/turns_mean" in r for r in rows)
+    assert sum(r["multiturn/tool_calls"] for r in rows) > 0
 
 
 def _audit_exactly_once(run_dir: Path, resumes: int = 3) -> None:

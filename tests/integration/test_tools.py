@@ -24,10 +24,10 @@ def measure(run_dir: Path) -> list[Check]:
     last = rows(run_dir / "metrics.jsonl")[-WINDOW:]
     calls = sum(r["multiturn/tool_calls"] for r in last) / len(last)
     return [
-        rise(run_dir, "reward/correct", WINDOW, 0.2),
+        rise(run_dir, "reward/correct", WINDOW, 0.5),
         Check("tool calls per episode, last window", calls, 0.5),
         Check(f"eval reward rise ({first_eval:.3f} -> {last_eval:.3f})",
-              last_eval - first_eval, 0.2),
+              last_eval - first_eval, 0.5),
     ]  # fmt: skip
 
 

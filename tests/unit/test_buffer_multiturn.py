@@ -94,6 +94,14 @@ def test_a_valid_multiturn_group_is_unpacked_per_sample():
     assert (single.loss_masks, single.turn_rewards, single.episodes) == (None, None, [])
 
 
+def test_a_sample_may_begin_with_the_rest_of_its_own_prompt():
+    # Tokens that are not sampled before the first sampled one: the part of its prompt a
+    # sample does not share with its group's (an agent's episode); they train nothing.
+    mask = np.array([0, 0, 1, 0, 1, 1, 1, 1, 1, 1], np.uint8)
+    stored = unpack(*multiturn_group(mask=mask, rewards=None))
+    assert stored.loss_masks[0].tolist() == [0, 0, 1, 0, 1]
+
+
 def test_an_empty_sample_needs_no_sampled_first_or_last_token():
     group, frames = multiturn_group(episodes=[])
     stored = unpack(replace(group, lengths=[0, 10]), frames, limits=RolloutLimits())
@@ -118,13 +126,12 @@ def _rejections():
     g, f = multiturn_group()
     at = lambda array, i, value: np.concatenate([array[:i], [value], array[i + 1 :]])  # noqa: E731
     mask_refused = "each value is 1 (sampled) or 0 (observation)"
-    edge = "(loss_mask 0); a response starts and ends with sampled tokens"
+    edge = "(loss_mask 0); a response ends with a sampled token"
     cases = [
         (dict(mask=MASK.astype(np.int32)), "loss_mask must be a 1-D uint8 tensor, got 'int32' of shape (10,)"),
         (dict(mask=MASK.reshape(2, 5)), "loss_mask must be a 1-D uint8 tensor, got 'uint8' of shape (2, 5)"),
         (dict(mask=at(MASK, 2, 2).astype(np.uint8)), f"loss_mask holds 2; {mask_refused}"),
         (dict(mask=MASK[:9]), "loss_mask holds 9 values, lengths add up to 10 tokens"),
-        (dict(mask=at(MASK, 5, 0).astype(np.uint8)), f"sample 1 starts on an observation token {edge}"),
         (dict(mask=at(MASK, 4, 0).astype(np.uint8), rewards=None), f"sample 0 ends on an observation token {edge}"),
         (dict(rewards=REWARDS.astype(np.float16)), "turn_rewards must be a 1-D float32 tensor, got 'float16' of shape (10,)"),
         (dict(rewards=REWARDS[:9]), "turn_rewards holds 9 values, lengths add up to 10 tokens"),
@@ -169,7 +176,7 @@ def _acceptable(mask: list[int], rewards: list[float], ver: list[int]) -> bool:
             return False
         if m == 1 and not lo <= v <= hi:
             return False
-    return all(mask[at] == 1 for at in (0, 4, 5, 9))  # each sample's first and last token
+    return all(mask[at] == 1 for at in (4, 9))  # each sample's last token
 
 
 @st.composite
@@ -177,7 +184,7 @@ def bent_columns(draw) -> tuple[list[int], list[float], list[int]]:
     """(mask, turn rewards, versions) of a valid multi-turn group with up to two tokens
     bent: a mask value, a reward or a version anyone may send."""
     mask = draw(st.lists(st.integers(0, 1), min_size=10, max_size=10))
-    for at in (0, 4, 5, 9):  # each sample's first and last token
+    for at in (4, 9):  # each sample's last token
         mask[at] = 1
     rewards = [draw(st.sampled_from([0.0, 0.5])) if m else 0.0 for m in mask]
     ver = [draw(st.integers(*VERSIONS)) if m else draw(st.integers(0, 9)) for m in mask]

@@ -430,6 +430,7 @@ def test_episode_metrics_pinned():
         "multiturn/tool_errors": 2,
         "multiturn/tool_timeouts": 1,
         "multiturn/tool_parse_errors": 2,
+        "multiturn/prefix_breaks": 0,
         "multiturn/env_seconds": pytest.approx(4.0 / 3),
         "multiturn/observation_tokens": 20.0,
         "multiturn/sampled_tokens": 22.0,

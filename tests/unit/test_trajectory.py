@@ -54,3 +54,19 @@ def test_a_single_turn_group_packs_without_a_mask_and_an_episode_group_with_one(
     assert packed.episodes == [_stats(1)] * 2
     with pytest.raises(ValueError, match="mixes"):
         pack(PROMPT, [a, e])
+
+
+def test_episodes_from_different_prompts_share_their_common_prefix_and_keep_every_token():
+    def episode(prompt, sampled):
+        n = len(sampled)
+        t = Trajectory(prompt).add_turn(Sample(sampled, [-0.5] * n, [4] * n), "x")
+        return t.finish(_stats(1), [])
+
+    a, b = episode([1, 2, 3, 4], [9]), episode([1, 2, 5], [8, 8])
+    packed = pack(PROMPT, [a, b])
+    assert packed.prompt_ids == [1, 2]
+    assert packed.tokens.tolist() == [3, 4, 9, 5, 8, 8]  # each sample's whole sequence
+    assert packed.loss_mask.tolist() == [0, 0, 1, 0, 1, 1]
+    assert packed.logprobs.tolist() == [0.0, 0.0, -0.5, 0.0, -0.5, -0.5]
+    assert packed.versions.tolist() == [4, 4, 4, 4, 4, 4] and packed.lengths == [3, 3]
+    assert a.prompt_ids == [1, 2, 3, 4]  # the trajectories themselves are left as they were

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from verl_async.config_base import ConfigError, check_finite32
 from verl_async.numerics import finite32
-from verl_async.schema import EnvironmentConfig, MultiTurnConfig
+from verl_async.schema import AgentConfig, EnvironmentConfig, MultiTurnConfig
 
 Message = dict[str, str]
 StepResult = tuple[list[Message], float | None, bool]
@@ -161,6 +161,30 @@ def load_environment(spec: EnvironmentConfig, key: str) -> type:
     return cls
 
 
+def load_agent(agent: AgentConfig, key: str) -> Any:
+    """The ``async def`` function ``agent.agent`` names; any failure raises ConfigError
+    naming ``<key>.agent``."""
+    import inspect
+
+    where = f"bad value for '{key}.agent'"
+    module_name, _, attr = agent.agent.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # an agent's own import may fail in any way
+        raise ConfigError(
+            f"{where}: module '{module_name}' cannot be imported ({type(exc).__name__}: {exc})"
+        ) from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise ConfigError(f"{where}: module '{module_name}' has no '{attr}'")
+    if not inspect.iscoroutinefunction(fn):
+        raise ConfigError(
+            f"{where}: '{agent.agent}' is not an async def function (an agent is "
+            "'async def agent(client, row, **args)')"
+        )
+    return fn
+
+
 def make_environment(cls: type, spec: EnvironmentConfig, key: str) -> Any:
     """A new instance of ``cls`` built with ``spec.args``; arguments it refuses (TypeError,
     ValueError) raise ConfigError naming ``<key>.args``."""
@@ -172,36 +196,43 @@ def make_environment(cls: type, spec: EnvironmentConfig, key: str) -> Any:
 
 def check_environments(mt: MultiTurnConfig) -> None:
     """The checks of ``multiturn`` that import nothing: ``env_reward_weight`` finite in
-    float32, the form of every ``env``, no data source named by two environments, at most
-    one catch-all (an environment with no ``data_sources``)."""
+    float32, the form of every ``env`` and ``agent``, no data source named by two entries
+    (environments and agents together), at most one catch-all (an entry with no
+    ``data_sources``)."""
     check_finite32("multiturn.env_reward_weight", mt.env_reward_weight)
-    if any(spec.tools or spec.methods_as_tools for spec in mt.environments):
+    if any(spec.tools or spec.methods_as_tools for spec in mt.environments) or mt.agents:
         from verl_async.tools.parsers import check_parser_name
 
         check_parser_name(mt.tool_parser, "multiturn.tool_parser")
-    claimed: dict[str, int] = {}
-    catch_all: int | None = None
-    for i, spec in enumerate(mt.environments):
-        key = f"multiturn.environments[{i}]"
-        if not ENV_PATTERN.match(spec.env):
-            raise ConfigError(
-                f"bad value for '{key}.env': '{spec.env}' is not of the form package.module:Class"
-            )
-        if not spec.data_sources:
+    claimed: dict[str, str] = {}
+    catch_all: str | None = None
+    for key, name, sources in _routed(mt):
+        if not ENV_PATTERN.match(name):
+            field_ = "agent" if key.startswith("multiturn.agents") else "env"
+            what = "package.module:function" if field_ == "agent" else "package.module:Class"
+            raise ConfigError(f"bad value for '{key}.{field_}': '{name}' is not of the form {what}")
+        if not sources:
             if catch_all is not None:
                 raise ConfigError(
                     f"bad value for '{key}.data_sources': empty, and so is that of "
-                    f"multiturn.environments[{catch_all}]; at most one environment may take "
-                    "every data source the others do not name"
+                    f"{catch_all}; at most one entry may take every data source the others "
+                    "do not name"
                 )
-            catch_all = i
-        for source in spec.data_sources:
+            catch_all = key
+        for source in sources:
             if source in claimed:
                 raise ConfigError(
-                    f"bad value for '{key}.data_sources': '{source}' is already "
-                    f"multiturn.environments[{claimed[source]}]'s"
+                    f"bad value for '{key}.data_sources': '{source}' is already {claimed[source]}'s"
                 )
-            claimed[source] = i
+            claimed[source] = key
+
+
+def _routed(mt: MultiTurnConfig):
+    """(key, class or function, data sources) of every environment and agent entry."""
+    for i, spec in enumerate(mt.environments):
+        yield f"multiturn.environments[{i}]", spec.env, spec.data_sources
+    for i, agent in enumerate(mt.agents):
+        yield f"multiturn.agents[{i}]", agent.agent, agent.data_sources
 
 
 class EnvironmentTable:
@@ -217,12 +248,15 @@ class EnvironmentTable:
             (spec, load_environment(spec, f"multiturn.environments[{i}]"))
             for i, spec in enumerate(mt.environments)
         ]
-        self._by_source = {
-            source: i for i, (spec, _) in enumerate(self.entries) for source in spec.data_sources
-        }
-        self._catch_all = next(
-            (i for i, (spec, _) in enumerate(self.entries) if not spec.data_sources), None
-        )
+        self.agents: list[tuple[AgentConfig, Any]] = [
+            (agent, load_agent(agent, f"multiturn.agents[{i}]"))
+            for i, agent in enumerate(mt.agents)
+        ]
+        # Data source -> ("env" | "agent", index); None: the catch-all's, if any.
+        routes = [("env", i, spec.data_sources) for i, spec in enumerate(mt.environments)]
+        routes += [("agent", i, a.data_sources) for i, a in enumerate(mt.agents)]
+        self._by_source = {source: (kind, i) for kind, i, sources in routes for source in sources}
+        self._catch_all = next(((kind, i) for kind, i, sources in routes if not sources), None)
         # Each entry's tools, loaded now too (a function that cannot be imported, or whose
         # schema cannot be derived, fails at start naming its key): (functions, methods).
         self.tools: list[tuple[list, list]] = [
@@ -237,14 +271,24 @@ class EnvironmentTable:
             if tools or methods:
                 yield spec, tools, methods
 
+    def _route(self, data_source: str) -> tuple[str, int] | None:
+        return self._by_source.get(data_source, self._catch_all)
+
     def spec_for(self, data_source: str) -> tuple[int, EnvironmentConfig, type] | None:
         """(index, config entry, class) of the environment for ``data_source``: the one
-        that names it, else the catch-all, else None (its prompts stay single-turn)."""
-        i = self._by_source.get(data_source, self._catch_all)
-        if i is None:
+        that names it, else the catch-all, else None (an agent's, or single-turn)."""
+        route = self._route(data_source)
+        if route is None or route[0] != "env":
             return None
-        spec, cls = self.entries[i]
-        return i, spec, cls
+        spec, cls = self.entries[route[1]]
+        return route[1], spec, cls
+
+    def agent_for(self, data_source: str) -> tuple[AgentConfig, Any] | None:
+        """(config entry, function) of the agent that runs ``data_source``'s prompts."""
+        route = self._route(data_source)
+        if route is None or route[0] != "agent":
+            return None
+        return self.agents[route[1]]
 
 
 def _load_tools(spec: EnvironmentConfig, cls: type, key: str) -> tuple[list, list]:

@@ -1,0 +1,1 @@
+"""Example programs trained by verl-async configs (docs/agents.md)."""

@@ -1,0 +1,94 @@
+"""Agent programs through the chat endpoint, in real processes: buffer, generator,
+learner. The example ReAct agent (examples/react_agent.py, the plain openai client)
+learns the tiny task in a synchronous run whose bars hold over seeds
+(``benchmarks/margins.py --suite agents``); agents that rewrite their history, raise,
+hang, never call the model or return what is not a reward cost only their own episodes,
+counted. Exactly-once across SIGKILL with agent episodes in flight is in
+test_checkpoint_resume.py; the endpoint itself, with the openai client on both engines,
+in test_endpoint.py."""
+
+import json
+from pathlib import Path
+
+import yaml
+
+from .conftest import ROOT, processes_mentioning, run_cli
+from .learning import Case, Check, failed, rise, rows
+
+CONFIG = "configs/tiny_agent.yaml"
+LEARN_STEPS, WINDOW = 200, 20
+
+
+def measure(run_dir: Path) -> list[Check]:
+    """The final answer's score rises (only a call and a copy beat one in ten), the agent's
+    calls reach the tool, and greedy held-out episodes improve."""
+    evals = rows(run_dir / "eval.jsonl")
+    first_eval, last_eval = evals[0]["eval/reward_mean"], evals[-1]["eval/reward_mean"]
+    last = rows(run_dir / "metrics.jsonl")[-WINDOW:]
+    calls = sum(r["multiturn/tool_calls"] for r in last) / len(last)
+    return [
+        rise(run_dir, "reward/correct", WINDOW, 0.5),
+        Check("tool calls per episode, last window", calls, 0.5),
+        Check(f"eval reward rise ({first_eval:.3f} -> {last_eval:.3f})",
+              last_eval - first_eval, 0.5),
+    ]  # fmt: skip
+
+
+CASES = {"hf": Case(CONFIG, (f"trainer.total_steps={LEARN_STEPS}",), measure)}
+
+
+def test_the_example_agent_learns_through_the_endpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    res = run_cli(CASES["hf"].args(run_dir), timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    metrics = rows(run_dir / "metrics.jsonl")
+    assert len(metrics) == LEARN_STEPS
+    checks = CASES["hf"].measure(run_dir)
+    assert not failed(checks), failed(checks)
+    for r in metrics:
+        assert r["multiturn/tool_errors"] == 0 and r["multiturn/tool_timeouts"] == 0
+        assert r["multiturn/versions_spanned_max"] == 0  # synchronous
+        assert r["multiturn/prefix_breaks"] == 0  # every call extends the one before
+    assert not processes_mentioning(str(run_dir)), "processes outlived the run"
+
+
+HOSTILE = ["rewrites", "raises", "hangs", "silent", "bad_reward"]
+
+
+def test_agent_faults_and_rewritten_histories_cost_only_their_own_episodes(tmp_path):
+    cfg = yaml.safe_load((ROOT / CONFIG).read_text())
+    cfg["multiturn"]["agents"] = [
+        {"agent": f"tests.hostile_agents:{name}", "data_sources": [name]} for name in HOSTILE
+    ]
+    cfg["multiturn"]["episode_timeout_s"] = 3.0
+    data = tmp_path / "rows.jsonl"
+    with data.open("w") as f:
+        for i in range(400):
+            source = HOSTILE[i % len(HOSTILE)]
+            f.write(json.dumps({"prompt": "secret =", "answer": str(i % 10),
+                                "data_source": source}) + "\n")  # fmt: skip
+    cfg["data"]["path"] = str(data)
+    cfg["data"]["val_path"] = ""
+    cfg["eval"]["every_steps"] = 0
+    config = tmp_path / "hostile.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    run_dir = tmp_path / "run"
+    steps = 6
+    res = run_cli(["train", str(config), "--run-dir", str(run_dir),
+                   f"trainer.total_steps={steps}"], timeout=600)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    metrics = rows(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in metrics] == list(range(steps))
+    total = lambda key: sum(r[key] for r in metrics)  # noqa: E731
+    # The rewriting agent's episodes gave two samples each, counted as breaks; groups are
+    # still counted in episodes (the buffer took them).
+    assert total("multiturn/prefix_breaks") > 0
+    assert total("multiturn/tool_errors") > 0  # raised, or returned "very good"
+    assert total("multiturn/tool_timeouts") > 0  # hung past episode_timeout_s
+    assert total("multiturn/budget_hits/episode_timeout") > 0
+    assert min(r["multiturn/turns_mean"] for r in metrics) >= 0  # silent: no turns
+    log = (run_dir / "logs" / "generator0.log").read_text()
+    for says in ("raised RuntimeError: the agent broke", "passed multiturn.episode_timeout_s",
+                 "returned 'very good'"):  # fmt: skip
+        assert log.count(says) == 1, says  # logged once, then only counted
+    assert not processes_mentioning(str(run_dir)), "processes outlived the run"
