@@ -3,7 +3,8 @@ the bounded number types. No torch, no vLLM (``verl-async --help`` stays instant
 
 from __future__ import annotations
 
-from typing import Annotated
+import importlib
+from typing import Annotated, Any
 
 import msgspec
 
@@ -33,3 +34,21 @@ def check_finite32(key: str, value: float) -> None:
             f"bad value for '{key}': {value!r} is not a finite number in float32 (rewards are "
             "trained in float32, which holds magnitudes below 3.4e38)"
         )
+
+
+def import_named(spec: str, key: str) -> Any:
+    """What ``spec`` (``package.module:attr``, its form checked by the caller) names, imported;
+    a module that fails to import, in any way, or has no such attribute raises ConfigError
+    naming ``key`` (an environment's class, an agent, a tool: code of the user's)."""
+    where = f"bad value for '{key}'"
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # the user's module may fail to import in any way
+        raise ConfigError(
+            f"{where}: module '{module_name}' cannot be imported ({type(exc).__name__}: {exc})"
+        ) from None
+    value = getattr(module, attr, None)
+    if value is None:
+        raise ConfigError(f"{where}: module '{module_name}' has no '{attr}'")
+    return value

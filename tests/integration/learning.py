@@ -88,3 +88,20 @@ def fall(run_dir: Path, key: str, window: int, min_fall: float) -> Check:
 
 def failed(checks: list[Check]) -> list[str]:
     return [str(c) for c in checks if not c.passed]
+
+
+def tool_use(run_dir: Path, window: int, bar: float) -> list[Check]:
+    """The tiny tool task (configs/tiny_tools.yaml, configs/tiny_agent.yaml): the final
+    answer's score rises by more than ``bar`` (only a call and a copy beat one in ten), the
+    policy calls the tool (more than 0.5 calls an episode in the last window), and greedy
+    held-out episodes improve by more than ``bar``."""
+    evals = rows(run_dir / "eval.jsonl")
+    first_eval, last_eval = evals[0]["eval/reward_mean"], evals[-1]["eval/reward_mean"]
+    last = rows(run_dir / "metrics.jsonl")[-window:]
+    calls = mean(r["multiturn/tool_calls"] for r in last)
+    return [
+        rise(run_dir, "reward/correct", window, bar),
+        Check("tool calls per episode, last window", calls, 0.5),
+        Check(f"eval reward rise ({first_eval:.3f} -> {last_eval:.3f})",
+              last_eval - first_eval, bar),
+    ]  # fmt: skip

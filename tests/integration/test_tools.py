@@ -10,25 +10,14 @@ machine's speed (``benchmarks/margins.py --suite tools``; tests/integration/lear
 from pathlib import Path
 
 from .conftest import processes_mentioning, run_cli
-from .learning import Case, Check, failed, rise, rows
+from .learning import Case, Check, failed, rows, tool_use
 
 CONFIG = "configs/tiny_tools.yaml"
 LEARN_STEPS, WINDOW = 200, 20
 
 
 def measure(run_dir: Path) -> list[Check]:
-    """The answer's score rises (only a call and a copy beat one in ten), the policy calls
-    the tool, and greedy held-out episodes improve."""
-    evals = rows(run_dir / "eval.jsonl")
-    first_eval, last_eval = evals[0]["eval/reward_mean"], evals[-1]["eval/reward_mean"]
-    last = rows(run_dir / "metrics.jsonl")[-WINDOW:]
-    calls = sum(r["multiturn/tool_calls"] for r in last) / len(last)
-    return [
-        rise(run_dir, "reward/correct", WINDOW, 0.5),
-        Check("tool calls per episode, last window", calls, 0.5),
-        Check(f"eval reward rise ({first_eval:.3f} -> {last_eval:.3f})",
-              last_eval - first_eval, 0.5),
-    ]  # fmt: skip
+    return tool_use(run_dir, WINDOW, 0.5)
 
 
 CASES = {"hf": Case(CONFIG, (f"trainer.total_steps={LEARN_STEPS}",), measure)}

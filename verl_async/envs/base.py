@@ -17,13 +17,13 @@ runs the prompts of a data source.
 
 from __future__ import annotations
 
-import importlib
+import inspect
 import re
 from collections.abc import Awaitable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from verl_async.config_base import ConfigError, check_finite32
+from verl_async.config_base import ConfigError, check_finite32, import_named
 from verl_async.numerics import finite32
 from verl_async.schema import AgentConfig, EnvironmentConfig, MultiTurnConfig
 
@@ -140,16 +140,7 @@ def load_environment(spec: EnvironmentConfig, key: str) -> type:
     where = f"bad value for '{key}.env'"
     if not ENV_PATTERN.match(spec.env):
         raise ConfigError(f"{where}: '{spec.env}' is not of the form package.module:Class")
-    module_name, _, attr = spec.env.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # an environment's own import may fail in any way
-        raise ConfigError(
-            f"{where}: module '{module_name}' cannot be imported ({type(exc).__name__}: {exc})"
-        ) from None
-    cls = getattr(module, attr, None)
-    if cls is None:
-        raise ConfigError(f"{where}: module '{module_name}' has no '{attr}'")
+    cls = import_named(spec.env, f"{key}.env")
     if not isinstance(cls, type):
         raise ConfigError(f"{where}: '{spec.env}' is not a class ({type(cls).__name__})")
     missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
@@ -164,23 +155,11 @@ def load_environment(spec: EnvironmentConfig, key: str) -> type:
 def load_agent(agent: AgentConfig, key: str) -> Any:
     """The ``async def`` function ``agent.agent`` names; any failure raises ConfigError
     naming ``<key>.agent``."""
-    import inspect
-
-    where = f"bad value for '{key}.agent'"
-    module_name, _, attr = agent.agent.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # an agent's own import may fail in any way
-        raise ConfigError(
-            f"{where}: module '{module_name}' cannot be imported ({type(exc).__name__}: {exc})"
-        ) from None
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise ConfigError(f"{where}: module '{module_name}' has no '{attr}'")
+    fn = import_named(agent.agent, f"{key}.agent")
     if not inspect.iscoroutinefunction(fn):
         raise ConfigError(
-            f"{where}: '{agent.agent}' is not an async def function (an agent is "
-            "'async def agent(client, row, **args)')"
+            f"bad value for '{key}.agent': '{agent.agent}' is not an async def function (an "
+            "agent is 'async def agent(client, row, **args)')"
         )
     return fn
 

@@ -35,7 +35,6 @@ malformed, two tools of one name) raise ``ConfigError`` naming the key, as
 from __future__ import annotations
 
 import copy
-import importlib
 import inspect
 import json
 import math
@@ -45,7 +44,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from verl_async.config_base import ConfigError
+from verl_async.config_base import ConfigError, import_named
 
 NAME = re.compile(r"^[A-Za-z_][\w-]*$")
 SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -217,16 +216,7 @@ def import_callable(spec: str, key: str) -> Callable[..., Any]:
     where = f"bad value for '{key}'"
     if not isinstance(spec, str) or not SPEC.match(spec):
         raise ConfigError(f"{where}: {spec!r} is not of the form package.module:function")
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # a tool's module may fail to import in any way
-        raise ConfigError(
-            f"{where}: module '{module_name}' cannot be imported ({type(exc).__name__}: {exc})"
-        ) from None
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise ConfigError(f"{where}: module '{module_name}' has no '{attr}'")
+    fn = import_named(spec, key)
     if not callable(fn):
         raise ConfigError(f"{where}: '{spec}' is not callable (it is a {type(fn).__name__})")
     return fn
