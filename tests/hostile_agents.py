@@ -37,3 +37,14 @@ async def silent(client, row):
 async def bad_reward(client, row):
     await _ask(client, [{"role": "user", "content": row.prompt}])
     return "very good"
+
+
+async def slow(client, row, sleep_s: float):
+    """Two calls with ``sleep_s`` between them (longer than a lease, in the test)."""
+    messages = [{"role": "user", "content": row.prompt}]
+    reply = await client.chat.completions.create(model="policy", messages=messages)
+    messages.append({"role": "assistant", "content": reply.choices[0].message.content or ""})
+    await asyncio.sleep(sleep_s)
+    messages.append({"role": "user", "content": "secret"})
+    await client.chat.completions.create(model="policy", messages=messages)
+    return None

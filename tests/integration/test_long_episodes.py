@@ -1,4 +1,4 @@
-"""Agent episodes longer than ``buffer.lease_timeout_s``, through real processes: one
+"""Episodes longer than ``buffer.lease_timeout_s``, through real processes: one
 generator keeps its groups by renewing their leases, and the groups that outlive even
 ``buffer.lease_max_s`` are issued again to that same generator, which runs each group
 once at a time and does not die of its late copies.
@@ -18,7 +18,9 @@ max-digit prompts of two data sources, one turn per episode (tests/slow_env.py):
 The verdict does not depend on the machine's speed: every "slow" episode outlives its
 lease and every first "once" copy outlives the cap whatever the engine's pace, so the run
 must end with every group trained once, exactly the 8 "once" groups' leases run out (each
-once, at the cap), and no process restarted.
+once, at the cap), and no process restarted. The same holds for an agent program's
+episodes through the chat endpoint (``configs/tiny_agent.yaml``, an agent that waits
+1.5 x lease_timeout_s between its two calls).
 """
 
 from __future__ import annotations
@@ -105,4 +107,34 @@ def test_episodes_longer_than_their_lease_train_every_group_once_without_a_resta
     # The generator cancelled each stalled copy (told by a renewal or by the re-issue).
     cancelled = logs["generator0.log"].count("cancelled")
     assert cancelled >= 1, logs["generator0.log"][-2000:]
+    assert not processes_mentioning(str(run_dir)), "processes outlived the run"
+
+
+def test_agent_episodes_longer_than_their_lease_train_every_group_once(tmp_path):
+    """An agent through the chat endpoint whose every episode waits 1.5 x lease_timeout_s
+    between its two calls (tests/hostile_agents.py: slow): renewals keep each group, every
+    group is trained once, nothing restarts, and each episode stays one sample."""
+    agents = [{"agent": "tests.hostile_agents:slow", "args": {"sleep_s": 1.5 * LEASE_S}}]
+    run_dir = tmp_path / "run"
+    res = run_cli(
+        ["train", "configs/tiny_agent.yaml", "--run-dir", str(run_dir),
+         f"data.path={_data(tmp_path)}", "eval.every_steps=0", "checkpoint.every_steps=0",
+         f"trainer.total_steps={STEPS}", f"learner.groups_per_step={B}",
+         f"generators.group_size={GROUP_SIZE}", f"multiturn.agents={json.dumps(agents)}",
+         f"buffer.lease_timeout_s={LEASE_S}", f"buffer.lease_max_s={10 * CAP_S}"],
+        timeout=400,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "restart" not in res.stderr, res.stderr[-3000:]
+    trail, rows = _rows(run_dir / "trained.jsonl"), _rows(run_dir / "metrics.jsonl")
+    assert [t["step"] for t in trail] == [r["step"] for r in rows] == list(range(STEPS))
+    groups = [g for t in trail for g, _ in t["groups"]]
+    assert sorted(groups) == list(range(STEPS * B)), "a group was lost or trained twice"
+    assert all(r["samples"] == B * GROUP_SIZE for r in rows)  # one sample an episode
+    assert all(r["multiturn/prefix_breaks"] == 0 for r in rows)
+    assert all(r["multiturn/turns_mean"] == 2 for r in rows)  # both calls, one sample
+    agent_seconds = sum(r["multiturn/env_seconds"] * r["samples"] for r in rows)
+    assert agent_seconds >= STEPS * B * GROUP_SIZE * 1.5 * LEASE_S * 0.99, agent_seconds
+    assert rows[-1]["leases_renewed"] > 0 and rows[-1]["leases_expired"] == 0
+    assert all(0 <= r["multiturn/versions_spanned_max"] <= 2 for r in rows)
     assert not processes_mentioning(str(run_dir)), "processes outlived the run"
