@@ -159,8 +159,9 @@ class AgentRunner:
         self, trace: EpisodeTrace, group, reward, fault: str, seconds: float, index: int
     ) -> list[Trajectory]:
         samples = trace.samples() or [TraceSample(list(group.prompt_ids))]
-        final = trace.calls[-1].reply.get("content") or "" if trace.calls else ""
-        messages = [*trace.calls[-1].messages, trace.calls[-1].reply] if trace.calls else []
+        last = trace.calls[-1] if trace.calls else None
+        final = (last.reply.get("content") or "") if last else ""
+        messages = [*last.messages, last.reply] if last else []
         weighted = self.mt.env_reward_weight * reward if reward is not None else None
         if weighted is not None and not finite32(weighted):
             weighted, fault = None, "error"

@@ -21,15 +21,17 @@ import functools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from generators.env_threads import EnvCallError, EnvThreads, InstanceThread
 from generators.render import Renderer
-from generators.tool_calls import ToolBox
 from verl_async import protocol as P
 from verl_async.envs import EnvRow, Step, as_prompt, as_step
 from verl_async.numerics import finite32
 from verl_async.schema import EnvironmentConfig, MultiTurnConfig
+
+if TYPE_CHECKING:  # generators/tool_calls.py counts its calls in an episode's EnvCounts
+    from generators.tool_calls import ToolBox
 
 log = logging.getLogger("verl_async.generator")
 

@@ -47,7 +47,7 @@ from generators.trajectory import Trajectory
 from verl_async import protocol as P
 from verl_async.envs import EnvironmentTable
 from verl_async.schema import EnvironmentConfig, MultiTurnConfig
-from verl_async.tools.chat_templates import chat_template
+from verl_async.tools.chat_templates import tool_template
 
 # An observation's text is cut to this many characters per allowed token before it is
 # tokenized at all: a tool that returns megabytes costs no tokenizer time.
@@ -77,13 +77,8 @@ class EpisodeRunner:
         # The tools of each environment entry that has some, by the entry (its config).
         self.toolboxes: dict[int, ToolBox] = {}
         for spec, tools, methods in table.tool_entries() if table is not None else []:
-            template = (
-                chat_template(mt.tool_template, "multiturn.tool_template")
-                if mt.tool_template
-                else None
-            )
-            box = ToolBox(tools, methods, mt, tokenizer, renderer, template)
-            self.toolboxes[id(spec)] = box
+            template = tool_template(mt.tool_template)
+            self.toolboxes[id(spec)] = ToolBox(tools, methods, mt, tokenizer, renderer, template)
 
     async def run_group(
         self, spec: EnvironmentConfig, cls: type, group: P.PromptGroup, n: int, how: Sampling
@@ -183,13 +178,7 @@ class EpisodeRunner:
             method = functools.partial(_call_method, env, name, kwargs)
             return await self.envs.call(env, f"tool {name}", method, timeout_s=timeout_s)
 
-        answer = await tools.answer(parsed, env.deadline, on_instance)
-        c = env.counts
-        c.tool_calls += answer.counts.calls
-        c.tool_errors += answer.counts.errors
-        c.tool_timeouts += answer.counts.timeouts
-        c.tool_parse_errors += answer.counts.parse_errors
-        return answer.messages
+        return await tools.answer(parsed, env.deadline, env.counts, on_instance)
 
     def _observation(self, env: EnvInstance, messages: list[dict], counted: bool = False):
         """(messages, delta ids) of an observation within ``max_observation_tokens`` (a

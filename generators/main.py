@@ -40,12 +40,14 @@ from generators.interface import RolloutEngine, Sampling
 from generators.leases import HeldGroups, RolloutPusher
 from generators.render import Renderer
 from generators.startup import credentials, start_and_join
+from generators.tool_calls import templated
 from generators.trajectory import Trajectory, pack, single_turn
 from verl_async import placement
 from verl_async import protocol as P
 from verl_async.envs import EnvironmentTable
 from verl_async.rewards.scorer import GroupScores, Scorer
 from verl_async.runtime import RunContext, descendants_cpu, mark, mark_cpu
+from verl_async.tools.chat_templates import tool_template
 from verl_async.transport import AsyncBufferClient
 from verl_async.weight_sync import failure_line
 
@@ -410,21 +412,9 @@ class Generator:
 def agent_renderer(cfg, tokenizer) -> Renderer:
     """How the chat endpoint renders an agent's calls: the tokenizer's chat template, or
     ``multiturn.tool_template`` in its place; an agent needs one."""
-    from verl_async.config_base import ConfigError
-    from verl_async.tools.chat_templates import chat_template
-
-    mt = cfg.multiturn
-    template = (
-        chat_template(mt.tool_template, "multiturn.tool_template") if mt.tool_template else None
-    )
+    template = tool_template(cfg.multiturn.tool_template)
     renderer = Renderer(tokenizer, True, engine_eos_ids(tokenizer), template=template)
-    if not renderer.templated:
-        raise ConfigError(
-            "bad value for 'multiturn.tool_template': the tokenizer has no chat template, and "
-            "an agent's messages are rendered with one; name a template (chatml_tools, or a "
-            "Jinja file)"
-        )
-    return renderer
+    return templated(renderer, "an agent's messages go into")
 
 
 def engine_eos_ids(tokenizer) -> set[int]:

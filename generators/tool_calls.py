@@ -34,12 +34,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
+from generators.env_instances import EnvCounts
 from generators.env_threads import EnvCallError, error_text
 from generators.render import Renderer
 from verl_async.config_base import ConfigError
@@ -50,22 +51,6 @@ from verl_async.tools.schemas import Tool, ToolCallError, check_arguments, resul
 
 _CHARS_PER_TOKEN = 8  # a result is cut to this many characters per token before tokenizing
 _POOL_THREADS = 32  # threads of a box's pool for plain functions
-
-
-@dataclass
-class ToolCounts:
-    """What one turn's calls did."""
-
-    calls: int = 0
-    errors: int = 0
-    timeouts: int = 0
-    parse_errors: int = 0
-
-
-@dataclass
-class ToolAnswer:
-    messages: list[dict] = field(default_factory=list)
-    counts: ToolCounts = field(default_factory=ToolCounts)
 
 
 class ToolBox:
@@ -86,13 +71,7 @@ class ToolBox:
         self.tools = {t.name: t for t in tools}
         self.methods = {t.name: t for t in method_tools}  # bound per episode, by name
         self.schemas = [t.schema for t in [*tools, *method_tools]]
-        self.renderer = renderer.with_tools(self.schemas, template)
-        if not self.renderer.templated:
-            raise ConfigError(
-                "bad value for 'multiturn.tool_template': the tokenizer has no chat template, "
-                "and tools go into the prompt through one; name a template (chatml_tools, "
-                "or a Jinja file)"
-            )
+        self.renderer = templated(renderer.with_tools(self.schemas, template), "tools go into")
         self.parser = ToolCallParser(
             mt.tool_parser, tokenizer, self.schemas, "multiturn.tool_parser"
         )
@@ -104,29 +83,32 @@ class ToolBox:
         """Turn ``turn``'s calls (ids ``call_<turn>_<i>``), or its malformed ones."""
         return self.parser.parse(text, turn)
 
-    async def answer(self, parsed: ParsedTurn, deadline: float, on_instance=None) -> ToolAnswer:
-        """The turn's calls run at once, answered in call order; ``on_instance(name, fn,
-        kwargs, timeout_s)`` runs an environment's method on its instance's thread."""
-        answer = ToolAnswer()
+    async def answer(
+        self, parsed: ParsedTurn, deadline: float, counts: EnvCounts, on_instance=None
+    ) -> list[dict]:
+        """The turn's calls run at once and answered in call order, each counted in the
+        episode's ``counts``; ``on_instance(name, kwargs, timeout_s)`` runs an
+        environment's method on its instance's thread."""
+        messages = []
         calls = parsed.calls[: self.mt.max_parallel_calls]
         results = await asyncio.gather(*(self._run(call, deadline, on_instance) for call in calls))
         for call, (content, fault) in zip(calls, results, strict=True):
-            answer.messages.append(_tool_message(call, content))
-            answer.counts.calls += 1
-            answer.counts.errors += fault == "error"
-            answer.counts.timeouts += fault == "timeout"
+            messages.append(_tool_message(call, content))
+            counts.tool_calls += 1
+            counts.tool_errors += fault == "error"
+            counts.tool_timeouts += fault == "timeout"
         for call in parsed.calls[self.mt.max_parallel_calls :]:
             content = (
                 f"error: at most {self.mt.max_parallel_calls} tool calls run per turn; "
                 "this one did not run"
             )
-            answer.messages.append(_tool_message(call, content))
-            answer.counts.errors += 1
+            messages.append(_tool_message(call, content))
+            counts.tool_errors += 1
         if not parsed.calls:  # malformed: none ran (an unknown name is answered above)
             for problem in parsed.errors:
-                answer.messages.append({"role": "tool", "content": f"error: {problem}"[:300]})
-                answer.counts.parse_errors += 1
-        return answer
+                messages.append({"role": "tool", "content": f"error: {problem}"[:300]})
+                counts.tool_parse_errors += 1
+        return messages
 
     async def _run(self, call: ToolCall, deadline: float, on_instance) -> tuple[str, str]:
         """(what the model reads, "" or the fault: "error" or "timeout")."""
@@ -164,7 +146,7 @@ class ToolBox:
 
     def _limit(self, tool: Tool):
         if not tool.max_concurrent:
-            return _NoLimit()
+            return contextlib.nullcontext()
         if tool.name not in self._limits:
             self._limits[tool.name] = asyncio.Semaphore(tool.max_concurrent)
         return self._limits[tool.name]
@@ -197,19 +179,17 @@ class ToolBox:
             text, cut = self.tokenizer.decode(ids[:limit]), True
         return (text + " [truncated]", "error") if cut else (text, "")
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-
-
-class _NoLimit:
-    async def __aenter__(self) -> None:
-        return None
-
-    async def __aexit__(self, *exc) -> None:
-        return None
-
 
 def _tool_message(call: ToolCall, content: str) -> dict:
     return {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": content}
+
+
+def templated(renderer: Renderer, what: str) -> Renderer:
+    """``renderer`` if it renders with a chat template; else ConfigError naming
+    ``multiturn.tool_template`` (``what`` goes through one: tools, an agent's messages)."""
+    if not renderer.templated:
+        raise ConfigError(
+            f"bad value for 'multiturn.tool_template': the tokenizer has no chat template, and "
+            f"{what} the prompt through one; name a template (chatml_tools, or a Jinja file)"
+        )
+    return renderer

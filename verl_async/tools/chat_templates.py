@@ -45,3 +45,8 @@ def chat_template(value: str, key: str = "chat_template") -> str:
         f"bad value for '{key}': {value!r} is neither a template shipped here "
         f"({', '.join(shipped_templates())}) nor a file"
     )
+
+
+def tool_template(value: str) -> str | None:
+    """``multiturn.tool_template``'s text, or None when it is empty (the tokenizer's own)."""
+    return chat_template(value, "multiturn.tool_template") if value else None
