@@ -90,6 +90,20 @@ def failed(checks: list[Check]) -> list[str]:
     return [str(c) for c in checks if not c.passed]
 
 
+def train_and_check(case: Case, run_dir: Path, steps: int, timeout: float) -> list[dict]:
+    """The case's run (the configs' own seeds) to its end: every step logged, every check
+    passed; its metrics rows, for the test's own assertions."""
+    from .conftest import run_cli  # the integration tests' runner (margins.py has its own)
+
+    res = run_cli(case.args(run_dir), timeout=timeout)
+    assert res.returncode == 0, res.stderr[-3000:]
+    metrics = rows(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in metrics] == list(range(steps))
+    checks = case.measure(run_dir)
+    assert not failed(checks), failed(checks)
+    return metrics
+
+
 def tool_use(run_dir: Path, window: int, bar: float) -> list[Check]:
     """The tiny tool task (configs/tiny_tools.yaml, configs/tiny_agent.yaml): the final
     answer's score rises by more than ``bar`` (only a call and a copy beat one in ten), the

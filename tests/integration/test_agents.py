@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from .conftest import ROOT, processes_mentioning, run_cli
-from .learning import Case, Check, failed, rows, tool_use
+from .learning import Case, Check, rows, tool_use, train_and_check
 
 CONFIG = "configs/tiny_agent.yaml"
 LEARN_STEPS, WINDOW = 200, 20
@@ -28,12 +28,7 @@ CASES = {"hf": Case(CONFIG, (f"trainer.total_steps={LEARN_STEPS}",), measure)}
 
 def test_the_example_agent_learns_through_the_endpoint(tmp_path):
     run_dir = tmp_path / "run"
-    res = run_cli(CASES["hf"].args(run_dir), timeout=900)
-    assert res.returncode == 0, res.stderr[-3000:]
-    metrics = rows(run_dir / "metrics.jsonl")
-    assert len(metrics) == LEARN_STEPS
-    checks = CASES["hf"].measure(run_dir)
-    assert not failed(checks), failed(checks)
+    metrics = train_and_check(CASES["hf"], run_dir, LEARN_STEPS, timeout=900)
     for r in metrics:
         assert r["multiturn/tool_errors"] == 0 and r["multiturn/tool_timeouts"] == 0
         assert r["multiturn/versions_spanned_max"] == 0  # synchronous

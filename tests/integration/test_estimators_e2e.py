@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import run_cli
-from .learning import Case, Check, failed, mean, rise, rows
+from .learning import Case, Check, mean, rise, rows, train_and_check
 
 STEPS = 100
 WINDOW = 20
@@ -77,13 +76,8 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_estimator_learns_the_tiny_task(tmp_path, case):
-    run_dir = tmp_path / case
-    res = run_cli(CASES[case].args(run_dir), timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    metrics = rows(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in metrics] == list(range(STEPS))
+    metrics = train_and_check(CASES[case], tmp_path / case, STEPS, timeout=600)
     assert all(r["staleness_max"] == 0 for r in metrics)
-    assert not failed(CASES[case].measure(run_dir)), failed(CASES[case].measure(run_dir))
     for row in metrics:
         assert row["critic/advantages/mean"] == row["critic/advantages/mean"]  # not NaN
         assert 0 <= row["actor/pg_clipfrac"] <= 1 and 0 <= row["actor/pg_clipfrac_lower"] <= 1

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import ROOT, processes_mentioning, run_cli
-from .learning import Case, Check, failed, fall, rise, rows
+from .learning import Case, Check, fall, rise, rows, train_and_check
 
 CONFIG = "configs/tiny_multiturn.yaml"
 
@@ -49,12 +49,7 @@ def test_tiny_multiturn_learns(tmp_path):
     """Synchronous (tests/integration/learning.py), on the transformers engine; the
     asynchronous path of episodes on both engines is the test below."""
     run_dir = tmp_path / "run"
-    res = run_cli(CASES["hf"].args(run_dir), timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    metrics = rows(run_dir / "metrics.jsonl")
-    assert len(metrics) == LEARN_STEPS
-    checks = CASES["hf"].measure(run_dir)
-    assert not failed(checks), failed(checks)
+    metrics = train_and_check(CASES["hf"], run_dir, LEARN_STEPS, timeout=600)
     _assert_episodes_are_well_formed(metrics)
     # Synchronous: every turn of an episode is sampled by one version's weights.
     assert all(r["multiturn/versions_spanned_max"] == 0 for r in metrics)

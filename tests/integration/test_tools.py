@@ -9,8 +9,8 @@ machine's speed (``benchmarks/margins.py --suite tools``; tests/integration/lear
 
 from pathlib import Path
 
-from .conftest import processes_mentioning, run_cli
-from .learning import Case, Check, failed, rows, tool_use
+from .conftest import processes_mentioning
+from .learning import Case, Check, tool_use, train_and_check
 
 CONFIG = "configs/tiny_tools.yaml"
 LEARN_STEPS, WINDOW = 200, 20
@@ -25,12 +25,7 @@ CASES = {"hf": Case(CONFIG, (f"trainer.total_steps={LEARN_STEPS}",), measure)}
 
 def test_tiny_model_learns_to_call_a_tool_and_use_its_answer(tmp_path):
     run_dir = tmp_path / "run"
-    res = run_cli(CASES["hf"].args(run_dir), timeout=900)
-    assert res.returncode == 0, res.stderr[-3000:]
-    metrics = rows(run_dir / "metrics.jsonl")
-    assert len(metrics) == LEARN_STEPS
-    checks = CASES["hf"].measure(run_dir)
-    assert not failed(checks), failed(checks)
+    metrics = train_and_check(CASES["hf"], run_dir, LEARN_STEPS, timeout=900)
     for r in metrics:
         # The tool never fails; the model's malformed calls are counted, never fatal.
         assert r["multiturn/tool_errors"] == 0 and r["multiturn/tool_timeouts"] == 0
