@@ -75,6 +75,11 @@ def _row_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return masked_mean(x, mask, dim=-1)
 
 
+def _share(flags: torch.Tensor) -> torch.Tensor:
+    """Mean of a boolean tensor in float32, as verl takes its shares of rows."""
+    return flags.float().mean()
+
+
 def _tensor_floats(metrics: dict[str, float | torch.Tensor]) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items()}
 
@@ -152,8 +157,8 @@ def is_metrics(
             "rollout_is_max": torch.exp(log_w.max().clamp(max=SAFETY_BOUND)),
             "rollout_is_min": torch.exp(log_w.min()),
             "rollout_is_mean": masked_mean(w, m),
-            "rollout_is_ratio_fraction_high": (log_w > math.log(upper)).to(m.dtype).mean(),
-            "rollout_is_ratio_fraction_low": (log_w < math.log(low)).to(m.dtype).mean(),
+            "rollout_is_ratio_fraction_high": _share(log_w > math.log(upper)),
+            "rollout_is_ratio_fraction_low": _share(log_w < math.log(low)),
         }
     else:
         out = {
@@ -194,8 +199,8 @@ def _seq_is_metrics(
         "rollout_is_seq_max": seq.max(),
         "rollout_is_seq_min": seq.min(),
         "rollout_is_seq_max_deviation": (seq - 1.0).abs().max(),
-        "rollout_is_seq_fraction_high": (raw_seq > upper).to(w.dtype).mean(),
-        "rollout_is_seq_fraction_low": (raw_seq < low).to(w.dtype).mean(),
+        "rollout_is_seq_fraction_high": _share(raw_seq > upper),
+        "rollout_is_seq_fraction_low": _share(raw_seq < low),
     }
 
 
@@ -258,7 +263,7 @@ def _masked_fractions(
         valid = keep_m.any(dim=-1).to(torch.float64)
         seq = float((hit * valid).sum() / valid.sum()) if valid.sum() > 0 else 0.0
     else:
-        seq = float(hit.mean())
+        seq = float(_share(hit > 0))
     return {
         f"{prefix}_masked_fraction": float(masked_mean((~keep).to(m.dtype), m)),
         f"{prefix}_seq_masked_fraction": seq,
@@ -283,7 +288,7 @@ def rs_option_metrics(
     tok_max = stat.masked_fill(~keep, float("-inf")).max()
     tok_min = stat.masked_fill(~keep, float("inf")).min()
     by_rows = per_row is not None and rows.numel() > 0
-    frac = lambda x: x.to(m.dtype).mean() if by_rows else masked_mean(x.to(m.dtype), m)  # noqa: E731
+    frac = lambda x: _share(x) if by_rows else masked_mean(x.to(m.dtype), m)  # noqa: E731
     src = rows if by_rows else stat
     out = {
         f"{p}_mean": masked_mean(stat, m),
@@ -312,10 +317,10 @@ def _rs_row_metrics(p: str, rows: torch.Tensor, hi: float, lo: float | None) -> 
         f"{p}_seq_max": rows.max(),
         f"{p}_seq_min": rows.min(),
         f"{p}_seq_max_deviation": rows.abs().max(),
-        f"{p}_seq_fraction_high": (rows > hi).to(rows.dtype).mean(),
+        f"{p}_seq_fraction_high": _share(rows > hi),
     }
     if lo is not None:
-        out[f"{p}_seq_fraction_low"] = (rows < lo).to(rows.dtype).mean()
+        out[f"{p}_seq_fraction_low"] = _share(rows < lo)
     return out
 
 
