@@ -22,10 +22,11 @@ import yaml
 
 from verl_async import placement
 from verl_async.config_base import ConfigError
+from verl_async.correction_config import SettingError
 from verl_async.envs.base import check_environments
 from verl_async.loggers import check_loggers
 from verl_async.reward_config import check_rewards
-from verl_async.schema import BufferConfig, RunConfig
+from verl_async.schema import AlgoConfig, BufferConfig, RunConfig
 
 _PATH_RE = re.compile(r" - at `\$\.?(.*)`$")
 
@@ -152,6 +153,7 @@ def check_consistency(cfg: RunConfig) -> None:
             f"generators.max_model_len ({g.max_model_len})"
         )
     check_lora(cfg)
+    check_rollout_correction(cfg.algo)
     mt = cfg.multiturn
     check_environments(mt)
     if mt.has_episodes and mt.max_episode_tokens > g.max_model_len:
@@ -177,6 +179,23 @@ def check_consistency(cfg: RunConfig) -> None:
             "bad value for 'ray.address': Ray Client (ray://) is not supported; run "
             "`verl-async train` on a node of the cluster with ray.address=auto"
         )
+
+
+def check_rollout_correction(algo: AlgoConfig) -> None:
+    """``algo.rollout_correction`` is read with ``algo.correction: rollout`` only, and its
+    keys must resolve (verl_async/correction_config.py)."""
+    section = algo.rollout_correction
+    if algo.correction != "rollout":
+        if section.is_set:
+            raise ConfigError(
+                "bad value for 'algo.rollout_correction': it is read only with "
+                f"algo.correction: rollout (algo.correction is '{algo.correction}')"
+            )
+        return
+    try:
+        section.settings()
+    except SettingError as exc:
+        raise ConfigError(f"bad value for 'algo.rollout_correction.{exc.key}': {exc}") from None
 
 
 # vLLM's LoRA ranks (vllm/config/lora.py: MaxLoRARanks) when its source cannot be read.

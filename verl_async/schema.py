@@ -21,6 +21,7 @@ from verl_async.config_base import (
     PosInt,
     _Section,
 )
+from verl_async.correction_config import PRESETS, RolloutCorrection, resolve
 from verl_async.reward_config import RewardsConfig
 
 
@@ -341,15 +342,72 @@ class KLConfig(_Section):
     """Estimator of the KL loss term."""
 
 
+PresetName = Literal[tuple(PRESETS)]  # verl's 19 preset names
+Threshold = float | str
+
+
+class RolloutCorrectionConfig(_Section):
+    """verl's rollout correction (``algo.correction: rollout``; verl's
+    ``algorithm.rollout_correction``): importance weights and rejection sampling between
+    the learner's log-probs and the generators' (docs/algorithms.md). A key left unset
+    takes the preset's value, else verl's default."""
+
+    preset: PresetName | msgspec.UnsetType = msgspec.UNSET
+    """One of verl's named presets (e.g. decoupled_seq_is_rs); keys set beside it may
+    change its thresholds and rollout_is_batch_normalize, and must agree with the rest."""
+    rollout_is: Literal["token", "sequence"] | None | msgspec.UnsetType = msgspec.UNSET
+    """Importance-weight level: token, sequence, or null (none; verl's YAML default)."""
+    rollout_is_threshold: Threshold | msgspec.UnsetType = msgspec.UNSET
+    """U: weights truncated at U (default 2.0); "L_U": IcePop, weights outside [L, U] set
+    to 0 (quote it in YAML or write both with a dot, "0.5_5.0")."""
+    rollout_is_batch_normalize: bool | msgspec.UnsetType = msgspec.UNSET
+    """Rescale the weights to mean 1 over the step's batch (all data-parallel ranks);
+    default false."""
+    rollout_rs: str | None | msgspec.UnsetType = msgspec.UNSET
+    """Rejection sampling: comma-separated options that must all pass (token_k1/k2/k3,
+    seq_sum_k1/k2/k3, seq_mean_k1/k2/k3, seq_max_k2/k3), or null (none; the default)."""
+    rollout_rs_threshold: Threshold | None | msgspec.UnsetType = msgspec.UNSET
+    """One threshold for every rollout_rs option or one per option, comma-separated: a
+    k1 option takes "L_U" or U (L = 1/U) on the ratio, k2/k3 one positive U."""
+    bypass_mode: bool | msgspec.UnsetType = msgspec.UNSET
+    """true: the ratio is pi_theta / pi_behav and the weights compare pi_theta with
+    pi_behav (verl's bypass, our ``none``); false (default): pi_theta / pi_prox, weights
+    pi_prox / pi_behav (decoupled)."""
+    loss_type: Literal["ppo_clip", "reinforce"] | msgspec.UnsetType = msgspec.UNSET
+    """bypass mode only: ppo_clip (default; the weights are computed for the metrics but
+    not applied) or reinforce (-A log pi_theta times the weights)."""
+
+    def explicit(self) -> dict[str, Any]:
+        """The correction keys set in the config (the preset aside)."""
+        names = (f for f in self.__struct_fields__ if f != "preset")
+        return {f: getattr(self, f) for f in names if getattr(self, f) is not msgspec.UNSET}
+
+    @property
+    def is_set(self) -> bool:
+        return self.preset is not msgspec.UNSET or bool(self.explicit())
+
+    def settings(self) -> RolloutCorrection:
+        """The resolved settings; SettingError (a ValueError) names a bad key."""
+        preset = None if self.preset is msgspec.UNSET else self.preset
+        return resolve(preset, self.explicit())
+
+
 class AlgoConfig(_Section):
-    correction: Literal["none", "tis", "decoupled"] = "decoupled"
-    """Off-policy correction: none (pi/pi_behav), tis (truncated pi_prox/pi_behav), decoupled (AReaL)."""
+    correction: Literal["none", "tis", "decoupled", "rollout"] = "decoupled"
+    """Off-policy correction: none (pi/pi_behav), tis (truncated pi_prox/pi_behav),
+    decoupled (AReaL), rollout (verl's rollout correction: ``algo.rollout_correction``)."""
+    rollout_correction: RolloutCorrectionConfig = msgspec.field(
+        default_factory=RolloutCorrectionConfig
+    )
+    """verl's rollout correction; read only with ``algo.correction: rollout`` (setting
+    it otherwise is an error)."""
     clip_eps: Annotated[float, msgspec.Meta(gt=0, lt=1)] = 0.2
     """PPO ratio clip epsilon: the ratio is clipped to [1 - clip_eps, 1 + clip_eps_high]."""
     clip_eps_high: Annotated[float, msgspec.Meta(gt=0)] | None = None
     """Upper clip epsilon (DAPO's clip-higher); empty means equal to clip_eps."""
     is_cap: Annotated[float, msgspec.Meta(ge=1)] = 2.0
-    """Cap of the behaviour importance weight pi_prox/pi_behav (tis: truncated; decoupled: masked above)."""
+    """Cap of the behaviour importance weight pi_prox/pi_behav (tis: truncated; decoupled:
+    masked above); correction rollout reads its own thresholds instead."""
     minibatches: PosInt = 2
     """Optimizer steps per batch (the batch is split into this many minibatches)."""
     normalize_adv_std: bool = True

@@ -120,6 +120,8 @@ def default_text(field: mi.Field) -> str:
     """The default as YAML/JSON would spell it; ``required`` where there is none."""
     if field.required:
         return "required"
+    if field.default is msgspec.NODEFAULT and field.default_factory is msgspec.NODEFAULT:
+        return "unset"  # msgspec.UNSET: the field's docstring says what applies
     value = field.default_factory() if field.default is msgspec.NODEFAULT else field.default
     return f"`{json.dumps(msgspec.to_builtins(value), separators=(', ', ': '))}`"
 
