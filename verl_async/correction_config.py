@@ -93,9 +93,7 @@ def parse_rs_options(spec: str) -> tuple[str, ...]:
         if not option:
             continue
         if option not in RS_OPTIONS:
-            raise SettingError(
-                key, f"unknown option '{option}' (one of {', '.join(RS_OPTIONS)})"
-            )
+            raise SettingError(key, f"unknown option '{option}' (one of {', '.join(RS_OPTIONS)})")
         if option not in options:
             options.append(option)
     if not options:
@@ -158,13 +156,17 @@ class RolloutCorrection:
     def validate(self) -> None:
         """Parse every setting the others make live; SettingError names the bad one."""
         if self.rollout_is is not None and self.rollout_is not in IS_LEVELS:
-            raise SettingError("rollout_is", f"must be null, 'token' or 'sequence', got {self.rollout_is!r}")
+            raise SettingError(
+                "rollout_is", f"must be null, 'token' or 'sequence', got {self.rollout_is!r}"
+            )
         if self.rollout_is is not None:
             parse_is_threshold(self.rollout_is_threshold)
         if self.rollout_rs is not None:
             parse_rs_thresholds(parse_rs_options(self.rollout_rs), self.rollout_rs_threshold)
         if self.loss_type not in LOSS_TYPES:
-            raise SettingError("loss_type", f"must be one of {', '.join(LOSS_TYPES)}, got {self.loss_type!r}")
+            raise SettingError(
+                "loss_type", f"must be one of {', '.join(LOSS_TYPES)}, got {self.loss_type!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -193,9 +195,12 @@ PRESETS: dict[str, Preset] = {
     "decoupled_seq_is": _p("sequence", (_IS,), rollout_is_threshold=2.0),
     "decoupled_token_icepop": _p("token", (_IS,), rollout_is_threshold="0.5_5.0"),
     "decoupled_seq_is_rs": _p(
-        "sequence", (_IS, _RS), rollout_is_threshold=2.0,
-        rollout_rs="seq_sum_k1", rollout_rs_threshold="0.5_2.0",
-    ),  # fmt: skip
+        "sequence",
+        (_IS, _RS),
+        rollout_is_threshold=2.0,
+        rollout_rs="seq_sum_k1",
+        rollout_rs_threshold="0.5_2.0",
+    ),
     "decoupled_geo_rs": _p(None, (_RS,), **_GEO),
     "bypass_ppo_clip": _p(None, (), **_BYPASS_CLIP),
     "bypass_ppo_clip_geo_rs": _p(None, (_RS,), **_GEO, **_BYPASS_CLIP),
@@ -249,15 +254,12 @@ def resolve(preset: str | None, explicit: dict[str, Any]) -> RolloutCorrection:
 
 def _check_read(s: RolloutCorrection, explicit: dict[str, Any]) -> None:
     """A key set by hand must be one the settings read."""
-    unread = {
-        "rollout_is_threshold": s.rollout_is is None,
-        "rollout_is_batch_normalize": s.rollout_is is None,
-        "rollout_rs_threshold": s.rollout_rs is None,
-        "loss_type": not s.bypass_mode,
+    unread = {  # key: why it would not be read, or None
+        "rollout_is_threshold": "rollout_is is null" if s.rollout_is is None else None,
+        "rollout_is_batch_normalize": "rollout_is is null" if s.rollout_is is None else None,
+        "rollout_rs_threshold": "rollout_rs is null" if s.rollout_rs is None else None,
+        "loss_type": None if s.bypass_mode else "bypass_mode is false",
     }
-    for key, off in unread.items():
-        if key in explicit and off:
-            why = "bypass_mode is false" if key == "loss_type" else (
-                "rollout_rs is null" if key == "rollout_rs_threshold" else "rollout_is is null"
-            )  # fmt: skip
+    for key, why in unread.items():
+        if key in explicit and why is not None:
             raise SettingError(key, f"is set but never read: {why}")

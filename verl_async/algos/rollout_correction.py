@@ -384,9 +384,13 @@ def rollout_correction(
         weights, metrics = None, {}
         if cfg.rollout_is is not None:
             weights, metrics = importance_weights(
-                rho, mask, cfg.rollout_is, cfg.rollout_is_threshold,
-                cfg.rollout_is_batch_normalize, reduce,
-            )  # fmt: skip
+                rho,
+                mask,
+                cfg.rollout_is,
+                cfg.rollout_is_threshold,
+                batch_normalize=cfg.rollout_is_batch_normalize,
+                reduce=reduce,
+            )
         new_mask = mask.clone()
         if cfg.rollout_rs is not None:
             new_mask, rs = rejection_mask(rho, mask, cfg.rollout_rs, cfg.rollout_rs_threshold)
