@@ -28,6 +28,14 @@ hand. A key set by hand may change a preset's argument (its thresholds) and
 the options, bypass_mode, loss_type) set to another value is an error naming both, not a
 silent winner. A key set by hand that the resolved settings never read (a threshold with
 its level or options off, loss_type outside bypass mode) is an error too.
+
+Beside ``algo.correction``: ``rollout`` is its fourth value, and the only one that reads
+``algo.rollout_correction``; the section set under another correction is an error naming
+it (config.py). Under ``rollout``, ``algo.is_cap`` is not read (it has a default, so a
+value set by hand cannot be told from it and is not refused).
+bypass_mode true takes the ratio against pi_behav, as ``none`` does (verl's bypass,
+``bypass_ppo_clip`` is ``none`` plus the metrics); false takes it against pi_prox, as
+``tis`` (= ``decoupled_token_is`` with threshold is_cap) and ``decoupled`` do.
 """
 
 from __future__ import annotations
