@@ -29,36 +29,60 @@ DataProto with a stub tokenizer and a compute_score that returns each sample's g
 
 torch's default dtype is set to float64 for the whole run and every input is float64, so the
 values are float64 except where verl itself forces float32 (noted per entry under "dtype_note").
-Masks are float64 0/1 tensors. Masked positions hold ordinary finite values (not zeros), so a
-consumer that leaks them will disagree with these numbers.
+Masks are float64 0/1 tensors; every policy loss is also run with the same mask as bool (what the
+engine passes) and the script asserts identical results. Masked positions hold ordinary finite
+values (not zeros), so a consumer that lets them leak will disagree with these numbers. Every
+policy loss accepted the mask with an empty row (inputs.main.response_mask), so all policy-loss
+entries use it; response_mask_nonempty is used by kl_penalty and by a second copy of every
+agg_loss and rollout_correction case.
 
 JSON schema (all tensors are nested lists of floats, [B, T] row-major):
 
-  meta: {verl_commit, torch_version, python_version, made_utc, default_dtype, notes}
+  meta: {verl_commit, torch_version, python_version, packages, made_utc, default_dtype, notes}
   inputs:
-    main: {log_prob, old_log_prob, rollout_log_prob, ref_log_prob, advantages, response_mask
-           (row 3 empty), response_mask_nonempty (row 3 has 2 tokens), rollout_is_weights}
-    cov:  {log_prob, old_log_prob, advantages, response_mask}   (clip_cov / kl_cov selection set)
-    kl_large: {log_prob, ref_log_prob, response_mask}           (|log_prob - ref| > 20 somewhere)
-  agg_loss: [{loss_mat: "main.log_prob" | ..., mask, loss_agg_mode, global_batch_info, loss}]
-    loss_mat is the inputs.main tensor named; global_batch_info {} means verl's defaults.
-  policy_loss: [{name, loss_mode, inputs, mask, loss_agg_mode, with_rollout_is_weights,
+    main: B=5, T=7 {log_prob, old_log_prob, rollout_log_prob, ref_log_prob, advantages (rows
+          +1.3, -0.8, 0, -1.1, +0.6), response_mask (lengths 7, 5, 3, 0, 6), response_mask_nonempty
+          (lengths 7, 5, 3, 2, 6), rollout_is_weights}
+    cov:  B=4, T=6 {log_prob, old_log_prob, advantages, response_mask}  (clip_cov / kl_cov set)
+    kl_large: B=2, T=4 {log_prob, ref_log_prob, response_mask}  (|log_prob - ref| > 20 somewhere)
+  agg_loss: [{loss_mat, mask, loss_agg_mode, global_batch_info, loss, raises}]
+    loss_mat names the input tensor ("main.ref_log_prob"); global_batch_info holds the keyword
+    arguments passed ({} = verl's defaults); raises is null or "ValueError: <message>".
+  policy_loss: [{name, loss_mode, inputs, mask, loss_agg_mode, with_rollout_is_weights, config,
+    torch_seed, old_log_prob_from, loss, grad_log_prob, metrics}]
     config: {clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c, tau_pos, tau_neg,
-             policy_loss: {...}, global_batch_info}, torch_seed (clip_cov only, else null),
-    old_log_prob_from (which input went into old_log_prob), loss, grad_log_prob, metrics}]
-  kl_penalty: [{inputs, kl_type, value, grad_log_prob}]  grad of sum(value * response_mask)
+             policy_loss: {every PolicyLossConfig field as used, defaults included,
+                           rollout_correction as a dict; loss_mode left out},
+             global_batch_info}
+    name: "<mode>/<agg>/w=<bool>" (MAIN_CLIP, MAIN_POLICY_LOSS, no global info);
+          "<mode>/<agg>/global/lsf=<None|12.0>" (GLOBAL_INFO, with weights);
+          "<mode>/token-mean/defaults" (ActorConfig and PolicyLossConfig defaults);
+          "<mode>/<agg>/w=<bool>/tight" (TIGHT_CLIP); "sapo/token-mean/w=<bool>/tau";
+          "clip_cov|kl_cov/cov/..." (inputs.cov); "bypass_mode/<loss_type>/<setting>/<agg>/w=..".
+    grad_log_prob is d loss / d log_prob. gspo, sapo and geo_mean ignore loss_agg_mode (two modes
+    recorded to show it). bypass_mode entries take old_log_prob = inputs.main.rollout_log_prob
+    (as the trainer sets it) and ignore the rollout_is_weights argument (w=True equals w=False).
+    clip_cov: torch.manual_seed(torch_seed) is called right before the loss; verl then draws
+    torch.randperm(n_candidates) from the global generator, which equals
+    torch.randperm(n, generator=torch.Generator().manual_seed(torch_seed)) (asserted here for
+    n < 64). Candidates are in torch.nonzero (row-major) order.
+  kl_penalty: [{inputs, mask, kl_type, value, grad_log_prob}]: grad of sum(value * mask);
+    value is unmasked. Entries with "raises" record the names verl rejects.
   rollout_correction:
     cases: [{name, mask, args: {rollout_is, rollout_is_threshold, rollout_is_batch_normalize,
              rollout_rs, rollout_rs_threshold}, weights (null if none), modified_mask, metrics}]
       old_log_prob = inputs.main.old_log_prob, rollout_log_prob = inputs.main.rollout_log_prob.
+      Every RS case keeps some and rejects some valid tokens of the main mask (asserted).
     presets: {classmethod name: {field: value}}  (each called with its default arguments)
   advantages:
     grpo: [{name, token_level_rewards, response_mask, index, norm_adv_by_std_in_grpo, epsilon,
             advantages, returns}]
     gdpo: [{name, reward_keys, reward_weights, scores: {key: [per sample]}, index, response_mask,
-            advantages, dtype_note}]
+            advantages, dtype_note}]  (scores sit at each row's last valid token)
   overlong: [{max_resp_len, overlong_buffer_len, penalty_factor, valid_response_length, score,
               reward, overlong_reward, overlong}]
+    reward is read from the manager's float32 reward tensor; overlong_reward from its
+    reward_extra_info (float64 here).
 """
 
 from __future__ import annotations
@@ -66,6 +90,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib.metadata
 import json
 import math
 import os
@@ -99,6 +124,7 @@ MAIN_POLICY_LOSS = {
     "dro_beta": 0.5,
 }
 CLIP_COV_SEED = 1234
+PACKAGES = ("numpy", "omegaconf", "tensordict", "ray", "transformers", "codetiming", "orjson")
 
 
 def load_verl(path: str) -> dict:
@@ -252,40 +278,54 @@ def actor_config(v: dict, clip: dict, policy_loss: dict, global_info: dict, **ex
     )
 
 
-def config_record(cfg, policy_loss: dict) -> dict:
+def public_fields(cfg) -> dict:
+    """A verl config dataclass as a dict, nested configs included, without `_target_`."""
+    return {k: x for k, x in dataclasses.asdict(cfg).items() if not k.startswith("_")}
+
+
+def config_record(cfg) -> dict:
+    """The values the losses read: the ActorConfig clip/tau fields and the effective
+    PolicyLossConfig (defaults included; loss_mode left out since the loss is called directly)."""
     keys = ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "tau_pos", "tau_neg")
     rec = {k: getattr(cfg, k) for k in keys}
-    rec["policy_loss"] = as_json(
-        {
-            k: (dataclasses.asdict(x) if dataclasses.is_dataclass(x) else x)
-            for k, x in policy_loss.items()
-        }
-    )
+    policy_loss = public_fields(cfg.policy_loss)
+    policy_loss.pop("loss_mode")
+    policy_loss["rollout_correction"] = public_fields(cfg.policy_loss.rollout_correction)
+    rec["policy_loss"] = policy_loss
     rec["global_batch_info"] = dict(cfg.global_batch_info)
     return rec
 
 
-def run_policy_loss(v: dict, case: dict) -> dict:
-    """Call the registered loss once; the gradient is d loss / d log_prob."""
+def call_loss(v: dict, case: dict, mask: torch.Tensor):
+    """One call of the registered loss; returns (config, loss, d loss / d log_prob, metrics)."""
     inp = case["inputs"]
     cfg = actor_config(v, case["clip"], case["policy_loss"], case["global_info"])
     log_prob = inp["log_prob"].clone().requires_grad_(True)
     fn = v["core_algos"].get_policy_loss_fn(case["loss_mode"])
-    weights = inp["rollout_is_weights"] if case["with_w"] else None
-    seed = case.get("seed")
-    if seed is not None:
-        torch.manual_seed(seed)
+    if case.get("seed") is not None:
+        torch.manual_seed(case["seed"])
     loss, metrics = fn(
         old_log_prob=inp[case["old_from"]],
         log_prob=log_prob,
         advantages=inp["advantages"],
-        response_mask=inp[case["mask"]],
+        response_mask=mask,
         loss_agg_mode=case["agg"],
         config=cfg,
-        rollout_is_weights=weights,
+        rollout_is_weights=inp["rollout_is_weights"] if case["with_w"] else None,
     )
     loss.backward()
     grad = log_prob.grad if log_prob.grad is not None else torch.zeros_like(log_prob)
+    return cfg, loss.detach(), grad, metrics
+
+
+def run_policy_loss(v: dict, case: dict) -> dict:
+    """The loss with the float64 0/1 mask, checked against the engine's bool mask."""
+    mask = case["inputs"][case["mask"]]
+    cfg, loss, grad, metrics = call_loss(v, case, mask)
+    _, loss_b, grad_b, metrics_b = call_loss(v, case, mask.bool())
+    assert torch.allclose(loss, loss_b, rtol=1e-12, atol=1e-12), case["name"]
+    assert torch.allclose(grad, grad_b, rtol=1e-12, atol=1e-12), case["name"]
+    assert as_json(metrics) == as_json(metrics_b), case["name"]
     rec = {
         "name": case["name"],
         "loss_mode": case["loss_mode"],
@@ -293,10 +333,10 @@ def run_policy_loss(v: dict, case: dict) -> dict:
         "mask": case["mask"],
         "loss_agg_mode": case["agg"],
         "with_rollout_is_weights": case["with_w"],
-        "config": config_record(cfg, case["policy_loss"]),
-        "torch_seed": seed,
+        "config": config_record(cfg),
+        "torch_seed": case.get("seed"),
         "old_log_prob_from": case["old_from"],
-        "loss": float(loss.detach()),
+        "loss": float(loss),
         "grad_log_prob": as_json(grad),
         "metrics": as_json(metrics),
     }
@@ -362,7 +402,7 @@ def policy_cases(v: dict, main: dict, cov: dict) -> list[dict]:
                         "seed": seed,
                     }
                 )
-    return cases + variant_cases(base) + cov_cases(cov) + bypass_cases(v, base)  # fmt: skip
+    return cases + variant_cases(base) + cov_cases(cov) + bypass_cases(v, base)
 
 
 # Tighter bounds than MAIN_CLIP, so more tokens (and GSPO's sequence ratios) hit them; DPPO reads
@@ -414,10 +454,11 @@ def variant_cases(base: dict) -> list[dict]:
                 "clip": {**MAIN_CLIP, "tau_pos": 2.0, "tau_neg": 3.0},
             }
         )
-    return cases  # fmt: skip
+    return cases
 
 
 def cov_cases(cov: dict) -> list[dict]:
+    """clip_cov (two seeds) and kl_cov on inputs.cov, with MAIN_POLICY_LOSS and with defaults."""
     base = {
         "inputs": cov,
         "inputs_name": "cov",
@@ -425,52 +466,26 @@ def cov_cases(cov: dict) -> list[dict]:
         "old_from": "old_log_prob",
         "with_w": False,
         "clip": MAIN_CLIP,
+        "policy_loss": MAIN_POLICY_LOSS,
         "global_info": {},
+        "seed": None,
     }
-    cases = []
+    defaults = {"clip": {}, "policy_loss": {}}
+    specs = []
     for agg in ("token-mean", "seq-mean-token-sum"):
         for seed in (CLIP_COV_SEED, 99):
-            cases.append(
-                {
-                    **base,
-                    "name": f"clip_cov/cov/{agg}/seed={seed}",
-                    "loss_mode": "clip_cov",
-                    "agg": agg,
-                    "policy_loss": MAIN_POLICY_LOSS,
-                    "seed": seed,
-                }
-            )
-        cases.append(
-            {
-                **base,
-                "name": f"kl_cov/cov/{agg}",
-                "loss_mode": "kl_cov",
-                "agg": agg,
-                "policy_loss": MAIN_POLICY_LOSS,
-            }
+            specs.append((f"clip_cov/cov/{agg}/seed={seed}", "clip_cov", agg, {"seed": seed}))
+        specs.append((f"kl_cov/cov/{agg}", "kl_cov", agg, {}))
+    specs.append(
+        (
+            "clip_cov/cov/token-mean/defaults",
+            "clip_cov",
+            "token-mean",
+            {**defaults, "seed": CLIP_COV_SEED},
         )
-    cases.append(
-        {
-            **base,
-            "name": "clip_cov/cov/token-mean/defaults",
-            "loss_mode": "clip_cov",
-            "agg": "token-mean",
-            "policy_loss": {},
-            "seed": CLIP_COV_SEED,
-            "clip": {},
-        }
     )
-    cases.append(
-        {
-            **base,
-            "name": "kl_cov/cov/token-mean/defaults",
-            "loss_mode": "kl_cov",
-            "agg": "token-mean",
-            "policy_loss": {},
-            "clip": {},
-        }
-    )
-    return cases  # fmt: skip
+    specs.append(("kl_cov/cov/token-mean/defaults", "kl_cov", "token-mean", defaults))
+    return [{**base, "name": n, "loss_mode": m, "agg": a, **extra} for n, m, a, extra in specs]
 
 
 BYPASS_SETTINGS = {
@@ -506,7 +521,7 @@ def bypass_cases(v: dict, base: dict) -> list[dict]:
                         "old_from": "rollout_log_prob",
                     }
                 )
-    return cases  # fmt: skip
+    return cases
 
 
 def check_randperm_matches(seed: int) -> None:
@@ -548,7 +563,7 @@ def kl_penalty_section(v: dict, main: dict, large: dict) -> list[dict]:
         except NotImplementedError:
             raised = "NotImplementedError"
         out.append({"inputs": "main", "kl_type": kl_type, "raises": raised})
-    return out  # fmt: skip
+    return out
 
 
 # (name, rollout_is, rollout_is_threshold, batch_normalize, rollout_rs, rollout_rs_threshold)
@@ -611,7 +626,7 @@ def rollout_correction_section(v: dict, main: dict) -> dict:
                     f"{name}: RS keeps {kept} of {valid}; pick another threshold"
                 )
             cases.append(rec)
-    return {"cases": cases, "presets": presets(v)}  # fmt: skip
+    return {"cases": cases, "presets": presets(v)}
 
 
 def presets(v: dict) -> dict:
@@ -620,7 +635,7 @@ def presets(v: dict) -> dict:
     out = {}
     for name in sorted(names):
         cfg = getattr(cls, name)()
-        out[name] = {k: x for k, x in dataclasses.asdict(cfg).items() if not k.startswith("_")}
+        out[name] = public_fields(cfg)
     return out
 
 
@@ -667,7 +682,7 @@ def advantages_section(v: dict) -> dict:
                     "returns": as_json(ret),
                 }
             )
-    return {"grpo": grpo, "gdpo": gdpo_entries(v)}  # fmt: skip
+    return {"grpo": grpo, "gdpo": gdpo_entries(v)}
 
 
 def gdpo_entries(v: dict) -> list[dict]:
@@ -707,7 +722,7 @@ def gdpo_entries(v: dict) -> list[dict]:
                 "in float32; compare with a float32-level tolerance (~1e-6)",
             }
         )
-    return out  # fmt: skip
+    return out
 
 
 # (max_resp_len, overlong_buffer_len, penalty_factor, [(valid_response_length, score), ...])
@@ -771,7 +786,7 @@ def overlong_section(v: dict) -> list[dict]:
                     "overlong": bool(extra["overlong"][i]),
                 }
             )
-    return out  # fmt: skip
+    return out
 
 
 def meta(verl_path: str) -> dict:
@@ -784,6 +799,7 @@ def meta(verl_path: str) -> dict:
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),
         "made_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "packages": {p: importlib.metadata.version(p) for p in PACKAGES},
         "default_dtype": "float64",
         "notes": "Values from verl's own functions; see tests/reference/verl_1dda039.py.",
     }
