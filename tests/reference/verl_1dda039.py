@@ -133,7 +133,6 @@ def load_verl(path: str) -> dict:
     sys.path.insert(0, str(Path(path).resolve()))
     import verl.trainer.ppo.core_algos as core_algos
     import verl.trainer.ppo.rollout_corr_helper as rch
-    import verl.utils.torch_functional as verl_f
     from verl import DataProto
     from verl.trainer.config import AlgoConfig
     from verl.trainer.config.algorithm import RolloutCorrectionConfig
@@ -144,7 +143,6 @@ def load_verl(path: str) -> dict:
     return {
         "core_algos": core_algos,
         "rch": rch,
-        "verl_f": verl_f,
         "DataProto": DataProto,
         "AlgoConfig": AlgoConfig,
         "RolloutCorrectionConfig": RolloutCorrectionConfig,
