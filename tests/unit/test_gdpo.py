@@ -1,6 +1,7 @@
 """gdpo (several reward sources, each group-normalised, weighted, whitened) and the Dr.GRPO
 key set, pinned on hand-worked float64 numbers, through the pure function and the learner."""
 
+import json
 import math
 import statistics
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from learners.advantages import SourceScores, estimate
-from verl_async.algos import gdpo_advantages, grpo_outcome_advantages, masked_whiten
+from verl_async.algos import gdpo_advantages, group_ids, grpo_outcome_advantages, masked_whiten
 from verl_async.config import load_config
 from verl_async.config_base import ConfigError
 from verl_async.schema import AlgoConfig, KLConfig
@@ -201,3 +202,48 @@ def test_drgrpo_tiny_is_the_tiny_default_with_dr_grpos_keys():
     assert msgspec.structs.replace(a, **rest) == tiny.algo
     same = msgspec.structs.replace(cfg, name=tiny.name, algo=tiny.algo)
     assert same == tiny
+
+
+# ----------------------------------------------------------------------------- verl 1dda039
+# tests/fixtures/verl_1dda039.json holds the outputs of verl's own compute_grpo_outcome_advantage
+# and compute_gdpo_outcome_advantage at commit 1dda039, inputs included (made by
+# tests/reference/verl_1dda039.py).
+
+
+def verl_advantages() -> dict:
+    return json.loads((ROOT / "tests" / "fixtures" / "verl_1dda039.json").read_text())["advantages"]
+
+
+VERL = verl_advantages()
+
+
+@pytest.mark.parametrize(
+    "case", VERL["grpo"], ids=lambda c: f"{c['name']}/std={c['norm_adv_by_std_in_grpo']}"
+)
+def test_grpo_with_and_without_the_std_matches_verl(case):
+    rewards, mask = t(case["token_level_rewards"]), t(case["response_mask"])
+    assert case["epsilon"] == EPS
+    norm = case["norm_adv_by_std_in_grpo"]
+    per_sample = grpo_outcome_advantages(rewards.sum(dim=1), case["index"], norm_by_std=norm)
+    close(per_sample[:, None] * mask, case["advantages"], rtol=1e-12, atol=1e-12)
+    # The learner's grpo (normalize_adv_std false: Dr.GRPO) on the same rewards; its mask is
+    # float32, so the comparison is at float32 precision.
+    groups, _ = group_ids(case["index"])
+    out = estimate(algo(normalize_adv_std=norm), rewards.sum(dim=1), groups, mask)
+    close(out.advantages.double(), case["advantages"], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", VERL["gdpo"], ids=lambda c: c["name"])
+def test_gdpo_matches_verl(case):
+    scores = t([case["scores"][key] for key in case["reward_keys"]]).T  # [N, K]
+    weights = case["reward_weights"] or [1.0] * len(case["reward_keys"])  # verl: None = ones
+    mask = t(case["response_mask"])
+    # verl builds the component scores and the weights in float32 (exact here: 0/1 scores,
+    # weights 1 and .5); the rest of its arithmetic ends within 1.2e-8 of float64's.
+    adv, _ = gdpo_advantages(scores, case["index"], weights, mask)
+    close(adv, case["advantages"], rtol=1e-7, atol=1e-7)
+    groups, _ = group_ids(case["index"])
+    cfg = algo(adv_estimator="gdpo")
+    sources = SourceScores(scores.float(), weights)
+    out = estimate(cfg, torch.zeros(len(groups)), groups, mask, sources=sources)
+    close(out.advantages.double(), case["advantages"], rtol=1e-6, atol=1e-6)
