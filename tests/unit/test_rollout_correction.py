@@ -6,7 +6,10 @@ r = pi_train / pi_rollout = [3, 1/4, 1 | 3/2]; the masked positions hold inf and
 which must never reach a kept output. Sequence log-weights: S0 = ln(3/4), S1 = ln(3/2).
 """
 
+import json
 import math
+from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -434,3 +437,65 @@ def test_config_preset_resolves_and_writes_back_unset_keys_as_absent():
 def test_config_errors_name_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key):
         _load(*overrides)
+
+
+# ------------------------------------------------------------------ verl 1dda039's own values
+# tests/fixtures/verl_1dda039.json, section "rollout_correction": each case ran verl's
+# compute_rollout_correction_and_rejection_mask on inputs.main's old_log_prob (pi_train)
+# and rollout_log_prob in float64 (tests/reference/verl_1dda039.py says how).
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "verl_1dda039.json"
+
+
+def _fixture() -> dict:
+    return json.loads(FIXTURE.read_text()) if FIXTURE.exists() else {}
+
+
+def _cases() -> list[dict]:
+    return _fixture().get("rollout_correction", {}).get("cases", [])
+
+
+def _tensor(value, inputs: dict) -> torch.Tensor:
+    """A fixture tensor: nested lists, or the name of an ``inputs.main`` tensor."""
+    return torch.tensor(inputs[value] if isinstance(value, str) else value, dtype=D)
+
+
+def test_the_verl_fixture_records_rollout_correction_cases_and_presets():
+    data = _fixture()
+    assert data, f"{FIXTURE} is missing"
+    assert len(data["rollout_correction"]["cases"]) >= 10
+    assert set(data["rollout_correction"]["presets"]) == set(PRESETS)
+
+
+@pytest.mark.parametrize("case", _cases(), ids=lambda c: f"{c['name']}-{c['mask']}")
+def test_rollout_correction_equals_verl(case):
+    main = _fixture()["inputs"]["main"]
+    mask = _tensor(case["mask"], main)
+    args = case["args"]
+    settings = RolloutCorrection(
+        rollout_is=args["rollout_is"],
+        rollout_is_threshold=args.get("rollout_is_threshold", 2.0),
+        rollout_is_batch_normalize=args.get("rollout_is_batch_normalize", False),
+        rollout_rs=args.get("rollout_rs"),
+        rollout_rs_threshold=args.get("rollout_rs_threshold"),
+    )
+    w, new_mask, metrics = rollout_correction(
+        _tensor("old_log_prob", main), _tensor("rollout_log_prob", main), mask, settings
+    )
+    if case["weights"] is None:
+        assert w is None
+    else:
+        close(w, case["weights"], rtol=1e-12, atol=1e-12)
+    assert torch.equal(new_mask, _tensor(case["modified_mask"], main))
+    expected = {k.removeprefix("rollout_corr/"): v for k, v in case["metrics"].items()}
+    assert set(metrics) == {f"rollout_corr/{k}" for k in expected}
+    for key, value in expected.items():
+        got = metrics[f"rollout_corr/{key}"]
+        assert got == pytest.approx(value, rel=1e-12, abs=1e-12, nan_ok=True), key
+
+
+def test_presets_equal_verl():
+    recorded = _fixture()["rollout_correction"]["presets"]
+    for name, fields in recorded.items():
+        ours = asdict(preset_settings(name))
+        assert {k: fields[k] for k in ours} == ours, name
