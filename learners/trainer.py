@@ -256,7 +256,7 @@ class Learner:
             clip_grad=lambda: self.clip_grad(self.model, cfg.learner.grad_clip),
             temperature=cfg.generators.temperature, logp_prox=local.logp_prox,
             logp_ref=local.logp_ref, step=not warming, plan=plan, version=self.version,
-            share_prefix=cfg.learner.share_prefix, any_rank=dp.any_rank,
+            share_prefix=cfg.learner.share_prefix, any_rank=dp.any_rank, seed=cfg.learner.seed,
         )  # fmt: skip
         if self.scheduler is not None and stats.optimizer_steps:  # none: warming up or skipped
             self.scheduler.step()

@@ -25,7 +25,7 @@ from verl_async.config_base import ConfigError
 from verl_async.envs.base import check_environments
 from verl_async.loggers import check_loggers
 from verl_async.reward_config import check_rewards
-from verl_async.schema import BufferConfig, RunConfig
+from verl_async.schema import AlgoConfig, BufferConfig, RunConfig
 
 _PATH_RE = re.compile(r" - at `\$\.?(.*)`$")
 
@@ -152,6 +152,7 @@ def check_consistency(cfg: RunConfig) -> None:
             f"generators.max_model_len ({g.max_model_len})"
         )
     check_lora(cfg)
+    check_loss_mode(cfg.algo)
     mt = cfg.multiturn
     check_environments(mt)
     if mt.has_episodes and mt.max_episode_tokens > g.max_model_len:
@@ -177,6 +178,23 @@ def check_consistency(cfg: RunConfig) -> None:
             "bad value for 'ray.address': Ray Client (ray://) is not supported; run "
             "`verl-async train` on a node of the cluster with ray.address=auto"
         )
+
+
+LOSS_MODE_FORM = re.compile(r"^[A-Za-z_]\w*$|^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+def check_loss_mode(algo: AlgoConfig) -> None:
+    """``algo.loss_mode``'s form (a name, or package.module:function) and the settings a mode
+    needs; the name itself is resolved when the learner starts (the losses need torch)."""
+    if not LOSS_MODE_FORM.match(algo.loss_mode):
+        raise ConfigError(
+            f"bad value for 'algo.loss_mode': '{algo.loss_mode}' is neither a loss mode's name "
+            "nor of the form package.module:function"
+        )
+    if algo.loss_mode == "dro" and algo.dro_beta is None:
+        raise ConfigError("bad value for 'algo.dro_beta': loss_mode dro needs a value > 0")
+    if algo.clip_cov_lb >= algo.clip_cov_ub:
+        raise ConfigError("bad value for 'algo.clip_cov_ub': must exceed algo.clip_cov_lb")
 
 
 # vLLM's LoRA ranks (vllm/config/lora.py: MaxLoRARanks) when its source cannot be read.

@@ -139,7 +139,7 @@ def one_rank_plan(batch, algo, spec) -> list:
             for r in range(world)
         ]
         mb = plans[0][k]
-        merged.append(Minibatch([torch.cat(rows)], mb.tokens * world, mb.seqs * world, 1))
+        merged.append(Minibatch([torch.cat(rows)], mb.tokens, mb.seqs, 1))
     return merged
 
 
