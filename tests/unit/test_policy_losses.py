@@ -394,6 +394,14 @@ def test_config_refuses_bad_loss_settings(overrides, message):
         load_config("configs/tiny.yaml", overrides)
 
 
+def test_the_launcher_refuses_a_mode_no_loss_has_before_starting_roles():
+    from verl_async.launch.prepare import check_loss_mode
+
+    with pytest.raises(ConfigError, match="unknown loss mode 'gpso'"):
+        check_loss_mode(load_config("configs/tiny.yaml", ["algo.loss_mode=gpso"]))
+    check_loss_mode(load_config("configs/tiny.yaml", ["algo.loss_mode=gspo"]))
+
+
 def test_config_takes_a_mode_with_its_settings():
     cfg = load_config("configs/tiny.yaml", ["algo.loss_mode=dro", "algo.dro_beta=0.2"])
     assert cfg.algo.loss_mode == "dro" and cfg.algo.dro_beta == 0.2
