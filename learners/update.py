@@ -142,10 +142,9 @@ def policy_update(
                 clock.count(stats)
                 logp = stats.logp
                 prox = logp.detach() if at_prox else rows.take(logp_prox)
-                inputs, corr = actor_inputs(
-                    logp, prox, rows.take(batch.behav_logprobs), rows.take(adv), rows_mask, algo,
-                    seed=micro_seed(seed, version or 0, k, j),
-                )  # fmt: skip
+                behav, adv_rows = rows.take(batch.behav_logprobs), rows.take(adv)
+                seed_j = micro_seed(seed, version or 0, k, j)
+                inputs, corr = actor_inputs(logp, prox, behav, adv_rows, rows_mask, algo, seed_j)
                 ref = None if logp_ref is None else rows.take(logp_ref)
                 out = actor_loss(inputs, algo, stats.entropy if bonus else None, ref, agg)
             clock.lap("forward_s")
