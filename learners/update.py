@@ -35,7 +35,7 @@ class StepStats:
     entropy: float
     clip_fraction: float  # verl's actor/pg_clipfrac
     clip_fraction_lower: float  # dual-clip active (verl's actor/pg_clipfrac_lower)
-    ppo_kl: float  # mean of logp_prox - logp over the update (verl's actor/ppo_kl)
+    ppo_kl: float  # mean of logp_old - logp over the update (verl's actor/ppo_kl; per mode)
     is_weight_mean: float
     is_weight_max: float
     is_clipped_fraction: float

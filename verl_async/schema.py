@@ -351,7 +351,8 @@ class KLConfig(_Section):
 
 class AlgoConfig(_Section):
     correction: Literal["none", "tis", "decoupled"] = "decoupled"
-    """Off-policy correction: none (pi/pi_behav), tis (truncated pi_prox/pi_behav), decoupled (AReaL)."""
+    """Off-policy correction: none (pi/pi_behav, verl's bypass mode), tis (truncated
+    pi_prox/pi_behav), decoupled (AReaL); the weights multiply every loss mode's loss."""
     clip_eps: Annotated[float, msgspec.Meta(gt=0, lt=1)] = 0.2
     """PPO ratio clip epsilon: the ratio is clipped to [1 - clip_eps, 1 + clip_eps_high]."""
     clip_eps_high: Annotated[float, msgspec.Meta(gt=0)] | None = None
