@@ -136,6 +136,7 @@ def check_consistency(cfg: RunConfig) -> None:
     placement.validate(cfg)
     check_loggers(cfg.trainer.loggers)
     check_rewards(cfg.rewards)
+    check_gdpo(cfg)
     check_ipv4("weights.host", cfg.weights.host)
     if cfg.weights.host and not is_loopback(cfg.weights.host) and not cfg.weights.port:
         raise ConfigError(
@@ -195,6 +196,31 @@ def check_loss_mode(algo: AlgoConfig) -> None:
         raise ConfigError("bad value for 'algo.dro_beta': loss_mode dro needs a value > 0")
     if algo.clip_cov_lb >= algo.clip_cov_ub:
         raise ConfigError("bad value for 'algo.clip_cov_ub': must exceed algo.clip_cov_lb")
+
+
+def check_gdpo(cfg: RunConfig) -> None:
+    """``algo.adv_estimator: gdpo`` normalises each source's raw scores in their group
+    itself, always divides by the std (as verl) and has no place for a KL in the reward:
+    settings that would be ignored are refused, not dropped silently."""
+    algo = cfg.algo
+    if algo.adv_estimator != "gdpo":
+        return
+    for i, src in enumerate(cfg.rewards.sources):
+        if src.normalize != "none":
+            raise ConfigError(
+                f"bad value for 'rewards.sources.{i}.normalize': adv_estimator gdpo normalises "
+                f"each source's raw scores within the group itself; set none (got {src.normalize})"
+            )
+    if not algo.normalize_adv_std:
+        raise ConfigError(
+            "bad value for 'algo.normalize_adv_std': adv_estimator gdpo always divides by "
+            "the group std (as verl's); set true, or use grpo for Dr.GRPO"
+        )
+    if algo.kl.in_reward:
+        raise ConfigError(
+            "bad value for 'algo.kl.in_reward': adv_estimator gdpo reads the sources' raw "
+            "scores and would ignore an in-reward KL; use algo.kl.loss_coef instead"
+        )
 
 
 # vLLM's LoRA ranks (vllm/config/lora.py: MaxLoRARanks) when its source cannot be read.
