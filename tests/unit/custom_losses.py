@@ -8,7 +8,8 @@ def halved(inputs, algo, batch):
     loss_mat = -0.5 * inputs.advantages * inputs.logp
     if inputs.is_weights is not None:
         loss_mat = loss_mat * inputs.is_weights
-    return batch.agg(loss_mat, inputs.mask, algo.loss_agg_mode), {"ppo_kl": torch.tensor(0.25)}
+    loss = batch.agg(loss_mat, inputs.mask, algo.loss_agg_mode)
+    return loss, {"ppo_kl": torch.tensor(0.25), "actor/pg_clipfrac": 0.125}  # ours, verl's name
 
 
 NOT_A_FUNCTION = 3

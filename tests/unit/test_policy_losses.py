@@ -369,6 +369,7 @@ def test_a_custom_loss_by_import_path():
     close(out.loss, (0.5 + 3.0) / 2)
     close(grad, [[-0.25, -0.5, 0]])
     close(out.ppo_kl, 0.25)
+    close(out.pg_clipfrac, 0.125)  # under verl's name
     for bad, why in (
         ("tests.unit.no_such_module:f", "cannot be imported"),
         ("tests.unit.custom_losses:missing", "has no 'missing'"),

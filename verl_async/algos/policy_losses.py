@@ -12,8 +12,8 @@ clip_eps, clip_ratio_c, loss_agg_mode, ...), ``batch`` the minibatch's denominat
 ``batch.agg(loss_mat, inputs.mask, algo.loss_agg_mode)`` aggregates the way the run asks
 (across micro-batches and ranks). Multiply the per-token loss by ``inputs.is_weights``
 when it is not None (the off-policy correction's weights). The metric keys the learner
-reads are ``pg_clipfrac``, ``pg_clipfrac_lower`` and ``ppo_kl`` (a missing one reads 0;
-other keys are ignored). The entropy bonus and the KL loss term are added outside.
+reads are ``pg_clipfrac``, ``pg_clipfrac_lower`` and ``ppo_kl``, or verl's names for them
+(``actor/pg_clipfrac``, ...); a missing one reads 0, other keys are ignored. The entropy bonus and the KL loss term are added outside.
 
 ``register_policy_loss(name)`` registers one under a name (a name taken twice raises);
 ``get_policy_loss(name)`` finds it, or imports ``module:function``. The built-in modes
@@ -120,7 +120,10 @@ def policy_loss(inputs: LossInputs, algo, batch: GlobalBatch | None = None) -> L
     batch = batch or GlobalBatch(loss_scale_factor=algo.loss_scale_factor)
     loss, metrics = fn(clean, algo, batch)
     zero = torch.zeros((), dtype=inputs.logp.dtype, device=inputs.logp.device)
-    get = lambda key: torch.as_tensor(metrics.get(key, zero)).detach()  # noqa: E731
+
+    def get(key: str) -> torch.Tensor:  # our key, or verl's "actor/<key>"
+        return torch.as_tensor(metrics.get(key, metrics.get(f"actor/{key}", zero))).detach()
+
     return LossOutput(loss, get("pg_clipfrac"), get("pg_clipfrac_lower"), get("ppo_kl"))
 
 
