@@ -21,7 +21,7 @@ import msgspec
 import yaml
 
 from verl_async import placement
-from verl_async.config_base import ConfigError
+from verl_async.config_base import IMPORT_SPEC, ConfigError
 from verl_async.envs.base import check_environments
 from verl_async.loggers import check_loggers
 from verl_async.reward_config import check_rewards
@@ -181,13 +181,13 @@ def check_consistency(cfg: RunConfig) -> None:
         )
 
 
-LOSS_MODE_FORM = re.compile(r"^[A-Za-z_]\w*$|^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+LOSS_MODE_NAME = re.compile(r"^[A-Za-z_]\w*$")
 
 
 def check_loss_mode(algo: AlgoConfig) -> None:
     """``algo.loss_mode``'s form (a name, or package.module:function) and the settings a mode
     needs; the name itself is resolved when the learner starts (the losses need torch)."""
-    if not LOSS_MODE_FORM.match(algo.loss_mode):
+    if not (LOSS_MODE_NAME.match(algo.loss_mode) or IMPORT_SPEC.match(algo.loss_mode)):
         raise ConfigError(
             f"bad value for 'algo.loss_mode': '{algo.loss_mode}' is neither a loss mode's name "
             "nor of the form package.module:function"

@@ -4,6 +4,7 @@ the bounded number types. No torch, no vLLM (``verl-async --help`` stays instant
 from __future__ import annotations
 
 import importlib
+import re
 from typing import Annotated, Any
 
 import msgspec
@@ -34,6 +35,9 @@ def check_finite32(key: str, value: float) -> None:
             f"bad value for '{key}': {value!r} is not a finite number in float32 (rewards are "
             "trained in float32, which holds magnitudes below 3.4e38)"
         )
+
+
+IMPORT_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")  # package.module:attr
 
 
 def import_named(spec: str, key: str) -> Any:

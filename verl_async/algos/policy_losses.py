@@ -22,7 +22,6 @@ live in ``loss_modes.py``, registered when ``verl_async.algos`` is imported.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,11 +29,10 @@ import torch
 
 from verl_async.algos.corrections import Correction, off_policy_correction
 from verl_async.algos.losses import GlobalBatch
-from verl_async.config_base import ConfigError, import_named
+from verl_async.config_base import IMPORT_SPEC, ConfigError, import_named
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 LOSS_MODE_KEY = "algo.loss_mode"
-IMPORT_PATTERN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 # Filled by ``register_policy_loss`` as modules defining losses are imported, never after.
 _REGISTRY: dict[str, PolicyLossFn] = {}
 
@@ -84,7 +82,7 @@ def get_policy_loss(name: str) -> PolicyLossFn:
     Anything else raises ConfigError naming ``algo.loss_mode`` and the known modes."""
     if name in _REGISTRY:
         return _REGISTRY[name]
-    if IMPORT_PATTERN.match(name):
+    if IMPORT_SPEC.match(name):
         fn = import_named(name, LOSS_MODE_KEY)
         if not callable(fn):
             raise ConfigError(f"bad value for '{LOSS_MODE_KEY}': '{name}' is not a function")
