@@ -8,11 +8,11 @@ from pathlib import Path
 import uvloop
 
 from buffer.evaluation import EvalRounds
+from buffer.filtering import FilterRule
 from buffer.leases import Leases
 from buffer.ledger import PromptLedger
 from buffer.requests import Peers
 from buffer.rollouts import RolloutLimits, max_response_tokens
-from buffer.filtering import FilterRule
 from buffer.server import BufferServer
 from verl_async import placement
 from verl_async import protocol as P

@@ -327,8 +327,7 @@ def restore_ledger(lg: PromptLedger, ckpt_dir: Path) -> LedgerState:
     lg.restore(state.step, state.version, state.next_group, stored, state.reissue, marks)
     lg.leases.expired_total = state.leases_expired
     log.info(
-        "restored step %d, version %d: %d groups stored, %d to re-issue, %d dropped, "
-        "next group %d",
+        "restored step %d, version %d: %d groups stored, %d to re-issue, %d dropped, next group %d",
         state.step,
         state.version,
         len(stored),

@@ -86,6 +86,5 @@ def test_overlong_config_is_checked_at_load_naming_the_key():
     with pytest.raises(ConfigError, match="missing required field `len`"):
         _cfg("rewards.sources=[{kind: overlong, name: o, penalty_factor: 1.0}]")
     # A longer max_resp_len than the generators' is the user's to choose (verl allows it).
-    assert _cfg(
-        "rewards.sources=[{kind: overlong, name: o, len: 8, penalty_factor: 1, max_resp_len: 16}]"
-    ).rewards.sources[0].resolved_max(6) == 16
+    longer = "{kind: overlong, name: o, len: 8, penalty_factor: 1, max_resp_len: 16}"
+    assert _cfg(f"rewards.sources=[{longer}]").rewards.sources[0].resolved_max(6) == 16
