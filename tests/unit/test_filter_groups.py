@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 
 from buffer.filtering import FilterRule, GroupFilter, Verdict, uniform
 from buffer.ledger import FilterMarks, LedgerError, PromptLedger, StoredGroup
-from buffer.snapshot import LedgerState, decode_state, encode_state
+from buffer.snapshot import Cuts, LedgerState, decode_state, encode_state, restore_ledger
 from learners.batching import Filtered
+from verl_async import protocol as P
 from verl_async.config import load_config
 from verl_async.config_base import ConfigError
 from verl_async.data import PromptRecord
@@ -284,3 +285,29 @@ def test_filter_groups_config_and_its_errors_name_the_key():
         load_config("configs/tiny.yaml", ["algo.filter_groups.max_in_a_row=0"])
     with pytest.raises(ConfigError, match="algo.filter_groups.typo"):
         load_config("configs/tiny.yaml", ["algo.filter_groups.typo=1"])
+
+
+def test_checkpoint_files_carry_the_drops_and_the_count_in_a_row(tmp_path):
+    """Through the buffer's cut and its files (buffer/snapshot.py), as a resume reads them."""
+    lg = _ledger(2, 1, 4)
+    for k in _issue(lg, 0):  # 0..3
+        lg.record_return(_group(k, [[0.0]]), {0: "drop", 1: "keep", 2: "past_bound"}.get(k, "drop"))
+    handed_out = {0: lg.consume_step(0)[0]}  # groups 1 and 2; 0 dropped before them
+    assert lg.missing_for(1) == 2 and _issue(lg, 1, 2) == [4, 5]  # 3 was dropped
+    cuts = Cuts(lg)
+    cuts.take(0, handed_out, version=0, max_staleness=1, dropped_stale=0, admission_blocked=0,
+              filter_in_a_row=1)  # fmt: skip
+    files, frames = cuts.files(0)
+    wire = [bytes(b) for b in frames.buffers]
+    for name, ref in files.files.items():
+        (tmp_path / name).write_bytes(P.tensor(ref, wire).tobytes())
+
+    fresh = _ledger(2, 1, 4)
+    state = restore_ledger(fresh, tmp_path)
+    assert (state.step_start, state.filtered, state.past_bound) == (0, [0, 3], [2])
+    assert state.filter_in_a_row == 1
+    assert sorted(fresh.returned) == [1, 2] and list(fresh.reissue) == [4, 5]
+    assert fresh.dropped == {0, 3} and fresh.past_bound == {2}
+    assert [g.group_id for g in fresh.consume(0)] == [1, 2]  # step 0 again, the same groups
+    assert fresh.past_bound_total == 1 and fresh.start == 3
+    assert _issue(fresh, 1, 3) == [4, 5, 6]  # never 0 or 3 again
