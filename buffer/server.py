@@ -52,7 +52,7 @@ import zmq.asyncio
 from buffer.batches import StepBatches, encode_step
 from buffer.evaluation import EvalRounds
 from buffer.filtering import FilterRule, GroupFilter, Verdict
-from buffer.ledger import LedgerError, PromptLedger, StepBatch, check_issued
+from buffer.ledger import LedgerError, PromptLedger, StepBatch, StoredGroup, check_issued
 from buffer.polls import MAX_PARKED, Parked, ParkedPolls
 from buffer.requests import (
     Peers,
@@ -386,7 +386,7 @@ class BufferServer:
         self.rollouts_dropped += len(lapsed)
         return lapsed
 
-    def _verdict(self, group) -> Verdict:
+    def _verdict(self, group: StoredGroup) -> Verdict:
         """Dynamic sampling's decision on a returned group; a warning when it is kept only
         because too many were dropped in a row."""
         if self.filter is None:

@@ -441,7 +441,7 @@ class Stats(_Msg):
 
     issued: int
     returned: int
-    consumed: int
+    consumed: int  # groups trained or dropped (dynamic sampling): every id below it
     stored_groups: int
     target_version: int
     dropped_stale: int
