@@ -1,35 +1,32 @@
 """DAPO's dynamic sampling through the real processes (buffer, generator with its scoring
 process, learner) on the tiny default, with a reward under which most groups score alike
-(tests/unit/reward_fns.py ``mostly_constant``) or all of them do.
+(tests/unit/reward_fns.py ``mostly_constant``), then, after a crash, all of them.
 
-Each run shows: groups dropped and the steps refilled with others, every step full
+The run shows: groups dropped and the steps refilled with others, every step full
 (``learner.groups_per_step`` groups), exactly-once (every group up to the last one trained
-was trained or dropped, once; no prompt twice), and the staleness bound held."""
+was trained or dropped, once; no prompt twice; across a crash of the buffer too), the
+staleness bound held, and ``max_in_a_row`` keeping the run going when every group is
+filtered."""
 
+import itertools
 import json
+import os
+import signal
+import time
 
-from .conftest import run_cli
+from .conftest import (
+    cmdline,
+    committed_steps,
+    launch_gated,
+    processes_mentioning,
+    wait_for,
+)
 
-STEPS, B, N, ETA = 6, 4, 4, 1
-FN = "{name: r, kind: function, function: 'tests.unit.reward_fns:%s'}"
-SETTINGS = [
-    f"trainer.total_steps={STEPS}", f"learner.groups_per_step={B}", f"generators.group_size={N}",
-    f"staleness.max={ETA}", "generators.max_inflight_groups=8", "checkpoint.every_steps=0",
-    "trainer.max_restarts=0", "generators.max_restarts=0", "algo.filter_groups.enable=true",
-]  # fmt: skip
+STEPS, B, N, ETA, CUT, BOUND = 8, 4, 4, 1, 4, 2
 
 
 def _rows(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def _train(run_dir, *overrides):
-    res = run_cli(
-        ["train", "configs/tiny.yaml", "--run-dir", str(run_dir), *SETTINGS, *overrides],
-        timeout=300,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    return _rows(run_dir / "metrics.jsonl"), _rows(run_dir / "trained.jsonl")
 
 
 def _audit(rows, trail):
@@ -44,31 +41,59 @@ def _audit(rows, trail):
     assert sorted(trained + dropped) == list(range(max(trained) + 1)), "a group lost or twice"
     prompts = [p for t in trail for _, p in t["groups"] + t.get("filtered", [])]
     assert len(prompts) == len(set(prompts)), "a prompt trained or dropped twice"
-    totals = [r["filter_groups/dropped_total"] for r in rows]
-    assert totals[-1] == len(dropped) == sum(r["filter_groups/dropped"] for r in rows)
-    past = [r["filter_groups/admitted_past_bound_total"] for r in rows]
-    assert past[-1] == sum(r["filter_groups/admitted_past_bound"] for r in rows)
-    return dropped, past[-1]
+    for key in ("dropped", "admitted_past_bound"):
+        per_step = [r[f"filter_groups/{key}"] for r in rows]
+        assert [r[f"filter_groups/{key}_total"] for r in rows] == list(
+            itertools.accumulate(per_step)
+        ), key
+    assert rows[-1]["filter_groups/dropped_total"] == len(dropped)
 
 
-def test_groups_scoring_alike_are_dropped_and_steps_refilled(tmp_path):
-    rows, trail = _train(tmp_path / "run", f"rewards.sources=[{FN % 'mostly_constant'}]")
-    dropped, _ = _audit(rows, trail)
-    # About three groups in four score 0 throughout; the learner still gets full steps.
-    assert len(dropped) >= STEPS * B, dropped
-    assert sum(1 for r in rows if r["filter_groups/dropped"] > 0) >= STEPS // 2
-
-
-def test_when_every_group_is_filtered_the_bound_keeps_the_run_going(tmp_path):
-    bound = 2
-    run_dir = tmp_path / "run"
-    rows, trail = _train(
-        run_dir,
-        "rewards.sources=[{name: r, kind: overlong, len: 1, penalty_factor: 1, max_resp_len: 64}]",
-        f"algo.filter_groups.max_in_a_row={bound}",
-    )
-    dropped, past = _audit(rows, trail)
-    # Every group scores 0: each kept one came past the bound, after `bound` drops.
-    assert past == STEPS * B and len(dropped) >= bound * (STEPS * B - 1)
-    assert all(r["filter_groups/admitted_past_bound"] == B for r in rows)
-    assert "kept and trains with zero advantage" in (run_dir / "logs/buffer.log").read_text()
+def test_groups_scoring_alike_are_dropped_steps_refilled_and_the_bound_keeps_it_going(tmp_path):
+    """Most groups score alike until the buffer is killed once the step-4 checkpoint is
+    committed (the learner held at its gate, the generators running ahead and dropping);
+    from then on every group does. The run resumes by itself from that checkpoint: groups
+    dropped before the cut stay done, those after it are generated again, and steps 6 and
+    7 (which no generator could start before the cut: staleness.max = 1) are made only of
+    groups kept past ``max_in_a_row``."""
+    run_dir, gate, out = tmp_path / "run", tmp_path / "gate", tmp_path / "out.txt"
+    alike = tmp_path / "all_alike"
+    fn = "tests.unit.reward_fns:mostly_constant"
+    source = f"{{name: r, kind: function, function: '{fn}', kwargs: {{all_alike: '{alike}'}}}}"
+    gate.write_text(str(CUT))
+    proc = launch_gated(
+        ["train", "configs/tiny.yaml", "--run-dir", str(run_dir),
+         f"trainer.total_steps={STEPS}", f"learner.groups_per_step={B}",
+         f"generators.group_size={N}", f"staleness.max={ETA}", "generators.max_inflight_groups=8",
+         f"rewards.sources=[{source}]", "algo.filter_groups.enable=true",
+         f"algo.filter_groups.max_in_a_row={BOUND}", f"checkpoint.every_steps={CUT}",
+         "trainer.max_restarts=1"],
+        gate,
+        out,
+    )  # fmt: skip
+    try:
+        wait_for(proc, lambda: CUT in committed_steps(run_dir), "the step-4 checkpoint", out)
+        time.sleep(1.0)  # the generators sample (and drop) past the cut meanwhile
+        alike.touch()
+        buffers = [p for p in processes_mentioning(str(run_dir)) if " -m buffer " in cmdline(p)]
+        assert len(buffers) == 1, buffers
+        os.kill(buffers[0], signal.SIGKILL)
+        gate.write_text("1000")
+        assert proc.wait(timeout=300) == 0, out.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    rows, trail = _rows(run_dir / "metrics.jsonl"), _rows(run_dir / "trained.jsonl")
+    _audit(rows, trail)
+    # Before the cut about three groups in four scored alike: dropped, the steps refilled.
+    assert sum(r["filter_groups/dropped"] for r in rows[:CUT]) >= CUT * B // 2
+    # After it every group did: each one trained came past the bound, after drops.
+    for row in rows[CUT + 2 :]:
+        assert row["filter_groups/admitted_past_bound"] == B, row
+    assert sum(r["filter_groups/dropped"] for r in rows[CUT + 2 :]) >= B
+    logs = run_dir / "logs"
+    assert "kept and trains with zero advantage" in (logs / "buffer.log").read_text()
+    restored = [
+        line for line in (logs / "buffer.log").read_text().splitlines() if "restored step" in line
+    ]
+    assert len(restored) == 1 and "restored step 4," in restored[0], restored
