@@ -4,6 +4,7 @@
                                          [--seeds 0] [--steps 400] [--out runs/sweep]
                                          [--config configs/tiny.yaml] [--target 0.6]
                                          [--plot FILE.png] [--from-json A.json,B.json]
+                                         [--variant 'LABEL=key=value key=value' ...]
                                          [dotted.key=value ...]
 
 Each cell is one real ``verl-async train CONFIG`` run (buffer, generator, learner), run
@@ -20,12 +21,18 @@ multi-turn config, turns and weights versions spanned per episode; the last colu
 machine's 1-minute load average during each run (a run alone adds about 2–3). Writes
 ``OUT/sweep.json`` after every cell, draws reward curves against steps and against train
 time to ``--plot``, and ends with one summary line.
+
+``--variant`` (repeatable) sweeps named override sets instead of ``--corrections``: e.g.
+``--variant 'gspo=algo.loss_mode=gspo' --variant 'cispo=algo.loss_mode=cispo'`` gives the
+columns "gspo" and "cispo", each with the config's own ``algo.correction`` unless the set
+names one.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -41,6 +48,7 @@ from common import (  # noqa: E402
     time_to_target,
 )
 
+UPDATE_PARTS = ("prox", "forward", "backward", "optimizer")
 LAST = 10  # final reward = mean over the last LAST steps
 WINDOW = 20  # time to the target reward: trailing mean over WINDOW steps
 
@@ -72,6 +80,9 @@ class Cell:
     versions_spanned_mean: float | None = None  # per episode: newest - oldest version
     versions_spanned_max: int | None = None
     load_mean: float | None = None  # the machine's 1-minute load average during the run
+    # Median seconds of the learner's update (pi_prox pass, forwards, backwards, optimizer)
+    # per step: what a loss mode costs, without the waits for batches.
+    update_s_median: float | None = None
 
     def reach(self, target: float) -> tuple[int | None, float | None]:
         """(steps done, seconds from the learner's start) at the first step whose trailing
@@ -87,11 +98,13 @@ class Cell:
 
 
 def run_cell(eta: int, correction: str, seed: int, args) -> Cell:
+    """One run; ``correction`` is an ``algo.correction`` value or a ``--variant`` label."""
+    variant = args.variants.get(correction)
     overrides = [
         f"learner.seed={seed}",
         f"data.shuffle_seed={seed}",
         f"staleness.max={eta}",
-        f"algo.correction={correction}",
+        *([f"algo.correction={correction}"] if variant is None else variant),
         f"trainer.total_steps={args.steps}",
         f"weights.mode={args.mode}",
         f"generators.max_inflight_groups={max(16, args.groups_per_step * (eta + 1))}",
@@ -131,7 +144,14 @@ def run_cell(eta: int, correction: str, seed: int, args) -> Cell:
             max(r["multiturn/versions_spanned_max"] for r in multiturn) if multiturn else None
         ),
         load_mean=mean(load),
+        update_s_median=median(
+            sum(r.get(f"timing/{part}_s", 0.0) for part in UPDATE_PARTS) for r in rows
+        ),
     )
+
+
+def median(values) -> float:
+    return statistics.median(list(values))
 
 
 def groups(cells: list[Cell]) -> dict[tuple[int, str], list[Cell]]:
@@ -167,7 +187,7 @@ def table(cells: list[Cell], target: float) -> str:
     multiturn = any(c.turns_mean is not None for c in cells)
     header = [
         "η", "correction", "seeds", "reward first→final (± sd over seeds)", "Δ final vs η=0",
-        "train s", "train ÷ η=0", f"time to {target} (trailing {WINDOW}), s (steps)", "÷ η=0",
+        "train s", "train ÷ η=0", "update s (median)", f"time to {target} (trailing {WINDOW}), s (steps)", "÷ η=0",
         "staleness mean/max",
         *(["turns", "versions spanned mean/max"] if multiturn else []),
         "dropped", "in-flight steps", "IS limited", "gen idle", "learner wait", "load",
@@ -189,6 +209,7 @@ def table(cells: list[Cell], target: float) -> str:
             f"{mean(final) - mean(c.reward_final for c in b):+.3f}" if b else "—",
             f"{train_s:.1f}",
             ratio(train_s, mean(c.train_s for c in b)) if b else "—",
+            _update_s(cs),
             # Cells from sweep.json files without step times have steps only.
             f"{f'{reach:.1f}' if reach is not None else '—'} ({mean(steps):.0f})"
             if reached == len(cs)
@@ -217,6 +238,13 @@ def table(cells: list[Cell], target: float) -> str:
         ]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+def _update_s(cells: list[Cell]) -> str:
+    """The seeds' mean of each run's median update seconds (a dash for old sweep.json
+    cells without it)."""
+    known = [c.update_s_median for c in cells if c.update_s_median is not None]
+    return f"{mean(known):.4f}" if known else "—"
 
 
 def plot(cells: list[Cell], path: Path, target: float) -> None:
@@ -282,11 +310,16 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="comma-separated sweep.json files: merge and report them instead of running",
     )
+    ap.add_argument(
+        "--variant", action="append", default=[], metavar="LABEL=OVERRIDES",
+        help="a named set of space-separated overrides, swept instead of --corrections",
+    )  # fmt: skip
     ap.add_argument("override", nargs="*", help="extra dotted.key=value config overrides")
     args = ap.parse_args(argv)
     args.out = args.out.resolve()
     etas = [int(x) for x in args.etas.split(",")]
-    corrections = args.corrections.split(",")
+    args.variants = dict(_variant(v) for v in args.variant)
+    corrections = list(args.variants) or args.corrections.split(",")
     if args.from_json:
         cells = [
             Cell(**{"seed": 0, **c})
@@ -316,6 +349,14 @@ def main(argv: list[str] | None = None) -> int:
                     json.dumps([asdict(c) for c in cells], indent=1)
                 )
     return report(cells, args)
+
+
+def _variant(text: str) -> tuple[str, list[str]]:
+    """'LABEL=k=v k=v' -> (LABEL, ['k=v', 'k=v'])."""
+    label, sep, rest = text.partition("=")
+    if not sep or not label or not rest.split():
+        raise SystemExit(f"--variant wants LABEL=key=value [key=value ...], got {text!r}")
+    return label, rest.split()
 
 
 def report(cells: list[Cell], args) -> int:

@@ -6,6 +6,8 @@
                 ->  advantages [N, T-1] by algo.adv_estimator:
                       grpo, rloo             the sum of a sample's token rewards, compared
                                              within its group; broadcast over its tokens
+                      gdpo                   not from r_i: each source's raw score compared
+                                             within its group, weighted, summed, whitened
                       reinforce_plus_plus    discounted returns, whitened over the batch
                       gae                    TD(lambda) against the critic's values
 
@@ -22,16 +24,25 @@ verl's REINFORCE++ restarts its running return at every masked position, so each
 sampled positions are moved to its front, the estimator runs on those compacted rows and
 the results go back to where the tokens came from (``over_sampled_tokens``; verl's GAE
 passes masked positions through and would not need it, but gets the same path).
+
+gdpo reads ``SourceScores``: the raw score of each of ``rewards.sources`` (NaN where a
+source is not routed to the sample) and its ``weight``, which plays the part of verl's
+``algorithm.gdpo_reward_weights``. With turn rewards, the environment's return (a sample's
+turn rewards summed) is one more column, weighted by ``|multiturn.env_reward_weight|``:
+the turn rewards already carry that weight, and the group normalisation keeps only its
+sign, so the column contributes env_reward_weight times the normalised raw return.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from verl_async.algos.advantages import (
     gae_advantages,
+    gdpo_advantages,
     grpo_outcome_advantages,
     reinforce_plus_plus_advantages,
     rloo_advantages,
@@ -50,6 +61,29 @@ class Advantages:
     returns: torch.Tensor | None  # [N, T-1] (gae and reinforce_plus_plus)
     token_rewards: torch.Tensor  # [N, T-1] after the in-reward KL
     kl_in_reward: float | None = None  # mean per-sequence KL penalty (algo.kl.in_reward)
+
+
+@dataclass
+class SourceScores:
+    """What ``gdpo`` reads instead of the combined reward."""
+
+    scores: torch.Tensor  # [N, S] raw score of each reward source (NaN: not routed)
+    weights: Sequence[float]  # [S] each source's weight (rewards.sources[s].weight)
+    env_weight: float = 1.0  # multiturn.env_reward_weight, for the turn rewards' column
+
+
+def gdpo_columns(
+    sources: SourceScores, turn_rewards: torch.Tensor | None, mask: torch.Tensor
+) -> tuple[torch.Tensor, list[float]]:
+    """The [N, K] columns gdpo normalises and their K weights: the sources' scores, then
+    with turn rewards the environment's return (see the module docstring)."""
+    scores = sources.scores.to(mask.device, torch.float32)
+    weights = [float(w) for w in sources.weights]
+    if turn_rewards is None:
+        return scores, weights
+    kept = torch.where(mask > 0, turn_rewards, torch.zeros_like(turn_rewards))
+    env = kept.sum(dim=1).to(scores.dtype)
+    return torch.cat([scores, env[:, None]], dim=1), [*weights, abs(sources.env_weight)]
 
 
 def kl_controller(kl_cfg) -> FixedKLController | AdaptiveKLController:
@@ -114,15 +148,21 @@ def estimate(
     logp_ref: torch.Tensor | None = None,
     kl_ctrl: FixedKLController | AdaptiveKLController | None = None,
     turn_rewards: torch.Tensor | None = None,
+    sources: SourceScores | None = None,
 ) -> Advantages:
     """Advantages of one batch under ``algo`` (an ``AlgoConfig``); see the module docstring.
 
     ``rewards`` [N] are the outcome rewards (placed on each sample's last sampled token);
     ``turn_rewards`` [N, T-1], when given, are added where ``mask`` is 1. ``values`` is
     needed by gae; ``logp_old``, ``logp_ref`` and ``kl_ctrl`` by ``algo.kl.in_reward``
-    (the controller is updated with this batch's KL).
+    (the controller is updated with this batch's KL); ``sources`` by gdpo.
     """
     mask = mask.float()
+    kind = algo.adv_estimator
+    if kind == "gdpo" and (sources is None or algo.kl.in_reward):
+        raise ValueError(
+            "adv_estimator 'gdpo' needs each reward source's scores, and takes no KL in the reward"
+        )
     tokens = token_level_scores(rewards, mask)
     if turn_rewards is not None:
         tokens = tokens + torch.where(mask > 0, turn_rewards, torch.zeros_like(turn_rewards))
@@ -134,7 +174,6 @@ def estimate(
         kl_mean = float(kl_mean)
         kl_ctrl.update(kl_mean, len(rewards))
     returns = None
-    kind = algo.adv_estimator
     if kind == "gae":
         if values is None:
             raise ValueError("adv_estimator 'gae' needs the critic's values")
@@ -147,6 +186,9 @@ def estimate(
             lambda m, r: reinforce_plus_plus_advantages(r, m, algo.gamma, algo.normalize_adv_std),
             mask, tokens,
         )  # fmt: skip
+    elif kind == "gdpo":
+        columns, weights = gdpo_columns(sources, turn_rewards, mask)
+        adv, _ = gdpo_advantages(columns, group_index, weights, mask)
     else:
         totals = (tokens * mask).sum(dim=1)  # the rewards, less the sample's KL penalty
         if kind == "grpo":

@@ -20,7 +20,13 @@ import msgspec
 import numpy as np
 import torch
 
-from learners.advantages import Advantages, episode_returns, estimate, kl_controller
+from learners.advantages import (
+    Advantages,
+    SourceScores,
+    episode_returns,
+    estimate,
+    kl_controller,
+)
 from learners.batching import Prefetcher, TrainBatch
 from learners.checkpoints.manager import Checkpoints, buffer_fetch
 from learners.checkpoints.state import LearnerState
@@ -212,6 +218,11 @@ class Learner:
                 local.values = critic_values(self.critic, local.input_ids, local.attention_mask)
             batch.values = dp.gather_rows(local.values, batch)
         device = self.acc.device
+        sources = None
+        if algo.adv_estimator == "gdpo":  # each source's raw scores, not their sum
+            weights = [src.weight for src in self.cfg.rewards.sources]
+            scores = torch.from_numpy(np.asarray(batch.scores, np.float32))
+            sources = SourceScores(scores, weights, self.cfg.multiturn.env_reward_weight)
         return estimate(
             algo,
             outcome.to(device),
@@ -222,6 +233,7 @@ class Learner:
             batch.logp_ref,
             self.kl_ctrl,
             batch.turn_rewards,
+            sources,
         )
 
     def update(

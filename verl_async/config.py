@@ -137,6 +137,7 @@ def check_consistency(cfg: RunConfig) -> None:
     check_loggers(cfg.trainer.loggers)
     check_rewards(cfg.rewards, cfg.generators.max_new_tokens)
     check_filter_groups(cfg)
+    check_gdpo(cfg)
     check_ipv4("weights.host", cfg.weights.host)
     if cfg.weights.host and not is_loopback(cfg.weights.host) and not cfg.weights.port:
         raise ConfigError(
@@ -188,6 +189,31 @@ def check_filter_groups(cfg: RunConfig) -> None:
         raise ConfigError(
             f"bad value for 'algo.filter_groups.metric': '{metric}' is neither 'reward' nor "
             f"the name of a reward source ({', '.join(names)})"
+        )
+
+
+def check_gdpo(cfg: RunConfig) -> None:
+    """``algo.adv_estimator: gdpo`` normalises each source's raw scores in their group
+    itself, always divides by the std (as verl) and has no place for a KL in the reward:
+    settings that would be ignored are refused, not dropped silently."""
+    algo = cfg.algo
+    if algo.adv_estimator != "gdpo":
+        return
+    for i, src in enumerate(cfg.rewards.sources):
+        if src.normalize != "none":
+            raise ConfigError(
+                f"bad value for 'rewards.sources.{i}.normalize': adv_estimator gdpo normalises "
+                f"each source's raw scores within the group itself; set none (got {src.normalize})"
+            )
+    if not algo.normalize_adv_std:
+        raise ConfigError(
+            "bad value for 'algo.normalize_adv_std': adv_estimator gdpo always divides by "
+            "the group std (as verl's); set true, or use grpo for Dr.GRPO"
+        )
+    if algo.kl.in_reward:
+        raise ConfigError(
+            "bad value for 'algo.kl.in_reward': adv_estimator gdpo reads the sources' raw "
+            "scores and would ignore an in-reward KL; use algo.kl.loss_coef instead"
         )
 
 

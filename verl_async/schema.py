@@ -374,11 +374,13 @@ class AlgoConfig(_Section):
     normalize_adv_std: bool = True
     """Divide advantages by a std: grpo by its group's (false gives Dr. GRPO); gae and
     reinforce_plus_plus by the batch's, i.e. whiten them (false: centre over the batch
-    only). rloo has no division."""
-    adv_estimator: Literal["grpo", "gae", "rloo", "reinforce_plus_plus"] = "grpo"
+    only). rloo has no division; gdpo always divides (true required)."""
+    adv_estimator: Literal["grpo", "gae", "rloo", "reinforce_plus_plus", "gdpo"] = "grpo"
     """Advantage estimator (docs/algorithms.md): grpo (group-relative), gae (PPO with the
     ``critic``), rloo (leave-one-out baseline), reinforce_plus_plus (discounted returns
-    whitened over the batch)."""
+    whitened over the batch), gdpo (each reward source's raw score group-relative, then
+    weighted by its ``weight``, summed and whitened over the batch; needs every source's
+    ``normalize: none``, normalize_adv_std true and no kl.in_reward)."""
     gamma: Fraction = 1.0
     """Discount of gae and reinforce_plus_plus."""
     lam: Fraction = 1.0

@@ -99,7 +99,7 @@ def test_numbers_that_enter_the_rewards_must_be_finite_in_float32(template, key,
         (
             "algo.adv_estimator=foo",
             "bad value for 'algo.adv_estimator': must be one of "
-            "'grpo', 'gae', 'rloo', 'reinforce_plus_plus' ('foo' is not one of them)",
+            "'grpo', 'gae', 'rloo', 'reinforce_plus_plus', 'gdpo' ('foo' is not one of them)",
         ),
         (
             "algo.kl.loss_type=1",

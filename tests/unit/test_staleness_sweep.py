@@ -147,3 +147,24 @@ def test_latency_is_deterministic_heavy_tailed_and_capped():
 def test_latency_env_refuses_bad_args(args):
     with pytest.raises(ValueError):
         latency_env.LatencyEnv(**args)
+
+
+def test_variants_are_named_override_sets_and_update_time_is_a_column():
+    assert sweep._variant("dapo=algo.loss_mode=vanilla algo.clip_eps_high=0.28") == (
+        "dapo",
+        ["algo.loss_mode=vanilla", "algo.clip_eps_high=0.28"],
+    )
+    for bad in ("dapo", "=algo.x=1", "dapo= "):
+        with pytest.raises(SystemExit, match="--variant wants"):
+            sweep._variant(bad)
+    rewards = [0.5] * 20
+    cells = [
+        _cell(0, "gspo", rewards, step_s=1.0, update_s_median=0.02),
+        _cell(0, "gspo", rewards, step_s=1.0, seed=1, update_s_median=0.04),
+        _cell(4, "gspo", rewards, step_s=1.0),  # an older cell: no update time
+    ]
+    table = sweep.table(cells, target=0.5)
+    header = [x.strip() for x in table.splitlines()[0].strip("|").split("|")]
+    column = header.index("update s (median)")
+    assert _row(table, 0, "gspo")[column] == "0.0300"
+    assert _row(table, 4, "gspo")[column] == "—"

@@ -3,6 +3,7 @@ controllers, losses, and per-token log-probs and entropies (see docs/algorithms.
 
 from verl_async.algos.advantages import (
     gae_advantages,
+    gdpo_advantages,
     group_ids,
     grpo_advantages,
     grpo_outcome_advantages,
@@ -50,6 +51,7 @@ __all__ = [
     "entropy_loss",
     "explained_variance",
     "gae_advantages",
+    "gdpo_advantages",
     "group_ids",
     "grpo_advantages",
     "grpo_outcome_advantages",

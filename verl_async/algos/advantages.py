@@ -16,6 +16,9 @@ Outcome estimators (one scalar score per sample, samples grouped by prompt ``ind
   reinforce_plus_plus_baseline_advantages
                            (s_i - mean_g) on every token of i (mean 0 for a group of one),
                            whitened over all kept tokens of the batch.
+  gdpo_advantages          several scores per sample: each column's verl GRPO advantage
+                           (always divided by the std), weighted and summed, put on every
+                           token of i and whitened over all kept tokens of the batch.
 
 Token-level estimators (rewards per token):
 
@@ -202,6 +205,35 @@ def reinforce_plus_plus_baseline_advantages(
         tiled = (scores - mean[inverse])[:, None].expand_as(mask).to(scores.dtype)
         tiled = torch.where(mask.bool(), tiled, torch.zeros_like(tiled))
         adv = masked_whiten(tiled, mask)
+        return adv, adv
+
+
+def gdpo_advantages(
+    scores: torch.Tensor, index: GroupIndex, weights, mask: torch.Tensor, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO (arXiv 2601.05242; verl's ``gdpo``): scores [N, K] (one column per reward
+    component, NaN where the component does not score the sample), index [N], weights [K],
+    mask [N, T] -> (adv, adv), both [N, T].
+
+    For each column k, A_k is ``grpo_outcome_advantages`` (with the std) of the samples it
+    scores, grouped as usual; the others get A_k = 0, so a group it scores no sample of
+    adds nothing, and a group statistic is taken over the scored samples only. Then
+    S_i = sum_k w_k * A_k[i] is put on every kept token of i and whitened over all kept
+    tokens of the batch (fewer than two raise ValueError). Zero at masked positions.
+    """
+    inverse, _ = group_ids(index)
+    inverse = inverse.to(scores.device)
+    weights = torch.as_tensor(weights, dtype=scores.dtype, device=scores.device)
+    with torch.no_grad():
+        total = scores.new_zeros(scores.shape[0])
+        for k in range(scores.shape[1]):
+            routed = ~torch.isnan(scores[:, k])
+            if routed.any():
+                adv_k = torch.zeros_like(total)
+                adv_k[routed] = grpo_outcome_advantages(scores[routed, k], inverse[routed], eps=eps)
+                total = total + weights[k] * adv_k
+        tiled = total[:, None].expand(mask.shape).to(scores.dtype)
+        adv = masked_whiten(torch.where(mask.bool(), tiled, torch.zeros_like(tiled)), mask)
         return adv, adv
 
 
