@@ -1,7 +1,10 @@
 """The ``overlong`` reward source: DAPO's soft overlong punishment, by token count."""
 
 import asyncio
+import json
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from verl_async import protocol as P
@@ -27,6 +30,31 @@ def test_overlong_penalty_hand_values():
     assert overlong_penalty(22, 4, 1.0, 20) == -1.5  # beyond Lmax it keeps falling, as verl's
     assert overlong_penalty(6, 6, 2.0, 6) == -2.0  # the buffer is the whole response
     assert overlong_penalty(3, 6, 2.0, 6) == -1.0
+
+
+# Outputs of verl 1dda039's own DAPORewardManager with overlong shaping (its float32 reward
+# tensor and reward_extra_info), inputs included: tests/reference/verl_1dda039.py writes them.
+VERL = json.loads((Path(__file__).parents[2] / "tests/fixtures/verl_1dda039.json").read_text())[
+    "overlong"
+]
+
+
+@pytest.mark.parametrize(
+    "case", VERL, ids=lambda c: f"{c['max_resp_len']}-{c['valid_response_length']}"
+)
+def test_overlong_matches_verls_reward_manager(case):
+    penalty = overlong_penalty(
+        case["valid_response_length"],
+        case["overlong_buffer_len"],
+        case["penalty_factor"],
+        case["max_resp_len"],
+    )
+    assert penalty == pytest.approx(case["overlong_reward"], abs=1e-7)
+    assert (penalty < 0) == case["overlong"]
+    # reward = score + penalty: the overlong source beside the score, weights 1, none.
+    sources = _cfg(SOURCES).rewards.sources
+    total = combine(np.array([[case["score"], penalty]]), np.zeros(1), sources, {})
+    assert total[0] == pytest.approx(case["reward"], abs=1e-6)  # verl's is float32
 
 
 def _cfg(*overrides: str):
