@@ -135,7 +135,8 @@ def check_consistency(cfg: RunConfig) -> None:
         raise ConfigError("bad value for 'model.tiny.num_kv_heads': must divide num_heads")
     placement.validate(cfg)
     check_loggers(cfg.trainer.loggers)
-    check_rewards(cfg.rewards)
+    check_rewards(cfg.rewards, cfg.generators.max_new_tokens)
+    check_filter_groups(cfg)
     check_gdpo(cfg)
     check_ipv4("weights.host", cfg.weights.host)
     if cfg.weights.host and not is_loopback(cfg.weights.host) and not cfg.weights.port:
@@ -196,6 +197,17 @@ def check_loss_mode(algo: AlgoConfig) -> None:
         raise ConfigError("bad value for 'algo.dro_beta': loss_mode dro needs a value > 0")
     if algo.clip_cov_lb >= algo.clip_cov_ub:
         raise ConfigError("bad value for 'algo.clip_cov_ub': must exceed algo.clip_cov_lb")
+
+
+def check_filter_groups(cfg: RunConfig) -> None:
+    """``algo.filter_groups.metric`` is ``reward`` or names a reward source."""
+    metric = cfg.algo.filter_groups.metric
+    names = [src.name for src in cfg.rewards.sources]
+    if metric != "reward" and metric not in names:
+        raise ConfigError(
+            f"bad value for 'algo.filter_groups.metric': '{metric}' is neither 'reward' nor "
+            f"the name of a reward source ({', '.join(names)})"
+        )
 
 
 def check_gdpo(cfg: RunConfig) -> None:

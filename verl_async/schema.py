@@ -349,6 +349,25 @@ class KLConfig(_Section):
     """Estimator of the KL loss term (as ``penalty``; "k3+" is k3's value with k2's gradient)."""
 
 
+# ----------------------------------------------------------------------------- DAPO dynamic sampling
+
+
+class FilterGroupsConfig(_Section):
+    """``algo.filter_groups``: DAPO's dynamic sampling, done by the buffer as groups arrive
+    (docs/algorithms.md, "DAPO dynamic sampling")."""
+
+    enable: bool = False
+    """Drop every returned group of two or more samples whose ``metric`` values are all
+    equal (its GRPO advantages would all be 0); the step takes the next groups instead."""
+    metric: str = "reward"
+    """What must differ within a group: ``reward`` (every reward source's raw score and the
+    environment's turn rewards) or the name of one reward source (its raw score)."""
+    max_in_a_row: PosInt = 32
+    """Most groups dropped in a row (in the order they reach the buffer); the next one that
+    would be dropped is kept and trains anyway (``filter_groups/admitted_past_bound``), so a
+    run where every group scores alike never stalls."""
+
+
 class AlgoConfig(_Section):
     correction: Literal["none", "tis", "decoupled"] = "decoupled"
     """Off-policy correction: none (pi/pi_behav, verl's bypass mode), tis (truncated
@@ -413,6 +432,8 @@ class AlgoConfig(_Section):
     """dro: coefficient of the quadratic log-ratio penalty; required with loss_mode dro."""
     kl: KLConfig = msgspec.field(default_factory=KLConfig)
     """KL to a frozen reference policy, in the reward and/or as a loss term."""
+    filter_groups: FilterGroupsConfig = msgspec.field(default_factory=FilterGroupsConfig)
+    """DAPO's dynamic sampling: drop the groups whose samples all score alike."""
 
     @property
     def uses_reference(self) -> bool:

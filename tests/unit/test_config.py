@@ -115,7 +115,7 @@ def test_numbers_that_enter_the_rewards_must_be_finite_in_float32(template, key,
         (
             "rewards.sources=[{name: a, kind: nope}]",
             "'rewards.sources.0.kind': must be one of 'exact', 'format', 'math', 'function', "
-            "'model' ('nope' is not one of them)",
+            "'model', 'overlong' ('nope' is not one of them)",
         ),
     ],
 )
