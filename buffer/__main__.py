@@ -8,6 +8,7 @@ from pathlib import Path
 import uvloop
 
 from buffer.evaluation import EvalRounds
+from buffer.filtering import FilterRule
 from buffer.leases import Leases
 from buffer.ledger import PromptLedger
 from buffer.requests import Peers
@@ -106,6 +107,7 @@ async def serve(run_dir: str, exit_after_stop_s: float | None = None) -> None:
             generators=len(placement.generator_groups(cfg)),
             learner_ranks=len(placement.learner_devices(cfg)),
         ),
+        filter_rule=FilterRule.from_config(cfg),
     )
     if ctx.endpoints.resume_from:
         ckpt = in_run(run_dir, ctx.endpoints.resume_from)

@@ -3,7 +3,8 @@
 The step's groups were consumed in issue order, filtered for staleness and split over the
 ranks by buffer/ledger.py (``StepBatch``, ``shard_samples``); here its samples are laid
 out rank by rank (``shard_sizes``) in sample-major arrays, concatenated over tokens.
-Encoded once per step: every rank is sent the same message. The multi-turn fields (loss
+Encoded once per step: every rank is sent the same message. It names the groups dynamic
+sampling dropped between the step's groups (buffer/filtering.py), for the audit trail. The multi-turn fields (loss
 mask, turn rewards, episode stats) travel only in a step that holds a multi-turn sample.
 """
 
@@ -58,7 +59,7 @@ class StepBatches:
         # A later step waits for the one before it: steps are consumed in order.
         if req.step > lg.consumed_steps or lg.missing_for(req.step):
             return None
-        groups = lg.consume(req.step)
+        groups, filtered, past_bound = lg.consume_step(req.step)
         kept, dropped = filter_stale(groups, req.learner_version, self.max_staleness)
         if dropped:
             log.error(
@@ -67,7 +68,17 @@ class StepBatches:
                 req.step,
             )
         self.dropped_stale_total += dropped
-        step = StepBatch(req.step, kept, shard_samples(kept, req.world_size), dropped, groups)
+        step = StepBatch(
+            req.step,
+            kept,
+            shard_samples(kept, req.world_size),
+            dropped,
+            groups,
+            filtered=[(k, lg.issued_prompt(k)[0]) for k in filtered],
+            past_bound=past_bound,
+            filtered_total=lg.start - lg.consumed_steps * lg.admission.groups_per_step,
+            past_bound_total=lg.past_bound_total,
+        )
         self.steps[req.step] = step
         for old in [s for s in self.steps if s < req.step - self.KEEP_STEPS_BEHIND]:
             del self.steps[old]
@@ -101,6 +112,11 @@ def encode_step(step: StepBatch, num_sources: int, **counts: int) -> tuple[P.Bat
         behav_logprobs=frames.add(cat([g.behav_logprobs[i] for g, i in samples], np.float32)),
         token_versions=frames.add(cat([g.token_versions[i] for g, i in samples], np.int32)),
         dropped_stale=step.dropped_stale,
+        filtered_groups=[k for k, _ in step.filtered],
+        filtered_prompts=[p for _, p in step.filtered],
+        filtered_total=step.filtered_total,
+        past_bound=step.past_bound,
+        past_bound_total=step.past_bound_total,
         **_multiturn_fields(samples, frames),
         **counts,
     )

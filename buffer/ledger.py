@@ -7,6 +7,11 @@ is buffer/telemetry.py's.
 
 Every prompt group k moves  issued -> returned -> consumed, each exactly once. Step s
 consumes groups sB .. sB + B - 1 (issue order; see verl_async/staleness.py for why).
+With dynamic sampling (buffer/filtering.py) a returned group may be dropped instead of
+stored: it is done (consumed, never issued again), and step s consumes the next B groups
+*kept*, in issue order, from the first group after step s - 1's last. A group's
+*position* is its index among the kept groups (in flight ones counted as kept): without
+drops it is its id, and admission is decided on it.
 Each issue of a group is a lease of its connection's (buffer/leases.py); when the lease
 runs out the group goes back to the front of the issue queue, and a rollout under the old
 lease never counts, whoever the group went to next.
@@ -96,8 +101,22 @@ class StepBatch:
     shards: list[list[tuple[int, int]]]  # [world_size] (position in groups, sample index)
     dropped_stale: int
     consumed: list[StoredGroup]  # the step's groups as returned (before the staleness check)
+    filtered: list[tuple[int, int]] = field(default_factory=list)  # (group, prompt) dropped
+    past_bound: int = 0  # of the step's groups, those kept past max_in_a_row
+    filtered_total: int = 0  # groups dropped up to this step's last group
+    past_bound_total: int = 0  # groups kept past max_in_a_row up to this step's last group
     served: set[int] = field(default_factory=set)
     encoded: tuple | None = None  # the Batch message, built once: every rank gets the same
+
+
+@dataclass(frozen=True)
+class FilterMarks:
+    """Where dynamic sampling stands at the start of a step (for a snapshot as of it)."""
+
+    start: int  # the step's first group id: every group before it was trained or dropped
+    dropped: list[int]  # groups dropped, ids >= start
+    past_bound: list[int]  # groups kept past max_in_a_row, ids >= start
+    past_bound_before: int  # groups kept past max_in_a_row, ids < start
 
 
 @dataclass
@@ -158,6 +177,12 @@ class PromptLedger:
         self.returned: dict[int, StoredGroup] = {}
         self.consumed_steps = 0
         self._orders: dict[int, list[int]] = {}
+        # Dynamic sampling (buffer/filtering.py): groups dropped and kept past the bound,
+        # ids from the start of the oldest step in ``marks`` on; each recent step's marks.
+        self.start = 0  # first group of step consumed_steps
+        self.dropped: set[int] = set()
+        self.past_bound: set[int] = set()
+        self.marks: dict[int, tuple[int, int]] = {0: (0, 0)}  # step -> (start, past_bound_before)
 
     def prompt_of(self, group_id: int) -> tuple[int, int]:
         """group k -> (epoch, prompt index)."""
@@ -186,7 +211,8 @@ class PromptLedger:
         out: list[PromptGroup] = []
         while len(out) < max_groups and not self.exhausted:
             k = self.reissue[0] if self.reissue else self.next_group
-            if loaded_version < self.min_version or not self.admission.admits(k, loaded_version):
+            admitted = self.admission.admits(self.position(k), loaded_version)
+            if loaded_version < self.min_version or not admitted:
                 return out, True
             epoch, idx = self.prompt_of(k)
             lease = self.leases.grant(k, client)
@@ -200,7 +226,15 @@ class PromptLedger:
 
     @property
     def exhausted(self) -> bool:
-        return not self.reissue and self.next_group >= self.total_groups
+        """No group to issue now: all the run's steps are spoken for (a group in flight
+        that is dropped on its return makes room for one more)."""
+        return not self.reissue and self.position(self.next_group) >= self.total_groups
+
+    def position(self, k: int) -> int:
+        """Group ``k``'s place among the kept groups, counting those in flight as kept: an
+        upper bound of its final place (drops only lower it), and ``k`` without drops."""
+        dropped_before_start = self.start - self.consumed_steps * self.admission.groups_per_step
+        return k - dropped_before_start - sum(1 for d in self.dropped if self.start <= d < k)
 
     def late(self, group: RolloutGroup, client: bytes) -> str | None:
         """Why ``group``, from ``client``, comes too late to be taken (None: it does not):
@@ -225,10 +259,17 @@ class PromptLedger:
             return "was already returned"
         return "was never issued"
 
-    def record_return(self, group: StoredGroup) -> None:
+    def record_return(self, group: StoredGroup, verdict: str = "keep") -> None:
+        """Take ``group`` back; ``verdict`` (buffer/filtering.py's ``Verdict`` value) says
+        whether it is stored (``keep``, ``past_bound``) or done without training (``drop``)."""
         self.check_returnable([group.group_id])
         del self.in_flight[group.group_id]
         self.leases.end(group.group_id)
+        if verdict == "drop":
+            self.dropped.add(group.group_id)
+            return
+        if verdict == "past_bound":
+            self.past_bound.add(group.group_id)
         self.returned[group.group_id] = group
 
     def expire_leases(self) -> list[Expired]:
@@ -261,18 +302,77 @@ class PromptLedger:
     def in_flight_of(self, generator_id: int) -> int:
         return sum(1 for i in self.in_flight.values() if i.generator_id == generator_id)
 
+    def _window(self) -> tuple[list[int], int]:
+        """The next step's groups: (the kept ones returned, how many are not returned yet),
+        walking from ``start`` over dropped groups until B are kept or awaited."""
+        b = self.admission.groups_per_step
+        kept, pending, k = [], 0, self.start
+        while len(kept) + pending < b:
+            if k in self.returned:
+                kept.append(k)
+            elif k not in self.dropped:
+                pending += 1
+            k += 1
+        return kept, pending
+
     def missing_for(self, step: int) -> int:
-        return sum(1 for k in self.admission.groups_of_step(step) if k not in self.returned)
+        """Groups step ``step`` still waits for (all of them for a step after the next)."""
+        if step < self.consumed_steps:
+            return 0
+        if step > self.consumed_steps:
+            return self.admission.groups_per_step
+        return self._window()[1]
 
     def consume(self, step: int) -> list[StoredGroup]:
         """Remove and return the groups of ``step``; every one must have been returned."""
+        return self.consume_step(step)[0]
+
+    def consume_step(self, step: int) -> tuple[list[StoredGroup], list[int], int]:
+        """Remove the groups of ``step`` (every one must have been returned): (them, the
+        ids of the groups dropped among them, how many were kept past the bound)."""
         if step != self.consumed_steps:
             raise LedgerError(
                 f"step {step} requested, next unconsumed step is {self.consumed_steps}"
             )
-        groups = [self.returned.pop(k) for k in self.admission.groups_of_step(step)]
+        kept, pending = self._window()
+        if pending:
+            raise LedgerError(f"step {step} still waits for {pending} groups")
+        end = kept[-1] + 1
+        filtered = sorted(d for d in self.dropped if self.start <= d < end)
+        past_bound = sum(1 for k in kept if k in self.past_bound)
+        groups = [self.returned.pop(k) for k in kept]
         self.consumed_steps += 1
-        return groups
+        self.start = end
+        self.marks[self.consumed_steps] = (end, self.marks[step][1] + past_bound)
+        self._forget_marks()
+        return groups, filtered, past_bound
+
+    # Steps whose marks are kept behind the next one (buffer/batches.py keeps as many).
+    MARKS_KEPT = 4
+
+    def _forget_marks(self) -> None:
+        for t in [t for t in self.marks if t < self.consumed_steps - self.MARKS_KEPT]:
+            del self.marks[t]
+        oldest = self.marks[min(self.marks)][0]
+        self.dropped = {d for d in self.dropped if d >= oldest}
+        self.past_bound = {k for k in self.past_bound if k >= oldest}
+
+    @property
+    def past_bound_total(self) -> int:
+        """Groups kept past the bound among the steps consumed."""
+        return self.marks[self.consumed_steps][1]
+
+    def filter_marks(self, step: int) -> FilterMarks:
+        """Dynamic sampling's state as of the start of ``step`` (consumed, or the next)."""
+        if step not in self.marks:
+            raise LedgerError(f"snapshot at step {step}: its filtering marks are gone")
+        start, before = self.marks[step]
+        return FilterMarks(
+            start,
+            sorted(d for d in self.dropped if d >= start),
+            sorted(k for k in self.past_bound if k >= start),
+            before,
+        )
 
     def snapshot(
         self, step: int, handed_out: dict[int, list[StoredGroup]]
@@ -301,15 +401,23 @@ class PromptLedger:
         next_group: int,
         stored: list[StoredGroup],
         reissue: list[int],
+        marks: FilterMarks | None = None,
     ) -> None:
-        """Continue from a snapshot; every group of steps >= ``step`` is stored or re-issued."""
-        expected = set(range(step * self.admission.groups_per_step, next_group))
-        held = [g.group_id for g in stored] + list(reissue)
-        if len(set(held)) != len(held) or set(held) != expected:
+        """Continue from a snapshot; every group of steps >= ``step`` is stored, re-issued
+        or (``marks``, with dynamic sampling) dropped."""
+        b = self.admission.groups_per_step
+        marks = marks or FilterMarks(step * b, [], [], 0)
+        expected = set(range(marks.start, next_group))
+        held = [g.group_id for g in stored] + list(reissue) + list(marks.dropped)
+        if len(set(held)) != len(held) or set(held) != expected or marks.start < step * b:
             raise LedgerError(
-                f"snapshot is inconsistent: groups {step * self.admission.groups_per_step}.."
-                f"{next_group - 1} should each be stored or re-issued exactly once"
+                f"snapshot is inconsistent: groups {marks.start}..{next_group - 1} should "
+                "each be stored, re-issued or dropped exactly once"
             )
+        self.start = marks.start
+        self.dropped = set(marks.dropped)
+        self.past_bound = set(marks.past_bound)
+        self.marks = {step: (marks.start, marks.past_bound_before)}
         self.consumed_steps = step
         self.next_group = next_group
         self.returned = {g.group_id: g for g in stored}

@@ -51,7 +51,8 @@ import zmq.asyncio
 
 from buffer.batches import StepBatches, encode_step
 from buffer.evaluation import EvalRounds
-from buffer.ledger import LedgerError, PromptLedger, StepBatch, check_issued
+from buffer.filtering import FilterRule, GroupFilter, Verdict
+from buffer.ledger import LedgerError, PromptLedger, StepBatch, StoredGroup, check_issued
 from buffer.polls import MAX_PARKED, Parked, ParkedPolls
 from buffer.requests import (
     Peers,
@@ -106,8 +107,12 @@ class BufferServer:
         options: ServerOptions | None = None,
         max_parked: int = MAX_PARKED,
         peers: Peers | None = None,
+        filter_rule: FilterRule | None = None,
     ) -> None:
         self.ledger = ledger
+        # DAPO's dynamic sampling (buffer/filtering.py); None: every group is kept.
+        self.filter = None if filter_rule is None else GroupFilter(filter_rule)
+        self.filter_log = RateLimitedLog(log, what="groups kept past filter_groups.max_in_a_row")
         self.run_info = run_info  # answers GetRun (roles started on their own)
         # Started by ``verl-async buffer``: leave the loop this long after Shutdown (the
         # generators have then been told to stop); under ``train`` the launcher ends it.
@@ -376,10 +381,26 @@ class BufferServer:
             for g in groups
         ]
         for g in stored:
-            lg.record_return(g)
+            lg.record_return(g, self._verdict(g).value)
             self.rate.add(sum(len(r) for r in g.responses))
         self.rollouts_dropped += len(lapsed)
         return lapsed
+
+    def _verdict(self, group: StoredGroup) -> Verdict:
+        """Dynamic sampling's decision on a returned group; a warning when it is kept only
+        because too many were dropped in a row."""
+        if self.filter is None:
+            return Verdict.KEEP
+        verdict = self.filter.decide(group)
+        if verdict is Verdict.PAST_BOUND:
+            self.filter_log.log(
+                "past_bound",
+                "group %d scored alike, but %d groups in a row were dropped "
+                "(algo.filter_groups.max_in_a_row): it is kept and trains with zero advantage",
+                group.group_id,
+                self.filter.rule.max_in_a_row,
+            )
+        return verdict
 
     def _expire_leases(self) -> None:
         """Issue again the groups whose lease ran out; a log line per holder (rate-limited)."""
@@ -460,6 +481,7 @@ class BufferServer:
             await asyncio.sleep(0.05)
             self.rejections.flush()
             self.lease_log.flush()
+            self.filter_log.flush()
             self._expire_leases()
             if self.stopping:
                 expired = self.parked.take_all()
@@ -500,6 +522,7 @@ class BufferServer:
             max_staleness=self.max_staleness,
             dropped_stale=self.batches.dropped_stale_total,
             admission_blocked=self.admission_blocked,
+            filter_in_a_row=0 if self.filter is None else self.filter.in_a_row,
         )
 
     def restore(self, ckpt_dir: Path) -> None:
@@ -508,6 +531,8 @@ class BufferServer:
         self.target_version = state.version
         self.batches.dropped_stale_total = state.dropped_stale
         self.admission_blocked = state.admission_blocked
+        if self.filter is not None:
+            self.filter.in_a_row = state.filter_in_a_row
 
     def stats(self) -> P.Stats:
         lg = self.ledger
@@ -515,7 +540,7 @@ class BufferServer:
         return P.Stats(
             issued=lg.next_group,
             returned=len(lg.returned),
-            consumed=lg.consumed_steps * lg.admission.groups_per_step,
+            consumed=lg.start,  # every group before it was trained or dropped
             stored_groups=len(lg.returned),
             target_version=self.target_version,
             dropped_stale=self.batches.dropped_stale_total,

@@ -11,7 +11,9 @@ The snapshot is taken *as of step s*: groups that the learner's prefetcher alrea
 for steps >= s go back into it, because a learner restored at step s has not trained on
 them. Groups issued but not returned go into ``reissue``; after a restore they are issued
 again (first, in id order) and generated from scratch. Together this is the exactly-once
-rule: every group of steps >= s is either stored here or will be issued. Leases are not
+rule: every group of steps >= s is either stored here or will be issued. With dynamic
+sampling (buffer/filtering.py) a group may also be dropped: ``filtered`` lists those from
+step s's first group on, which are done and never issued again. Leases are not
 saved: every group in flight at the cut is issued again anyway, whatever its lease.
 
 ``Cuts`` takes the cut at the barrier (``SnapshotBuffer``) and encodes its files when the
@@ -28,7 +30,7 @@ import msgspec
 import numpy as np
 import pyarrow as pa
 
-from buffer.ledger import LedgerError, PromptLedger, StoredGroup
+from buffer.ledger import FilterMarks, LedgerError, PromptLedger, StoredGroup
 from verl_async import protocol as P
 from verl_async.protocol import EpisodeStats
 
@@ -55,6 +57,12 @@ class LedgerState(msgspec.Struct, kw_only=True):
     dropped_stale: int
     admission_blocked: int
     leases_expired: int = 0  # groups whose lease ran out before the snapshot
+    # Dynamic sampling; the defaults are a snapshot of a run without it.
+    step_start: int | None = None  # step's first group (None: step * groups_per_step)
+    filtered: list[int] = []  # groups dropped, from step_start on: done, never issued again
+    past_bound: list[int] = []  # stored groups kept past filter_groups.max_in_a_row
+    past_bound_before: int = 0  # groups kept past the bound before step_start
+    filter_in_a_row: int = 0  # groups dropped in a row when the snapshot was taken
 
 
 class SnapshotError(ValueError):
@@ -247,8 +255,13 @@ class Cuts:
         """
         lg = self.ledger
         stored, reissue = lg.snapshot(step, handed_out)
+        marks = lg.filter_marks(step)
         state = LedgerState(
             step=step,
+            step_start=marks.start,
+            filtered=marks.dropped,
+            past_bound=marks.past_bound,
+            past_bound_before=marks.past_bound_before,
             next_group=lg.next_group,
             reissue=reissue,
             stored_groups=len(stored),
@@ -304,14 +317,22 @@ def restore_ledger(lg: PromptLedger, ckpt_dir: Path) -> LedgerState:
         raise SnapshotError(
             f"{ROLLOUTS_FILE} holds {len(stored)} groups, {LEDGER_FILE} says {state.stored_groups}"
         )
-    lg.restore(state.step, state.version, state.next_group, stored, state.reissue)
+    start = state.step * lg.admission.groups_per_step
+    marks = FilterMarks(
+        start if state.step_start is None else state.step_start,
+        state.filtered,
+        state.past_bound,
+        state.past_bound_before,
+    )
+    lg.restore(state.step, state.version, state.next_group, stored, state.reissue, marks)
     lg.leases.expired_total = state.leases_expired
     log.info(
-        "restored step %d, version %d: %d groups stored, %d to re-issue, next group %d",
+        "restored step %d, version %d: %d groups stored, %d to re-issue, %d dropped, next group %d",
         state.step,
         state.version,
         len(stored),
         len(state.reissue),
+        len(state.filtered),
         state.next_group,
     )
     return state

@@ -242,7 +242,8 @@ class Generator:
         episode's whole conversation)."""
         texts = [t.text for t in samples]
         conversations = [t.messages for t in samples] if samples[0].stats is not None else None
-        return await self.scorer.score_group(group, texts, conversations)
+        lengths = [len(t.token_ids) for t in samples]
+        return await self.scorer.score_group(group, texts, conversations, lengths)
 
     def start_group(self, group: P.PromptGroup) -> None:
         """Sample a group the buffer issued. A copy of it still running here lost its
@@ -443,7 +444,13 @@ def make_scorer(ctx: RunContext, index: int) -> Scorer:
             name: RewardModelClient(endpoint, timeout_s, credentials(ctx))
             for name, endpoint in ctx.endpoints.reward_models.items()
         }
-    return Scorer(ctx.run_dir, ctx.cfg.rewards, clients, log_name=f"reward_worker{index}")
+    return Scorer(
+        ctx.run_dir,
+        ctx.cfg.rewards,
+        clients,
+        log_name=f"reward_worker{index}",
+        max_new_tokens=ctx.cfg.generators.max_new_tokens,
+    )
 
 
 async def run_generator(ctx: RunContext, index: int) -> None:

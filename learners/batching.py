@@ -16,6 +16,25 @@ from verl_async.auth import Credentials
 from verl_async.transport import BufferClient
 
 
+@dataclass(frozen=True)
+class Filtered:
+    """Dynamic sampling's part of a step (buffer/filtering.py)."""
+
+    groups: list[list[int]]  # [group id, prompt index] of each group dropped among the step's
+    total: int  # groups dropped so far, this step's included
+    past_bound: int  # of the step's groups, those kept past filter_groups.max_in_a_row
+    past_bound_total: int  # the same, so far
+
+    def metrics(self) -> dict[str, int]:
+        """The ``filter_groups/*`` fields of the step's metrics row."""
+        return {
+            "filter_groups/dropped": len(self.groups),
+            "filter_groups/dropped_total": self.total,
+            "filter_groups/admitted_past_bound": self.past_bound,
+            "filter_groups/admitted_past_bound_total": self.past_bound_total,
+        }
+
+
 @dataclass
 class TrainBatch:
     """A step's samples, right-padded. T = longest prompt + response in the batch.
@@ -57,6 +76,7 @@ class TrainBatch:
     # The buffer's Stats right after the batch came (generator rate and timing totals),
     # asked by the prefetcher of the rank that writes metrics; None elsewhere.
     buffer_stats: P.Stats | None = None
+    filtered: Filtered | None = None  # the groups dynamic sampling dropped among the step's
     # Set by the learner's compute_advantages:
     rewards: torch.Tensor | None = None  # [N] combined reward of each sample
     logp_prox: torch.Tensor | None = None  # [N, T-1] pi_prox, when needed before the update
@@ -148,6 +168,12 @@ def collate(msg: P.Batch, frames: list, pad_id: int, pin: bool = False) -> Train
         shard_sizes=list(msg.shard_sizes) or [n],
         turn_rewards=None if turn_pad is None else t(turn_pad),
         episodes=list(msg.episodes),
+        filtered=Filtered(
+            [[k, p] for k, p in zip(msg.filtered_groups, msg.filtered_prompts, strict=True)],
+            msg.filtered_total,
+            msg.past_bound,
+            msg.past_bound_total,
+        ),
     )
 
 

@@ -126,16 +126,16 @@ def critic_update(
         plan = plan_update(mask, batch.attention_mask, [len(mask)], 0, algo.minibatches)
     losses, clips, grads, skips = [], [], [], []
     for mb in plan:
-        agg = mb.agg_kwargs(algo.loss_scale_factor)
+        agg = mb.global_batch(algo.loss_scale_factor)
         mb_loss = 0.0
         for idx in mb.micro:
             rows = micro_rows(idx, batch.attention_mask)
             rows_mask = rows.mask(mask)
             values = critic_values(critic, *rows.inputs(batch.input_ids, batch.attention_mask))
+            old, ret = rows.take(old_values), rows.take(returns)
             loss, clipfrac = value_loss(
-                values, rows.take(old_values), rows.take(returns), rows_mask, cliprange_value,
-                algo.loss_agg_mode, **agg,
-            )  # fmt: skip
+                values, old, ret, rows_mask, cliprange_value, algo.loss_agg_mode, agg
+            )
             backward(loss)
             if not rows.placeholder:
                 mb_loss += float(loss.detach())

@@ -16,10 +16,11 @@ whose), so each rank computes the same plan for everybody without talking to the
 - A pass computes its rows' columns up to their longest row only (``MicroRows``): the
   batch is right-padded to the step's longest sequence, and the padding beyond a pass's
   own longest row is never computed.
-- The loss of a micro-batch is its masked sum divided by a denominator of the *global*
-  minibatch: its response tokens (token-mean) or sequences (seq-mean modes), divided by
-  the number of ranks because the gradient is averaged over ranks. Summed over
-  micro-batches and averaged over ranks this is exactly the minibatch's loss on one rank.
+- The loss of a micro-batch is aggregated with the denominators of the *global*
+  minibatch (``GlobalBatch``, verl's ``global_batch_info``): its response tokens
+  (token-mean) or its sequences (seq-mean modes), times the number of ranks because the
+  gradient is averaged over ranks. Summed over micro-batches and averaged over ranks this
+  is exactly the minibatch's loss on one rank.
 """
 
 from __future__ import annotations
@@ -29,24 +30,25 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from verl_async.algos.losses import GlobalBatch
+
 
 @dataclass
 class Minibatch:
     micro: list[torch.Tensor]  # local row indices per micro-batch; empty -> placeholder
-    tokens: float  # response tokens of the global minibatch / ranks (token-mean)
-    seqs: float  # sequences with a response token in the global minibatch / ranks (seq-mean)
+    tokens: float  # response tokens of the global minibatch (token-mean)
+    seqs: float  # sequences of the global minibatch, rows without a response token included
     world: int = 1
 
-    def agg_kwargs(self, loss_scale_factor: float | None) -> dict:
-        """The denominators for ``agg_loss`` (seq-mean-token-sum-norm's constant is split
-        over the ranks as well)."""
-        return {
-            "batch_num_tokens": self.tokens,
-            "global_batch_size": self.seqs,
-            "loss_scale_factor": None
-            if loss_scale_factor is None
-            else loss_scale_factor / self.world,
-        }
+    def global_batch(self, loss_scale_factor: float | None) -> GlobalBatch:
+        """The denominators for ``agg_loss``: verl's global batch info, whose
+        ``global_batch_size`` counts the minibatch's rows, empty ones included."""
+        return GlobalBatch(
+            dp_size=self.world,
+            batch_num_tokens=self.tokens,
+            global_batch_size=self.seqs,
+            loss_scale_factor=loss_scale_factor,
+        )
 
 
 def shard_bounds(shard_sizes: list[int], rank: int) -> tuple[int, int]:
@@ -84,13 +86,12 @@ def plan_update(
     world = len(shard_sizes)
     bounds = [shard_bounds(shard_sizes, r) for r in range(world)]
     chunks = [np.array_split(np.arange(stop - start), minibatches) for start, stop in bounds]
-    has_tokens = loss_mask.sum(dim=1) > 0
     lengths = attention_mask.sum(dim=1).cpu().numpy()
     plan = []
     for k in range(minibatches):
         rows = [torch.as_tensor(bounds[r][0] + chunks[r][k]) for r in range(world)]
         tokens = sum(float(loss_mask[idx].sum()) for idx in rows)
-        seqs = sum(int(has_tokens[idx].sum()) for idx in rows)
+        seqs = sum(len(idx) for idx in rows)
         if max_tokens_per_microbatch:
             bins = [
                 length_bins(chunks[r][k], lengths[start:stop], max_tokens_per_microbatch)
@@ -101,7 +102,7 @@ def plan_update(
         else:
             mine = [chunks[rank][k]]
         micro = [torch.as_tensor(m, dtype=torch.long) for m in mine]
-        plan.append(Minibatch(micro, tokens / world, seqs / world, world))
+        plan.append(Minibatch(micro, tokens, seqs, world))
     return plan
 
 

@@ -19,6 +19,7 @@ import torch
 from learners.critic import load_critic, load_reference
 from learners.trainer import Learner
 from verl_async import lora
+from verl_async.algos import get_policy_loss
 from verl_async.lifetime import interrupt_once
 from verl_async.placement import sync_world_size
 from verl_async.runtime import RunContext, mark, mark_cpu
@@ -32,6 +33,7 @@ def run_learner(ctx: RunContext) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cfg = ctx.cfg
+    get_policy_loss(cfg.algo.loss_mode)  # a name no loss has ends the run here, naming the key
     on_cpu = not torch.cuda.is_available()
     if on_cpu and cfg.learner.keep_freed_memory and keep_freed_memory():
         log.info("freed memory is kept for reuse (learner.keep_freed_memory)")

@@ -268,7 +268,7 @@ class Learner:
             clip_grad=lambda: self.clip_grad(self.model, cfg.learner.grad_clip),
             temperature=cfg.generators.temperature, logp_prox=local.logp_prox,
             logp_ref=local.logp_ref, step=not warming, plan=plan, version=self.version,
-            share_prefix=cfg.learner.share_prefix, any_rank=dp.any_rank,
+            share_prefix=cfg.learner.share_prefix, any_rank=dp.any_rank, seed=cfg.learner.seed,
         )  # fmt: skip
         if self.scheduler is not None and stats.optimizer_steps:  # none: warming up or skipped
             self.scheduler.step()
@@ -403,6 +403,8 @@ class Learner:
         row.update(multiturn_metrics(batch))
         row.update(self.gen_timing.row(batch.buffer_stats))  # the generators since the last batch
         row["prompts_skipped"] = batch.prompts_skipped
+        if self.cfg.algo.filter_groups.enable and batch.filtered is not None:
+            row.update(batch.filtered.metrics())
         row.update(
             summarize(
                 batch.scores,
@@ -436,6 +438,8 @@ class Learner:
             "generators": batch.group_generators,
             "samples": batch.sample_digests,
         }
+        if batch.filtered is not None and batch.filtered.groups:
+            trail["filtered"] = batch.filtered.groups  # dropped by dynamic sampling: done
         self.trail.write(json.dumps(trail) + "\n")
 
     def finish(self) -> None:

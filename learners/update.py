@@ -15,9 +15,15 @@ from learners.batching import TrainBatch
 from learners.finite import guarded_step
 from learners.logprobs import token_stats
 from learners.plan import Minibatch, micro_rows, plan_update
-from verl_async.algos import LossOutput, kl_k3, policy_loss
+from verl_async.algos import (
+    GlobalBatch,
+    LossInputs,
+    LossOutput,
+    actor_inputs,
+    kl_k3,
+    policy_loss,
+)
 from verl_async.algos.kl import kl_penalty
-from verl_async.algos.losses import agg_loss
 from verl_async.algos.masked import masked_sum
 
 
@@ -29,7 +35,7 @@ class StepStats:
     entropy: float
     clip_fraction: float  # verl's actor/pg_clipfrac
     clip_fraction_lower: float  # dual-clip active (verl's actor/pg_clipfrac_lower)
-    ppo_kl: float  # mean of logp_prox - logp over the update (verl's actor/ppo_kl)
+    ppo_kl: float  # mean of logp_old - logp over the update (verl's actor/ppo_kl; per mode)
     is_weight_mean: float
     is_weight_max: float
     is_clipped_fraction: float
@@ -73,6 +79,7 @@ def policy_update(
     version: int | None = None,
     share_prefix: bool = True,
     any_rank=None,
+    seed: int = 0,
 ) -> StepStats:
     """pi_prox, then one optimizer step per minibatch of ``plan`` (learners/plan.py; by
     default ``algo.minibatches`` chunks of this batch on one rank, no micro-batching).
@@ -93,6 +100,8 @@ def policy_update(
     ``StepStats``). ``share_prefix``: rows of a pass that share their prompt compute it
     once (``token_stats``). A minibatch whose loss or gradient norm is not finite takes
     no step (``guarded_step``; ``any_rank`` makes the verdict every rank's under FSDP2).
+    ``seed`` (``learner.seed``), with the version, minibatch and micro-batch, seeds a loss
+    mode's random choices (clip_cov), so a run repeats them.
 
     Every loss term and statistic reads the positions of ``batch.loss_mask`` only: the
     sampled tokens (a multi-turn sample's observation tokens are 0 there, and ``collate``
@@ -118,10 +127,10 @@ def policy_update(
     adv = advantages if advantages.dim() == 2 else advantages[:, None]
     parts, grads = [], []
     for k, mb in enumerate(plan):
-        agg = mb.agg_kwargs(algo.loss_scale_factor)
+        agg = mb.global_batch(algo.loss_scale_factor)
         sums = {"loss": 0.0, "pg_loss": 0.0, "kl_loss": 0.0}  # over the minibatch's micro-batches
         at_prox = k == 0 and not given  # this pass's log-probs are pi_prox's
-        for idx in mb.micro:
+        for j, idx in enumerate(mb.micro):
             rows = micro_rows(idx, batch.attention_mask)
             rows_mask = rows.mask(mask)
             ids, attn = rows.inputs(batch.input_ids, batch.attention_mask)
@@ -133,14 +142,14 @@ def policy_update(
                 clock.count(stats)
                 logp = stats.logp
                 prox = logp.detach() if at_prox else rows.take(logp_prox)
-                out, pg_loss, kl_loss = actor_loss(
-                    logp, prox, rows.take(batch.behav_logprobs), rows.take(adv), rows_mask, algo,
-                    stats.entropy if bonus else None,
-                    None if logp_ref is None else rows.take(logp_ref), agg,
-                )  # fmt: skip
+                behav, adv_rows = rows.take(batch.behav_logprobs), rows.take(adv)
+                seed_j = micro_seed(seed, version or 0, k, j)
+                inputs, corr = actor_inputs(logp, prox, behav, adv_rows, rows_mask, algo, seed_j)
+                ref = None if logp_ref is None else rows.take(logp_ref)
+                out = actor_loss(inputs, algo, stats.entropy if bonus else None, ref, agg)
             clock.lap("forward_s")
             if step:
-                backward(out.loss)
+                backward(out.total)
             clock.lap("backward_s")
             if not rows.placeholder:  # a placeholder row counts for nothing
                 cols = slice(0, rows.width - 1)
@@ -148,10 +157,10 @@ def policy_update(
                     logp_prox[rows.idx, cols] = prox
                 if at_prox or given:
                     entropy[rows.idx, cols] = stats.entropy.detach()
-                sums["loss"] += float(out.loss.detach())
-                sums["pg_loss"] += float(pg_loss.detach())
-                sums["kl_loss"] += 0.0 if kl_loss is None else float(kl_loss.detach())
-                parts.append((out, float(rows_mask.sum())))
+                sums["loss"] += float(out.total.detach())
+                sums["pg_loss"] += float(out.pg.loss.detach())
+                sums["kl_loss"] += 0.0 if out.kl_loss is None else float(out.kl_loss.detach())
+                parts.append((out.pg, corr, float(rows_mask.sum())))
         grad, skip = 0.0, None
         if step:
             grad, skip = guarded_step(optimizer, clip_grad, sums["loss"], any_rank)
@@ -196,37 +205,42 @@ class _Clock:
         return stats
 
 
-def actor_loss(
-    logp: torch.Tensor,
-    logp_prox: torch.Tensor,
-    logp_behav: torch.Tensor,
-    adv: torch.Tensor,
-    mask: torch.Tensor,
-    algo,
-    entropy: torch.Tensor | None,
-    logp_ref: torch.Tensor | None,
-    agg_kwargs: dict | None = None,
-) -> tuple[LossOutput, torch.Tensor, torch.Tensor | None]:
-    """(PPO-clip loss, its policy-gradient part, the KL loss term or None): ``out.loss``
-    also holds the entropy bonus and the KL loss term, the second is verl's pg_loss.
+def micro_seed(seed: int, version: int, minibatch: int, micro: int) -> int:
+    """The seed of one micro-batch's random choices: the same run, step and pass, the
+    same seed; any other, another."""
+    return (((seed * 1_000_003 + version) * 1_009 + minibatch) * 1_009 + micro) % 2**63
 
-    ``agg_kwargs``: the denominators of a minibatch spread over micro-batches and ranks
-    (``Minibatch.agg_kwargs``); by default this batch's own."""
-    agg_kwargs = agg_kwargs or {"loss_scale_factor": algo.loss_scale_factor}
-    out = policy_loss(
-        logp, logp_prox, logp_behav, adv, mask,
-        algo.correction, algo.clip_eps, algo.is_cap, algo.clip_eps_high,
-        clip_ratio_c=algo.clip_ratio_c, loss_agg_mode=algo.loss_agg_mode, **agg_kwargs,
-    )  # fmt: skip
-    pg_loss = out.loss
-    agg = lambda x: agg_loss(x, mask, algo.loss_agg_mode, **agg_kwargs)  # noqa: E731
+
+@dataclass
+class ActorLoss:
+    total: torch.Tensor  # the policy loss - the entropy bonus + the KL loss term
+    pg: LossOutput  # the policy loss alone (verl's actor/pg_loss) and its metrics
+    kl_loss: torch.Tensor | None  # the KL loss term before its coefficient, if any
+
+
+def actor_loss(
+    inputs: LossInputs,
+    algo,
+    entropy: torch.Tensor | None = None,
+    logp_ref: torch.Tensor | None = None,
+    batch: GlobalBatch | None = None,
+) -> ActorLoss:
+    """``algo.loss_mode``'s loss on ``inputs``, minus ``algo.entropy_coeff`` times the
+    aggregated ``entropy``, plus ``algo.kl.loss_coef`` times the aggregated KL to
+    ``logp_ref``: all aggregated with ``batch``'s denominators (``Minibatch.global_batch``;
+    by default this batch's own and ``algo.loss_scale_factor``) and ``algo.loss_agg_mode``."""
+    batch = batch or GlobalBatch(loss_scale_factor=algo.loss_scale_factor)
+    pg = policy_loss(inputs, algo, batch)
+    total = pg.loss
+    mask = inputs.mask
     if entropy is not None:
-        out.loss = out.loss - algo.entropy_coeff * agg(entropy)
+        total = total - algo.entropy_coeff * batch.agg(entropy, mask, algo.loss_agg_mode)
     kl_loss = None
     if logp_ref is not None and algo.kl.loss_coef > 0:
-        kl_loss = agg(kl_penalty(logp, logp_ref, algo.kl.loss_type))
-        out.loss = out.loss + algo.kl.loss_coef * kl_loss
-    return out, pg_loss, kl_loss
+        kld = kl_penalty(inputs.logp, logp_ref, algo.kl.loss_type)
+        kl_loss = batch.agg(kld, mask, algo.loss_agg_mode)
+        total = total + algo.kl.loss_coef * kl_loss
+    return ActorLoss(total, pg, kl_loss)
 
 
 def _step_stats(
@@ -237,8 +251,8 @@ def _step_stats(
     minibatches; the largest behaviour weight is the maximum."""
     mask = batch.loss_mask
     n_tok = mask.sum().clamp(min=1)
-    weight = sum(w for _, w in parts) or 1.0
-    mean = lambda get: sum(float(get(o)) * w for o, w in parts) / weight  # noqa: E731
+    weight = sum(w for *_, w in parts) or 1.0
+    mean = lambda get: sum(float(get(*p[:2])) * p[2] for p in parts) / weight  # noqa: E731
     per_mb = lambda key: sum(g[key] for g in grads) / len(grads)  # noqa: E731
     fresh = (mask > 0) & (batch.token_versions == (-2 if version is None else version))
     gap = (logp_prox - batch.behav_logprobs).abs()[fresh]
@@ -249,12 +263,12 @@ def _step_stats(
         pg_loss=per_mb("pg_loss"),
         kl=float(masked_sum(kl_k3(logp_prox, batch.behav_logprobs), mask) / n_tok),
         entropy=float(masked_sum(entropy, mask) / n_tok),
-        clip_fraction=mean(lambda o: o.clip_fraction),
-        clip_fraction_lower=mean(lambda o: o.pg_clipfrac_lower),
-        ppo_kl=mean(lambda o: o.ppo_kl),
-        is_weight_mean=mean(lambda o: o.is_weight_mean),
-        is_weight_max=max((float(o.is_weight_max) for o, _ in parts), default=0.0),
-        is_clipped_fraction=mean(lambda o: o.is_clipped_fraction),
+        clip_fraction=mean(lambda o, c: o.pg_clipfrac),
+        clip_fraction_lower=mean(lambda o, c: o.pg_clipfrac_lower),
+        ppo_kl=mean(lambda o, c: o.ppo_kl),
+        is_weight_mean=mean(lambda o, c: c.is_weight_mean),
+        is_weight_max=max((float(c.is_weight_max) for _, c, _ in parts), default=0.0),
+        is_clipped_fraction=mean(lambda o, c: c.is_clipped_fraction),
         grad_norm=per_mb("grad"),
         kl_loss=None if grads[0]["kl_loss"] is None else per_mb("kl_loss"),
         optimizer_steps=sum(g["stepped"] for g in grads),

@@ -21,7 +21,7 @@ import msgspec
 import yaml
 
 from verl_async import placement
-from verl_async.config_base import ConfigError
+from verl_async.config_base import IMPORT_SPEC, ConfigError
 from verl_async.correction_config import SettingError
 from verl_async.envs.base import check_environments
 from verl_async.loggers import check_loggers
@@ -136,7 +136,8 @@ def check_consistency(cfg: RunConfig) -> None:
         raise ConfigError("bad value for 'model.tiny.num_kv_heads': must divide num_heads")
     placement.validate(cfg)
     check_loggers(cfg.trainer.loggers)
-    check_rewards(cfg.rewards)
+    check_rewards(cfg.rewards, cfg.generators.max_new_tokens)
+    check_filter_groups(cfg)
     check_gdpo(cfg)
     check_ipv4("weights.host", cfg.weights.host)
     if cfg.weights.host and not is_loopback(cfg.weights.host) and not cfg.weights.port:
@@ -154,6 +155,7 @@ def check_consistency(cfg: RunConfig) -> None:
             f"generators.max_model_len ({g.max_model_len})"
         )
     check_lora(cfg)
+    check_loss_mode(cfg.algo)
     check_rollout_correction(cfg.algo)
     mt = cfg.multiturn
     check_environments(mt)
@@ -179,6 +181,34 @@ def check_consistency(cfg: RunConfig) -> None:
         raise ConfigError(
             "bad value for 'ray.address': Ray Client (ray://) is not supported; run "
             "`verl-async train` on a node of the cluster with ray.address=auto"
+        )
+
+
+LOSS_MODE_NAME = re.compile(r"^[A-Za-z_]\w*$")
+
+
+def check_loss_mode(algo: AlgoConfig) -> None:
+    """``algo.loss_mode``'s form (a name, or package.module:function) and the settings a mode
+    needs; the name itself is resolved when the learner starts (the losses need torch)."""
+    if not (LOSS_MODE_NAME.match(algo.loss_mode) or IMPORT_SPEC.match(algo.loss_mode)):
+        raise ConfigError(
+            f"bad value for 'algo.loss_mode': '{algo.loss_mode}' is neither a loss mode's name "
+            "nor of the form package.module:function"
+        )
+    if algo.loss_mode == "dro" and algo.dro_beta is None:
+        raise ConfigError("bad value for 'algo.dro_beta': loss_mode dro needs a value > 0")
+    if algo.clip_cov_lb >= algo.clip_cov_ub:
+        raise ConfigError("bad value for 'algo.clip_cov_ub': must exceed algo.clip_cov_lb")
+
+
+def check_filter_groups(cfg: RunConfig) -> None:
+    """``algo.filter_groups.metric`` is ``reward`` or names a reward source."""
+    metric = cfg.algo.filter_groups.metric
+    names = [src.name for src in cfg.rewards.sources]
+    if metric != "reward" and metric not in names:
+        raise ConfigError(
+            f"bad value for 'algo.filter_groups.metric': '{metric}' is neither 'reward' nor "
+            f"the name of a reward source ({', '.join(names)})"
         )
 
 

@@ -4,6 +4,7 @@ the bounded number types. No torch, no vLLM (``verl-async --help`` stays instant
 from __future__ import annotations
 
 import importlib
+import re
 from typing import Annotated, Any
 
 import msgspec
@@ -13,6 +14,7 @@ from verl_async.numerics import finite32
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
 PosFloat = Annotated[float, msgspec.Meta(gt=0)]
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 Fraction = Annotated[float, msgspec.Meta(ge=0, le=1)]
 
@@ -34,6 +36,9 @@ def check_finite32(key: str, value: float) -> None:
             f"bad value for '{key}': {value!r} is not a finite number in float32 (rewards are "
             "trained in float32, which holds magnitudes below 3.4e38)"
         )
+
+
+IMPORT_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")  # package.module:attr
 
 
 def import_named(spec: str, key: str) -> Any:

@@ -397,6 +397,13 @@ class Batch(_Msg):
     loss_mask: TensorRef | None = None  # [sum response_lengths] uint8; None: all sampled
     turn_rewards: TensorRef | None = None  # [sum response_lengths] float32; None: all zero
     episodes: list[EpisodeStats | None] = []  # [N] or empty (no multi-turn sample in the step)
+    # Dynamic sampling (buffer/filtering.py): the groups dropped between this step's first
+    # and last group, their prompts, and the counts so far (this step included).
+    filtered_groups: list[int] = []
+    filtered_prompts: list[int] = []
+    filtered_total: int = 0
+    past_bound: int = 0  # of this step's groups, those kept past filter_groups.max_in_a_row
+    past_bound_total: int = 0
 
 
 class BufferState(_Msg):
@@ -434,7 +441,7 @@ class Stats(_Msg):
 
     issued: int
     returned: int
-    consumed: int
+    consumed: int  # groups trained or dropped (dynamic sampling): every id below it
     stored_groups: int
     target_version: int
     dropped_stale: int

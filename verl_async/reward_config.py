@@ -8,7 +8,14 @@ from typing import Any, Literal
 
 import msgspec
 
-from verl_async.config_base import ConfigError, PosFloat, PosInt, _Section, check_finite32
+from verl_async.config_base import (
+    ConfigError,
+    NonNegFloat,
+    PosFloat,
+    PosInt,
+    _Section,
+    check_finite32,
+)
 
 
 class _RewardSource(_Section, kw_only=True):
@@ -78,7 +85,29 @@ class ModelReward(_RewardSource, tag="model", tag_field="kind", kw_only=True):
     of its key/value cache (same scores, less compute); false forwards every row whole."""
 
 
-RewardSource = ExactReward | FormatReward | MathReward | FunctionReward | ModelReward
+class OverlongReward(_RewardSource, tag="overlong", tag_field="kind", kw_only=True):
+    """DAPO's soft overlong punishment, by the response's token count L alone:
+    min(-(L - (max_resp_len - len)) / len * penalty_factor, 0), i.e. 0 up to
+    max_resp_len - len tokens, then falling linearly to -penalty_factor at max_resp_len."""
+
+    buffer_len: PosInt = msgspec.field(name="len")
+    """Length of the punished stretch before max_resp_len, in tokens (at most max_resp_len)."""
+    penalty_factor: NonNegFloat
+    """The penalty at max_resp_len tokens (its magnitude; the score is <= 0)."""
+    max_resp_len: PosInt | None = None
+    """The response length the penalty reaches -penalty_factor at; empty:
+    generators.max_new_tokens."""
+
+    def resolved_max(self, max_new_tokens: int) -> int:
+        """``max_resp_len``, or the run's ``generators.max_new_tokens`` when it is empty."""
+        return self.max_resp_len if self.max_resp_len is not None else max_new_tokens
+
+
+RewardSource = (
+    ExactReward | FormatReward | MathReward | FunctionReward | ModelReward | OverlongReward
+)
+RULE_SOURCES = (ExactReward, FormatReward, MathReward, FunctionReward)
+"""The sources a generator's scoring process scores (by the response's text)."""
 
 
 def _default_sources() -> list[RewardSource]:
@@ -94,9 +123,10 @@ class RewardsConfig(_Section):
     scoring process is restarted); counted in ``reward_failed/<name>``."""
 
 
-def check_rewards(rewards: RewardsConfig) -> None:
+def check_rewards(rewards: RewardsConfig, max_new_tokens: int | None = None) -> None:
     """Names unique, at least one source, weights and default scores finite in float32,
-    regexes and import paths well formed."""
+    regexes and import paths well formed, an overlong source's ``len`` within its
+    ``max_resp_len`` (``max_new_tokens``, the generators', when that is empty)."""
     if not rewards.sources:
         raise ConfigError("bad value for 'rewards.sources': at least one reward source is needed")
     names = [src.name for src in rewards.sources]
@@ -122,5 +152,20 @@ def check_rewards(rewards: RewardsConfig) -> None:
             raise ConfigError(
                 f"bad value for '{key}.function': '{src.function}' is not 'package.module:function'"
             )
+        if isinstance(src, OverlongReward):
+            check_finite32(f"{key}.penalty_factor", src.penalty_factor)
+            if max_new_tokens is not None:
+                check_overlong(key, src, max_new_tokens)
         if isinstance(src, ModelReward) and not src.path:
             raise ConfigError(f"bad value for '{key}.path': a model reward needs its directory")
+
+
+def check_overlong(key: str, src: OverlongReward, max_new_tokens: int) -> None:
+    """``len`` <= the resolved ``max_resp_len`` (verl refuses a longer buffer too)."""
+    limit = src.resolved_max(max_new_tokens)
+    if src.buffer_len > limit:
+        where = "max_resp_len" if src.max_resp_len is not None else "generators.max_new_tokens"
+        raise ConfigError(
+            f"bad value for '{key}.len': {src.buffer_len} tokens is more than the response "
+            f"length it ends at ({where} = {limit})"
+        )

@@ -313,9 +313,16 @@ class LearnerConfig(_Section):
     keep_freed_memory)."""
 
 
-KLPenalty = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
+KLPenalty = Literal[
+    "kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
+    "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+",
+]  # fmt: skip
 LossAggMode = Literal[
-    "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
 ]
 
 
@@ -327,7 +334,8 @@ class KLConfig(_Section):
     in_reward: bool = False
     """Subtract coef * KL from each response token's reward (verl's use_kl_in_reward)."""
     penalty: KLPenalty = "kl"
-    """Estimator of the in-reward KL: kl/k1, abs, mse/k2, low_var_kl/k3."""
+    """Estimator of the in-reward KL: kl/k1, abs, mse/k2, low_var_kl/k3, or one of them with
+    "+" (its value, the gradient of k2: docs/algorithms.md)."""
     coef: Annotated[float, msgspec.Meta(ge=0)] = 0.001
     """Initial in-reward KL coefficient."""
     controller: Literal["fixed", "adaptive"] = "fixed"
@@ -339,7 +347,26 @@ class KLConfig(_Section):
     loss_coef: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     """Weight of a KL loss term in the actor loss (0: off; verl's kl_loss_coef)."""
     loss_type: KLPenalty = "low_var_kl"
-    """Estimator of the KL loss term."""
+    """Estimator of the KL loss term (as ``penalty``; "k3+" is k3's value with k2's gradient)."""
+
+
+# ----------------------------------------------------------------------------- DAPO dynamic sampling
+
+
+class FilterGroupsConfig(_Section):
+    """``algo.filter_groups``: DAPO's dynamic sampling, done by the buffer as groups arrive
+    (docs/algorithms.md, "DAPO dynamic sampling")."""
+
+    enable: bool = False
+    """Drop every returned group of two or more samples whose ``metric`` values are all
+    equal (its GRPO advantages would all be 0); the step takes the next groups instead."""
+    metric: str = "reward"
+    """What must differ within a group: ``reward`` (every reward source's raw score and the
+    environment's turn rewards) or the name of one reward source (its raw score)."""
+    max_in_a_row: PosInt = 32
+    """Most groups dropped in a row (in the order they reach the buffer); the next one that
+    would be dropped is kept and trains anyway (``filter_groups/admitted_past_bound``), so a
+    run where every group scores alike never stalls."""
 
 
 PresetName = Literal[tuple(PRESETS)]  # verl's 19 preset names
@@ -394,8 +421,9 @@ class RolloutCorrectionConfig(_Section):
 
 class AlgoConfig(_Section):
     correction: Literal["none", "tis", "decoupled", "rollout"] = "decoupled"
-    """Off-policy correction: none (pi/pi_behav), tis (truncated pi_prox/pi_behav),
-    decoupled (AReaL), rollout (verl's rollout correction: ``algo.rollout_correction``)."""
+    """Off-policy correction: none (pi/pi_behav, verl's bypass mode), tis (truncated
+    pi_prox/pi_behav), decoupled (AReaL), rollout (verl's rollout correction:
+    ``algo.rollout_correction``); the weights multiply every loss mode's loss."""
     rollout_correction: RolloutCorrectionConfig = msgspec.field(
         default_factory=RolloutCorrectionConfig
     )
@@ -426,18 +454,44 @@ class AlgoConfig(_Section):
     """GAE lambda."""
     clip_ratio_c: Annotated[float, msgspec.Meta(gt=1)] | None = 3.0
     """Dual-clip constant: for negative advantages the per-token loss is at most
-    -A * clip_ratio_c (as verl; empty turns dual-clip off)."""
+    -A * clip_ratio_c (as verl; empty turns dual-clip off). dppo_tv and dppo_kl use it as
+    the cap of their truncated ratio (empty: 20)."""
+    loss_mode: str = "vanilla"
+    """Policy loss (docs/algorithms.md): vanilla (PPO clip), dppo_tv, dppo_kl, gspo, sapo,
+    gpg, clip_cov, kl_cov, geo_mean, dro, cispo, reinforce, or a function of yours as
+    package.module:function (verl's actor.policy_loss.loss_mode)."""
     loss_agg_mode: LossAggMode = "token-mean"
-    """How per-token losses become one number: token-mean, seq-mean-token-sum,
-    seq-mean-token-mean or seq-mean-token-sum-norm (docs/algorithms.md)."""
+    """How per-token losses become one number: token-mean, token-sum, seq-mean-token-sum,
+    seq-mean-token-mean or seq-mean-token-sum-norm (docs/algorithms.md); gspo and sapo
+    always use seq-mean-token-mean, geo_mean a plain mean over sequences."""
     loss_scale_factor: PosFloat | None = None
     """seq-mean-token-sum-norm's constant divisor; empty: generators.max_new_tokens (the
     response horizon, as verl divides by its padded response length), or
     multiturn.max_episode_tokens when the run has environments."""
     entropy_coeff: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     """Entropy bonus: the actor loss subtracts entropy_coeff times the aggregated entropy."""
+    tau_pos: PosFloat = 1.0
+    """sapo: temperature of the soft gate on tokens with a positive advantage."""
+    tau_neg: PosFloat = 1.05
+    """sapo: temperature of the soft gate on the other tokens."""
+    clip_cov_ratio: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.0002
+    """clip_cov: share of a micro-batch's tokens (at least one) whose gradient is dropped."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: only tokens whose covariance of advantage and log-prob exceeds this are
+    candidates."""
+    clip_cov_ub: float = 5.0
+    """clip_cov: ... and is below this (must exceed clip_cov_lb)."""
+    kl_cov_ratio: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.0002
+    """kl_cov: share of a micro-batch's tokens (at least one), those of largest covariance,
+    that get the |log-ratio| penalty."""
+    kl_cov_coef: Annotated[float, msgspec.Meta(ge=0)] = 0.1
+    """kl_cov: coefficient of that penalty (verl's policy_loss.ppo_kl_coef)."""
+    dro_beta: PosFloat | None = None
+    """dro: coefficient of the quadratic log-ratio penalty; required with loss_mode dro."""
     kl: KLConfig = msgspec.field(default_factory=KLConfig)
     """KL to a frozen reference policy, in the reward and/or as a loss term."""
+    filter_groups: FilterGroupsConfig = msgspec.field(default_factory=FilterGroupsConfig)
+    """DAPO's dynamic sampling: drop the groups whose samples all score alike."""
 
     @property
     def uses_reference(self) -> bool:

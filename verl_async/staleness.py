@@ -21,6 +21,14 @@ sample was produced by weights of version >= v (versions only grow), so stalenes
 With eta = 0 a group of step s is issued only to a generator running version s: generation
 and training alternate, which is synchronous on-policy RL.
 
+With dynamic sampling (``algo.filter_groups``, buffer/filtering.py) a returned group may be
+dropped, and step s takes the next B groups *kept*, in issue order. Both rules then read a
+group's *position* p(k), its index among the kept groups with those still in flight
+counted as kept (buffer/ledger.py, ``PromptLedger.position``), in place of k: admission
+asks p(k) + 1 <= (v + eta + 1) B when k is issued. Drops only lower positions, so k's
+final position is at most p(k), its step s = final // B <= p(k) // B, and the proof above
+gives v >= s - eta again. Without drops p(k) = k.
+
 ``check_sample`` is the safety net applied at batch assembly; anything it rejects is
 counted in ``dropped_stale``, which must stay 0.
 """
@@ -42,6 +50,8 @@ class Admission:
         return (loaded_version + self.max_staleness + 1) * self.groups_per_step
 
     def admits(self, group_id: int, loaded_version: int) -> bool:
+        """Whether a group may go to a generator at ``loaded_version``; ``group_id`` is its
+        position among the kept groups (its id when no group is dropped)."""
         return group_id + 1 <= self.limit(loaded_version)
 
     def step_of(self, group_id: int) -> int:

@@ -6,9 +6,9 @@ import torch
 
 from learners.batching import collate
 from verl_async import protocol as P
-from verl_async.algos import policy_loss, token_logprobs
+from verl_async.algos import actor_inputs, policy_loss, token_logprobs
 from verl_async.launch.tiny_model import build_tiny_model
-from verl_async.schema import TinyModelConfig
+from verl_async.schema import AlgoConfig, TinyModelConfig
 
 pytestmark = [
     pytest.mark.gpu,
@@ -50,9 +50,9 @@ def test_update_on_cuda_from_pinned_batch(tmp_path):
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     logp = token_logprobs(logits, batch.input_ids[:, 1:])
     adv = torch.tensor([[1.0], [-1.0]], device="cuda")
-    out = policy_loss(
-        logp, logp.detach(), batch.behav_logprobs, adv, batch.loss_mask, "decoupled", 0.2, 2.0
-    )
+    algo = AlgoConfig(correction="decoupled")
+    inputs, _ = actor_inputs(logp, logp.detach(), batch.behav_logprobs, adv, batch.loss_mask, algo)
+    out = policy_loss(inputs, algo)
     out.loss.backward()
     torch.optim.AdamW(model.parameters(), lr=1e-2).step()
     assert torch.isfinite(out.loss)

@@ -48,6 +48,8 @@ CASES = {
         "loss_agg_mode": "seq-mean-token-sum-norm",
         "loss_scale_factor": 6.0,
     },
+    "token-sum": {"loss_agg_mode": "token-sum"},  # the ranks' sums times the world size
+    "gspo": {"loss_mode": "gspo"},  # a loss mode with its own aggregation
     "micro-batches": {"micro": 48},  # budget of 48 padded tokens: several passes per rank
     "two-minibatches": {"minibatches": 2},
     "lora": {"lora": True, "minibatches": 2},  # adapters on a frozen base, sharded alike
@@ -139,7 +141,7 @@ def one_rank_plan(batch, algo, spec) -> list:
             for r in range(world)
         ]
         mb = plans[0][k]
-        merged.append(Minibatch([torch.cat(rows)], mb.tokens * world, mb.seqs * world, 1))
+        merged.append(Minibatch([torch.cat(rows)], mb.tokens, mb.seqs, 1))
     return merged
 
 
@@ -147,7 +149,7 @@ def run_case(name: str, spec: dict, base, batch, dp: DataParallel) -> dict:
     algo = msgspec.structs.replace(
         AlgoConfig(), minibatches=spec.get("minibatches", 1),
         loss_agg_mode=spec.get("loss_agg_mode", "token-mean"),
-        loss_scale_factor=spec.get("loss_scale_factor"),
+        loss_scale_factor=spec.get("loss_scale_factor"), loss_mode=spec.get("loss_mode", "vanilla"),
     )  # fmt: skip
     rewards = torch.tensor([s[0] for s in batch.scores])
     adv = (rewards - rewards.mean())[:, None] * batch.loss_mask  # per token, step-wide

@@ -32,6 +32,8 @@ def report(tmp_path_factory):
         "token-mean",
         "seq-mean-token-mean",
         "seq-mean-token-sum-norm",
+        "token-sum",
+        "gspo",
         "micro-batches",
         "two-minibatches",
         "lora",

@@ -55,3 +55,17 @@ def sometimes_not_finite(prompt, response, ground_truth, data_source, extra_info
     if n % _EVERY == 0:
         return _POISON[(n // _EVERY) % len(_POISON)]
     return ok(prompt, response, ground_truth, data_source, extra_info)
+
+
+def mostly_constant(
+    prompt, response, ground_truth, data_source, extra_info, all_alike: str = ""
+) -> float:
+    """0 for three prompts of four (by a hash of the prompt); for the fourth, a hash bit of
+    the response, which differs among a group's responses unless they are all the same.
+    Dynamic sampling then drops about three groups of four. Once the file ``all_alike``
+    exists, 0 for every prompt: every group is then dropped."""
+    import zlib
+
+    if zlib.crc32(str(prompt).encode()) % 4 or (all_alike and os.path.exists(all_alike)):
+        return 0.0
+    return float(zlib.crc32(response.encode()) % 2)

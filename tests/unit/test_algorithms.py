@@ -3,7 +3,9 @@ import math
 import pytest
 import torch
 
-from verl_async.algos import grpo_advantages, kl_k3, policy_loss
+from verl_async.algos import grpo_advantages, kl_k3
+
+from .ppo_loss import ppo_loss
 
 
 def test_grpo_advantages_hand_computed():
@@ -25,7 +27,7 @@ def test_grpo_uniform_group_has_zero_advantage_and_no_nan():
 
 def _one(p, prox, behav, adv, correction, cap=2.0):
     t = lambda x: torch.tensor([[math.log(x)]])  # noqa: E731
-    return policy_loss(
+    return ppo_loss(
         t(p), t(prox), t(behav), torch.tensor([[adv]]), torch.ones(1, 1), correction, 0.2, cap
     )
 
@@ -56,18 +58,18 @@ def test_clip_higher_widens_only_the_upper_bound():
     t = lambda x: torch.tensor([[math.log(x)]])  # noqa: E731
     args = (t(0.5), t(0.4), t(0.4), torch.tensor([[1.0]]), torch.ones(1, 1), "decoupled", 0.2, 2.0)
     # u = 1.25: clipped to 1.2 symmetric, unclipped (1.25) under clip_eps_high = 0.28
-    assert policy_loss(*args).loss.item() == pytest.approx(-1.2)
-    assert policy_loss(*args, clip_eps_high=0.28).loss.item() == pytest.approx(-1.25)
+    assert ppo_loss(*args).loss.item() == pytest.approx(-1.2)
+    assert ppo_loss(*args, clip_eps_high=0.28).loss.item() == pytest.approx(-1.25)
     # u = .5/.8 = .625 with A < 0: the lower bound .8 still binds -> -min(-.625, -.8) = .8
     low = (t(0.5), t(0.8), t(0.8), torch.tensor([[-1.0]]), torch.ones(1, 1), "decoupled", 0.2, 2.0)
-    assert policy_loss(*low, clip_eps_high=0.28).loss.item() == pytest.approx(0.8)
+    assert ppo_loss(*low, clip_eps_high=0.28).loss.item() == pytest.approx(0.8)
 
 
 def test_loss_is_token_mean_over_mask_and_reports_clipping():
     logp = torch.log(torch.tensor([[0.5, 0.5, 0.9]]))
     behav = torch.log(torch.tensor([[0.25, 0.5, 0.1]]))
     mask = torch.tensor([[1.0, 1.0, 0.0]])  # third token is padding
-    out = policy_loss(logp, logp, behav, torch.ones(1, 1), mask, "none", 0.2, 2.0)
+    out = ppo_loss(logp, logp, behav, torch.ones(1, 1), mask, "none", 0.2, 2.0)
     # token 1: r=2 -> 1.2; token 2: r=1 -> 1; mean over 2 tokens
     assert out.loss.item() == pytest.approx(-(1.2 + 1.0) / 2)
     assert out.clip_fraction.item() == pytest.approx(0.5)
@@ -76,7 +78,7 @@ def test_loss_is_token_mean_over_mask_and_reports_clipping():
 def test_gradient_flows_only_through_theta():
     logp = torch.log(torch.tensor([[0.5]])).requires_grad_()
     prox = torch.log(torch.tensor([[0.5]])).requires_grad_()
-    out = policy_loss(
+    out = ppo_loss(
         logp,
         prox.detach(),
         torch.log(torch.tensor([[0.4]])),

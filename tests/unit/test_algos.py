@@ -16,7 +16,6 @@ from verl_async.algos import (
     AGG_MODES,
     AdaptiveKLController,
     FixedKLController,
-    LossOutput,
     agg_loss,
     apply_kl_penalty,
     entropy_from_logits,
@@ -34,7 +33,6 @@ from verl_async.algos import (
     masked_sum,
     masked_var,
     masked_whiten,
-    policy_loss,
     reinforce_plus_plus_advantages,
     reinforce_plus_plus_baseline_advantages,
     remax_advantages,
@@ -42,6 +40,8 @@ from verl_async.algos import (
     token_entropy,
     value_loss,
 )
+
+from .ppo_loss import ppo_loss
 
 PAD = 1e4
 INF = float("inf")
@@ -387,8 +387,20 @@ MASK = t([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])  # the last row has no toke
         ("seq-mean-token-sum", {}, (6 + 4) / 2),  # the empty row is not a sequence
         ("seq-mean-token-sum", {"global_batch_size": 4}, 10 / 4),
         ("seq-mean-token-mean", {}, (6 / (3 + 1e-8) + 4 / (1 + 1e-8)) / 2),
-        ("seq-mean-token-sum-norm", {}, 10 / 4),  # divided by the width T = 4
-        ("seq-mean-token-sum-norm", {"loss_scale_factor": 10}, 1.0),
+        # verl 1dda039: seq-mean-token-sum's value, then divided by the width T = 4 (or F)
+        ("seq-mean-token-sum-norm", {}, (6 + 4) / 2 / 4),
+        ("seq-mean-token-sum-norm", {"loss_scale_factor": 10}, (6 + 4) / 2 / 10),
+        ("seq-mean-token-sum-norm", {"global_batch_size": 5, "loss_scale_factor": 10}, 10 / 50),
+        ("token-sum", {}, 10.0),
+        # two ranks: global denominators, times dp (the ranks' gradients are averaged)
+        ("token-mean", {"dp_size": 2, "batch_num_tokens": 8}, 10 / 8 * 2),
+        ("token-sum", {"dp_size": 2}, 20.0),
+        ("seq-mean-token-sum", {"dp_size": 2, "global_batch_size": 6}, 10 / 6 * 2),
+        (
+            "seq-mean-token-mean",
+            {"dp_size": 3, "global_batch_size": 6},
+            (6 / (3 + 1e-8) + 4 / (1 + 1e-8)) / 6 * 3,
+        ),
     ],
 )
 def test_agg_loss_denominators(mode, kw, expected):
@@ -401,6 +413,12 @@ def test_agg_loss_empty_batch_is_zero_with_finite_gradient(mode):
     out = agg_loss(loss, torch.zeros_like(MASK), mode)
     out.backward()
     assert out.item() == 0.0 and torch.equal(loss.grad, torch.zeros_like(loss))
+
+
+@pytest.mark.parametrize("mode", [m for m in AGG_MODES if m != "token-sum"])
+def test_agg_loss_needs_global_denominators_on_several_ranks(mode):
+    with pytest.raises(ValueError, match="required when dp_size > 1"):
+        agg_loss(LOSS, MASK, mode, dp_size=2)
 
 
 def test_agg_loss_rejects_unknown_mode():
@@ -448,14 +466,14 @@ def test_dual_clip_bounds_negative_advantages_and_is_counted():
     #         (A=-1, r=.5) lower clip: max(.5, .8) = .8                   (pg_clipfrac)
     #         (A=1, r=1)  nothing clips: -1
     logp, behav, adv, mask = _tokens([4.0, 2.0, 0.5, 1.0], [-1.0, 1.0, -1.0, 1.0])
-    out = policy_loss(logp, logp, behav, adv, mask, "none", 0.2, 2.0, clip_ratio_c=3.0)
+    out = ppo_loss(logp, logp, behav, adv, mask, "none", 0.2, 2.0, clip_ratio_c=3.0)
     assert out.loss.item() == pytest.approx((3 - 1.2 + 0.8 - 1) / 4, rel=1e-6)
     assert out.pg_clipfrac.item() == pytest.approx(2 / 4)
     assert out.clip_fraction.item() == pytest.approx(2 / 4)
     assert out.pg_clipfrac_lower.item() == pytest.approx(1 / 4)
     assert out.ppo_kl.item() == pytest.approx(-math.log(4 * 2 * 0.5 * 1) / 4, rel=1e-5)
     # without clip_ratio_c the first token costs the full 4 and nothing is counted lower
-    off = policy_loss(logp, logp, behav, adv, mask, "none", 0.2, 2.0)
+    off = ppo_loss(logp, logp, behav, adv, mask, "none", 0.2, 2.0)
     assert off.loss.item() == pytest.approx((4 - 1.2 + 0.8 - 1) / 4, rel=1e-6)
     assert off.pg_clipfrac_lower.item() == 0.0
 
@@ -465,7 +483,7 @@ def test_dual_clip_multiplies_the_correction_weight():
     prox = torch.tensor([[-1.0]])
     behav = prox - math.log(1.6)
     logp = prox + math.log(4.0)
-    out = policy_loss(
+    out = ppo_loss(
         logp, prox, behav, -torch.ones(1, 1), torch.ones(1, 1), "tis", 0.2, 2.0, clip_ratio_c=3.0
     )
     assert out.loss.item() == pytest.approx(1.6 * 3, rel=1e-6)
@@ -474,13 +492,13 @@ def test_dual_clip_multiplies_the_correction_weight():
 def test_dual_clip_constant_must_exceed_one():
     logp, behav, adv, mask = _tokens([1.0], [1.0])
     with pytest.raises(ValueError, match="clip_ratio_c"):
-        policy_loss(logp, logp, behav, adv, mask, "none", 0.2, 2.0, clip_ratio_c=1.0)
+        ppo_loss(logp, logp, behav, adv, mask, "none", 0.2, 2.0, clip_ratio_c=1.0)
 
 
 def test_log_ratio_is_clamped_to_20_before_exp():
     behav = torch.tensor([[-200.0, -50.0]])
     logp = torch.tensor([[-100.0, -50.0]])  # log r = 100 -> 20; exp(100) overflows float32
-    out = policy_loss(
+    out = ppo_loss(
         logp, logp, behav, torch.tensor([[-1.0, 1.0]]), torch.tensor([[1.0, 0.0]]), "none", 0.2, 2.0
     )
     assert torch.isfinite(out.loss)
@@ -490,19 +508,19 @@ def test_log_ratio_is_clamped_to_20_before_exp():
 
 def test_policy_loss_padding_never_matters_and_agg_mode_is_applied():
     logp, behav, adv, mask = _tokens([4.0, 2.0, 0.5, 1.0], [-1.0, 1.0, -1.0, 1.0])
-    base = policy_loss(logp, logp, behav, adv, mask, "tis", 0.2, 2.0, clip_ratio_c=3.0)
+    base = ppo_loss(logp, logp, behav, adv, mask, "tis", 0.2, 2.0, clip_ratio_c=3.0)
     for fill in (-PAD, INF):
         logp2 = logp.clone()
         logp2[0, -1] = fill
         adv2 = adv.clone()
         adv2[0, -1] = -fill
-        other = policy_loss(logp2, logp2, behav, adv2, mask, "tis", 0.2, 2.0, clip_ratio_c=3.0)
+        other = ppo_loss(logp2, logp2, behav, adv2, mask, "tis", 0.2, 2.0, clip_ratio_c=3.0)
         for name in ("loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "is_weight_mean"):
             assert torch.equal(getattr(base, name), getattr(other, name)), name
     # two rows, seq-mean-token-sum: (row sums) / 2
     logp2, behav2, adv2, mask2 = (torch.cat([x, x]) for x in (logp, behav, adv, mask))
     mask2[1, 1:] = 0  # second row: only the dual-clipped token (3)
-    out = policy_loss(
+    out = ppo_loss(
         logp2,
         logp2,
         behav2,
@@ -515,12 +533,6 @@ def test_policy_loss_padding_never_matters_and_agg_mode_is_applied():
         loss_agg_mode="seq-mean-token-sum",
     )
     assert out.loss.item() == pytest.approx(((3 - 1.2 + 0.8 - 1) + 3) / 2, rel=1e-6)
-
-
-def test_loss_output_new_fields_have_defaults():
-    z = torch.tensor(0.0)
-    out = LossOutput(z, z, z, z, z)
-    assert out.pg_clipfrac_lower.item() == 0.0 and out.ppo_kl.item() == 0.0
 
 
 # ----------------------------------------------------------------------------- value loss, metrics

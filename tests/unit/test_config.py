@@ -104,7 +104,8 @@ def test_numbers_that_enter_the_rewards_must_be_finite_in_float32(template, key,
         (
             "algo.kl.loss_type=1",
             "'algo.kl.loss_type': must be one of 'kl', 'k1', 'abs', 'mse', 'k2', 'low_var_kl', "
-            "'k3' (expected `str`, got `int`)",
+            "'k3', 'kl+', 'k1+', 'abs+', 'mse+', 'k2+', 'low_var_kl+', 'k3+' (expected `str`, got "
+            "`int`)",
         ),
         ("weights.mode=drop", "'weights.mode': must be one of 'keep', 'abort'"),
         (
@@ -114,7 +115,7 @@ def test_numbers_that_enter_the_rewards_must_be_finite_in_float32(template, key,
         (
             "rewards.sources=[{name: a, kind: nope}]",
             "'rewards.sources.0.kind': must be one of 'exact', 'format', 'math', 'function', "
-            "'model' ('nope' is not one of them)",
+            "'model', 'overlong' ('nope' is not one of them)",
         ),
     ],
 )

@@ -7,11 +7,11 @@ from verl_async.schema import RunConfig
 
 
 def _leaf_keys(struct: mi.StructType, prefix: str = "") -> list[str]:
-    """Every dotted key of a config: sections are walked into, and a list of tagged
+    """Every dotted key of a config (as YAML spells it): sections are walked into, and a list of tagged
     structs (rewards.sources) contributes each kind's fields as ``KEY.N.field``."""
     keys = []
     for field in struct.fields:
-        key = f"{prefix}{field.name}"
+        key = f"{prefix}{field.encode_name}"
         t = field.type
         if isinstance(t, mi.StructType):
             keys += _leaf_keys(t, f"{key}.")

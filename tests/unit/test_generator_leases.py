@@ -191,7 +191,7 @@ class StallingEngine:
 
 
 class Scorer:
-    async def score_group(self, group, texts, conversations=None) -> GroupScores:
+    async def score_group(self, group, texts, conversations=None, lengths=None) -> GroupScores:
         return GroupScores(scores=[[1.0] * len(texts)], failed=[0])
 
 

@@ -26,7 +26,13 @@ from learners.evaluation import eval_row
 from learners.step_metrics import episode_metrics, multiturn_metrics, step_row
 from learners.update import StepStats, actor_loss
 from verl_async import protocol as P
-from verl_async.algos import AGG_MODES, reinforce_plus_plus_advantages, value_loss
+from verl_async.algos import (
+    AGG_MODES,
+    GlobalBatch,
+    actor_inputs,
+    reinforce_plus_plus_advantages,
+    value_loss,
+)
 from verl_async.schema import AlgoConfig, KLConfig, RunConfig
 
 # ----------------------------------------------------------------------------- collate
@@ -335,20 +341,23 @@ def _actor(mode: str, fill: float | None):
         entropy_coeff=0.1, kl=KLConfig(loss_coef=0.5, loss_type="low_var_kl"),
     )  # fmt: skip
     logp, prox, behav, adv, entropy, ref = _loss_inputs(fill)
-    out, pg_loss, kl_loss = actor_loss(logp, prox, behav, adv, LOSS_MASK, algo, entropy, ref)
-    out.loss.backward()
-    return out, pg_loss, kl_loss, logp.grad
+    inputs, _ = actor_inputs(logp, prox, behav, adv, LOSS_MASK, algo)
+    out = actor_loss(inputs, algo, entropy, ref)
+    out.total.backward()
+    return out, out.pg.loss, out.kl_loss, logp.grad
 
 
 # Ratio 1 everywhere (logp = prox = behav), so the per-token policy loss is -A:
 # token-mean -(1+2+3-1+4)/5; seq-mean-token-sum mean(-6, -3); seq-mean-token-mean
-# mean(-6/3, -3/2): each row over its own sampled tokens; seq-mean-token-sum-norm -9 / 4,
-# the configured constant, whatever the rows' lengths.
+# mean(-6/3, -3/2): each row over its own sampled tokens; token-sum -9;
+# seq-mean-token-sum-norm mean(-6, -3) / 4, the configured constant, whatever the rows'
+# lengths (verl 1dda039).
 PG_LOSS = {
     "token-mean": -1.8,
     "seq-mean-token-sum": -4.5,
     "seq-mean-token-mean": -1.75,
-    "seq-mean-token-sum-norm": -2.25,
+    "seq-mean-token-sum-norm": -1.125,
+    "token-sum": -9.0,
 }
 
 
@@ -358,15 +367,15 @@ def test_actor_loss_terms_ignore_masked_positions(mode):
     assert float(pg_loss.detach()) == pytest.approx(PG_LOSS[mode], abs=1e-6)
     for fill in (1e3, -50.0):  # finite junk: same losses, same gradients
         j_out, j_pg, j_kl, j_grad = _actor(mode, fill)
-        assert torch.equal(j_out.loss, out.loss) and torch.equal(j_pg, pg_loss), fill
+        assert torch.equal(j_out.total, out.total) and torch.equal(j_pg, pg_loss), fill
         assert torch.equal(j_kl, kl_loss), fill
         assert torch.equal(j_grad, grad), fill
         assert torch.all(j_grad[LOSS_MASK == 0] == 0)
-        assert torch.equal(j_out.clip_fraction, out.clip_fraction)
-        assert torch.equal(j_out.ppo_kl, out.ppo_kl)
+        assert torch.equal(j_out.pg.pg_clipfrac, out.pg.pg_clipfrac)
+        assert torch.equal(j_out.pg.ppo_kl, out.pg.ppo_kl)
     for fill in (float("nan"), float("inf")):  # agg_loss's torch.where keeps the values
         j_out, j_pg, j_kl, _ = _actor(mode, fill)
-        assert torch.equal(j_out.loss, out.loss) and torch.equal(j_kl, kl_loss), fill
+        assert torch.equal(j_out.total, out.total) and torch.equal(j_kl, kl_loss), fill
 
 
 @pytest.mark.parametrize("mode", AGG_MODES)
@@ -374,10 +383,9 @@ def test_value_loss_ignores_masked_positions(mode):
     def run(fill):
         put = (lambda x: x) if fill is None else (lambda x: torch.where(LOSS_MASK > 0, x, fill))
         values = (0.1 * LOGP).clone().requires_grad_(True)
-        loss, clipfrac = value_loss(
-            values, put(0.1 * LOGP + 0.6), put(LOSS_ADV), LOSS_MASK, 0.5, mode,
-            loss_scale_factor=4.0,
-        )  # fmt: skip
+        old, returns = put(0.1 * LOGP + 0.6), put(LOSS_ADV)
+        batch = GlobalBatch(loss_scale_factor=4.0)
+        loss, clipfrac = value_loss(values, old, returns, LOSS_MASK, 0.5, mode, batch)
         loss.backward()
         return loss, clipfrac, values.grad
 

@@ -3,6 +3,7 @@
 import torch
 
 from learners.plan import micro_rows, plan_update, shard_bounds
+from verl_async.algos import AGG_MODES, GlobalBatch
 
 
 def _masks(lengths: list[int], width: int = 10):
@@ -19,7 +20,7 @@ def test_shard_bounds_are_rank_major():
     assert [shard_bounds([3, 1, 2], r) for r in range(3)] == [(0, 3), (3, 4), (4, 6)]
 
 
-def test_denominators_are_the_global_minibatch_split_over_ranks():
+def test_denominators_are_the_global_minibatch_times_the_ranks():
     loss, attn = _masks([1, 2, 3, 4, 0, 6])  # row 4 has no response token
     sizes = [4, 2]
     plans = [plan_update(loss, attn, sizes, r, minibatches=2) for r in range(2)]
@@ -27,10 +28,29 @@ def test_denominators_are_the_global_minibatch_split_over_ranks():
     assert [m.micro[0].tolist() for m in plans[0]] == [[0, 1], [2, 3]]
     assert [m.micro[0].tolist() for m in plans[1]] == [[0], [1]]
     for plan in plans:
-        assert [m.tokens for m in plan] == [(1 + 2 + 0) / 2, (3 + 4 + 6) / 2]
-        assert [m.seqs for m in plan] == [2 / 2, 3 / 2]
-    kwargs = plans[0][0].agg_kwargs(loss_scale_factor=8.0)
-    assert kwargs == {"batch_num_tokens": 1.5, "global_batch_size": 1.0, "loss_scale_factor": 4.0}
+        assert [m.tokens for m in plan] == [1 + 2 + 0, 3 + 4 + 6]
+        # verl 1dda039's global_batch_size: every row, the empty row 4 included
+        assert [m.seqs for m in plan] == [3, 3]
+    info = plans[0][0].global_batch(loss_scale_factor=8.0)
+    assert info == GlobalBatch(
+        dp_size=2, batch_num_tokens=3, global_batch_size=3, loss_scale_factor=8.0
+    )
+
+
+def test_ranks_losses_averaged_are_the_one_rank_loss():
+    """Each mode: the two ranks' micro-batch losses, averaged (DDP's gradient mean), equal
+    the loss of the whole minibatch on one rank."""
+    loss, attn = _masks([1, 2, 3, 4, 0, 6])
+    values = torch.arange(loss.numel(), dtype=torch.float64).view(loss.shape) / 7 - 2
+    plans = [plan_update(loss, attn, [3, 3], r, minibatches=1) for r in range(2)]
+    whole = plan_update(loss, attn, [6], 0, minibatches=1)[0]
+    for mode in AGG_MODES:
+        ranks = []
+        for r, plan in enumerate(plans):
+            rows = plan[0].micro[0] + 3 * r
+            ranks.append(plan[0].global_batch(5.0).agg(values[rows], loss[rows], mode))
+        one = whole.global_batch(5.0).agg(values, loss, mode)
+        torch.testing.assert_close(sum(ranks) / 2, one, rtol=1e-12, atol=1e-12, msg=mode)
 
 
 def test_every_rank_runs_as_many_passes_as_the_busiest_one():
@@ -76,4 +96,4 @@ def test_one_rank_without_a_budget_is_the_plain_minibatch_split():
     loss, attn = _masks([1, 2, 3, 4, 5])
     plan = plan_update(loss, attn, [5], 0, minibatches=2)
     assert [m.micro[0].tolist() for m in plan] == [[0, 1, 2], [3, 4]]
-    assert [m.tokens for m in plan] == [6.0, 9.0] and [m.seqs for m in plan] == [3.0, 2.0]
+    assert [m.tokens for m in plan] == [6.0, 9.0] and [m.seqs for m in plan] == [3, 2]

@@ -11,7 +11,7 @@ from learners.batching import collate
 from learners.logprobs import logits_of
 from learners.update import policy_update, prox_pass
 from verl_async import protocol as P
-from verl_async.algos import policy_loss, token_logprobs
+from verl_async.algos import actor_inputs, policy_loss, token_logprobs
 from verl_async.launch.tiny_model import build_tiny_model
 from verl_async.schema import AlgoConfig, KLConfig, TinyModelConfig
 
@@ -56,10 +56,10 @@ def test_one_minibatch_takes_pi_prox_from_the_gradient_pass(tmp_path):
     logp_prox, _ = prox_pass(reference, batch, temperature)
     logits = logits_of(reference, batch.input_ids, batch.attention_mask, temperature)
     logp = token_logprobs(logits, batch.input_ids[:, 1:])
-    out = policy_loss(
-        logp, logp_prox, batch.behav_logprobs, adv[:, None], batch.loss_mask,
-        algo.correction, algo.clip_eps, algo.is_cap, algo.clip_eps_high,
-    )  # fmt: skip
+    inputs, _ = actor_inputs(
+        logp, logp_prox, batch.behav_logprobs, adv[:, None], batch.loss_mask, algo
+    )
+    out = policy_loss(inputs, algo)
     out.loss.backward()
     opt.step()
 
@@ -214,11 +214,11 @@ def test_later_minibatches_read_pi_prox_from_before_the_first_step(tmp_path, min
             reference, batch.input_ids[rows], batch.attention_mask[rows], temperature
         )
         logp = token_logprobs(logits, batch.input_ids[rows, 1:])
-        out = policy_loss(
+        inputs, _ = actor_inputs(
             logp, logp_prox[rows], batch.behav_logprobs[rows], adv[rows, None],
-            batch.loss_mask[rows], algo.correction, algo.clip_eps, algo.is_cap,
-            algo.clip_eps_high,
+            batch.loss_mask[rows], algo,
         )  # fmt: skip
+        out = policy_loss(inputs, algo)
         out.loss.backward()
         opt.step()
         opt.zero_grad()

@@ -12,6 +12,7 @@ from verl_async.algos.advantages import (
     remax_advantages,
     rloo_advantages,
 )
+from verl_async.algos.corrections import Correction, off_policy_correction
 from verl_async.algos.kl import (
     KL_KINDS,
     AdaptiveKLController,
@@ -23,11 +24,10 @@ from verl_async.algos.kl import (
 )
 from verl_async.algos.losses import (
     AGG_MODES,
-    LossOutput,
+    GlobalBatch,
     agg_loss,
     entropy_loss,
     explained_variance,
-    policy_loss,
     value_loss,
 )
 from verl_async.algos.masked import (
@@ -37,14 +37,30 @@ from verl_async.algos.masked import (
     masked_var,
     masked_whiten,
 )
+from verl_async.algos.policy_losses import (
+    LossInputs,
+    LossOutput,
+    actor_inputs,
+    get_policy_loss,
+    policy_loss,
+    policy_loss_names,
+    register_policy_loss,
+)
 from verl_async.algos.tokens import entropy_from_logits, token_entropy, token_logprobs
+
+# Registers the built-in loss modes (after the registry exists).
+from verl_async.algos import loss_modes  # noqa: E402, F401  isort: skip
 
 __all__ = [
     "AGG_MODES",
     "KL_KINDS",
     "AdaptiveKLController",
+    "Correction",
     "FixedKLController",
+    "GlobalBatch",
+    "LossInputs",
     "LossOutput",
+    "actor_inputs",
     "agg_loss",
     "apply_kl_penalty",
     "entropy_from_logits",
@@ -52,6 +68,7 @@ __all__ = [
     "explained_variance",
     "gae_advantages",
     "gdpo_advantages",
+    "get_policy_loss",
     "group_ids",
     "grpo_advantages",
     "grpo_outcome_advantages",
@@ -63,7 +80,10 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "off_policy_correction",
     "policy_loss",
+    "policy_loss_names",
+    "register_policy_loss",
     "reinforce_plus_plus_advantages",
     "reinforce_plus_plus_baseline_advantages",
     "remax_advantages",

@@ -8,6 +8,9 @@ under the reference):
   "mse" / "k2"          0.5 * d^2
   "low_var_kl" / "k3"   x = clamp(-d, -20, 20); clamp(e^x - x - 1, -10, 10)
   "full"                unsupported (needs whole-vocabulary distributions): ValueError
+  "<kind>+"             <kind>'s value with the gradient of k2 (0.5 * d^2, i.e. d per unit
+                        of logp): g - sg(g) + sg(f), f the estimate, g = 0.5 d^2
+                        (straight-through; verl 1dda039). "k2+" and "mse+" are plain k2.
 
 ``kl_k3(logp, logp_ref)`` is the learner's unclamped metric e^d - 1 - d: the k3 estimator
 with the roles swapped (it equals "k3" with the arguments exchanged, before the clamps).
@@ -37,12 +40,23 @@ __all__ = [
     "make_kl_controller",
 ]
 
-KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+BASE_KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+KL_KINDS = BASE_KL_KINDS + tuple(f"{k}+" for k in BASE_KL_KINDS)
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-token KL estimate [N, T] of the policy from the reference, by ``kind`` (see the
     module docstring). Raises ValueError for "full" and unknown kinds."""
+    if kind.endswith("+"):
+        value = _kl_estimate(logp, ref_logp, kind[:-1])
+        if kind in ("k2+", "mse+"):
+            return value
+        k2 = 0.5 * (logp - ref_logp).square()
+        return k2 - k2.detach() + value.detach()
+    return _kl_estimate(logp, ref_logp, kind)
+
+
+def _kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
     if kind in ("kl", "k1"):
         return logp - ref_logp
     if kind == "abs":

@@ -152,7 +152,7 @@ def _sections(
     rows: list[Row] = []
     subsections: list[Section] = []
     for field in struct.fields:
-        key = f"{prefix}{field.name}"
+        key = f"{prefix}{field.encode_name}"
         field_doc = _doc_of(struct.cls, field.name, docs)
         nested, union = _struct(field.type), _tagged_union(field.type)
         if nested is not None:
@@ -192,7 +192,7 @@ def _names(struct: mi.StructType) -> set[str]:
 
 def _row(prefix: str, cls: type, field: mi.Field, docs: dict[str, dict[str, str]]) -> Row:
     doc = _doc_of(cls, field.name, docs)
-    return Row(f"{prefix}{field.name}", type_name(field.type), default_text(field), doc)
+    return Row(f"{prefix}{field.encode_name}", type_name(field.type), default_text(field), doc)
 
 
 def _cell(text: str) -> str:

@@ -70,6 +70,16 @@ def check_data(cfg: RunConfig) -> None:
         load_prompts(data.val_path, "data.val_path")
 
 
+def check_loss_mode(cfg: RunConfig) -> None:
+    """``algo.loss_mode`` names a loss: a registered mode, or a function that imports; else a
+    ``ConfigError`` naming the key, before any role starts. The losses need torch, so this
+    runs after the config is parsed (the default mode needs no check)."""
+    if cfg.algo.loss_mode != "vanilla":
+        from verl_async.algos import get_policy_loss
+
+        get_policy_loss(cfg.algo.loss_mode)
+
+
 def prepare(
     cfg: RunConfig, run_dir: Path, resume_from: Path | None = None, data_checked: bool = False
 ) -> Endpoints:

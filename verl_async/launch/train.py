@@ -32,7 +32,7 @@ from verl_async import placement
 from verl_async.checkpoint import MANIFEST, list_checkpoints
 from verl_async.launch.local import local_roles
 from verl_async.launch.plan import Role, backoff_s, stop_roles
-from verl_async.launch.prepare import check_data, prepare
+from verl_async.launch.prepare import check_data, check_loss_mode, prepare
 from verl_async.launch.progress import ProgressReport, summarize
 from verl_async.launch.run_dir import RoleFailed, claim, open_run_dir, reopen_after_failure
 from verl_async.launch.startup import report_start_up
@@ -141,6 +141,7 @@ def train(cfg: RunConfig, run_dir_arg: str | None, console, resume: bool = False
     if cfg.launcher == "local" or not cfg.ray.address:  # a cluster's devices: Ray places them
         placement.check_devices_exist(cfg)  # before anything is written or started
     check_data(cfg)
+    check_loss_mode(cfg)
     run_dir_arg, lock = claim(cfg, run_dir_arg, resume)  # held until the run ends
     try:
         return run_in(cfg, run_dir_arg, console, resume, t0)

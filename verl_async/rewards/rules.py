@@ -13,6 +13,9 @@ item or a failing user function raises (the scoring process turns that into the 
     function  float(fn(prompt=, response=, ground_truth=, data_source=, extra_info=, **kwargs));
               a result that is not finite in float32 (NaN, inf, 1e39) raises
 
+``overlong`` scores a response by its token count alone (``overlong_penalty``); the scorer
+computes it in the generator, with no scoring process involved.
+
 math-verify bounds its own parsing and comparison with ``signal.alarm``, which only works in
 the main thread; elsewhere its timeouts are switched off and the scoring process's deadline
 (``rewards.timeout_s``, enforced by ``scorer.RuleScorer``) is the only bound.
@@ -79,6 +82,13 @@ def score_format(source: FormatReward, response: str) -> float:
     if source.full_match:
         return 1.0 if re.fullmatch(source.pattern, response.strip(), re.DOTALL) else 0.0
     return 1.0 if re.search(source.pattern, response, re.DOTALL) else 0.0
+
+
+def overlong_penalty(length: int, buffer_len: int, penalty_factor: float, max_len: int) -> float:
+    """DAPO's soft overlong punishment of a response of ``length`` tokens:
+    min(-(length - (max_len - buffer_len)) / buffer_len * penalty_factor, 0)."""
+    expected = max_len - buffer_len
+    return min(-(length - expected) / buffer_len * penalty_factor, 0.0)
 
 
 # ----------------------------------------------------------------------------- math helpers

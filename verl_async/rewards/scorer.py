@@ -1,11 +1,13 @@
 """The generator's side of scoring: one ``Scorer`` per generator, awaited on its event loop.
 
-    score_group(group, responses) -> GroupScores(scores [S][n], failed [S])
+    score_group(group, responses, lengths) -> GroupScores(scores [S][n], failed [S])
 
     rule sources   one ``ScoreRules`` request per group to the scoring process
                    (``worker.py``, a child process of the generator's own)
     model sources  ``client.score(conversations)`` per source, each conversation being the
                    prompt messages + {"role": "assistant", "content": response}
+    overlong       computed here from each response's token count (``lengths``);
+                   rules.py: ``overlong_penalty``
 
 All sources of a group run concurrently; every one is bounded by ``rewards.timeout_s``. A
 source that raises, times out, returns garbage (a score that is not finite in float32, the
@@ -43,7 +45,14 @@ import msgspec
 
 from verl_async import protocol as P
 from verl_async.numerics import finite32
-from verl_async.reward_config import ModelReward, RewardsConfig, RewardSource
+from verl_async.reward_config import (
+    RULE_SOURCES,
+    ModelReward,
+    OverlongReward,
+    RewardsConfig,
+    RewardSource,
+)
+from verl_async.rewards.rules import overlong_penalty
 from verl_async.rewards.worker import ENV_REWARDS
 from verl_async.transport.client import AsyncDealer
 from verl_async.transport.limits import MAX_MESSAGE_BYTES
@@ -246,8 +255,10 @@ class Scorer:
         rewards_cfg: RewardsConfig,
         model_clients: dict[str, ModelClient],
         log_name: str = "reward_worker",
+        max_new_tokens: int | None = None,
     ) -> None:
         self.sources = list(rewards_cfg.sources)
+        self.max_new_tokens = max_new_tokens  # an overlong source's default max_resp_len
         self.timeout_s = rewards_cfg.timeout_s
         missing = [
             s.name
@@ -259,7 +270,7 @@ class Scorer:
         self.model_clients = model_clients
         self.rules = (
             RuleScorer(run_dir, self.sources, self.timeout_s, log_name)
-            if any(not isinstance(s, ModelReward) for s in self.sources)
+            if any(isinstance(s, RULE_SOURCES) for s in self.sources)
             else None
         )
         self.logged: set[str] = set()  # sources whose first failure has been logged
@@ -335,18 +346,23 @@ class Scorer:
         group: P.PromptGroup,
         responses: list[str],
         conversations: list[list[dict]] | None = None,
+        lengths: Sequence[int] | None = None,
     ) -> GroupScores:
         """Raw scores [S][n] of the group's responses (NaN where a source is not routed).
 
         ``conversations``: multi-turn episodes' whole conversations, which reward models
         read instead of prompt + response; rule sources score ``responses`` (the episodes'
-        last turns)."""
+        last turns). ``lengths``: each response's token count, which ``overlong`` sources
+        score (needed when one is routed to the group)."""
         n = len(responses)
         out = GroupScores(
             scores=[[math.nan] * n for _ in self.sources], failed=[0] * len(self.sources)
         )
         active = [s for s, src in enumerate(self.sources) if routed(src, group.data_source)]
-        rule_idx = [s for s in active if not isinstance(self.sources[s], ModelReward)]
+        rule_idx = [s for s in active if isinstance(self.sources[s], RULE_SOURCES)]
+        for s in active:
+            if isinstance(self.sources[s], OverlongReward):
+                out.scores[s] = self.overlong_scores(self.sources[s], lengths, n)
         jobs = [
             self._score_model(group, responses, s, out, conversations)
             for s in active
@@ -356,6 +372,20 @@ class Scorer:
             jobs.append(self._score_rules(group, responses, rule_idx, out))
         await asyncio.gather(*jobs)
         return out
+
+    def overlong_scores(
+        self, source: OverlongReward, lengths: Sequence[int] | None, n: int
+    ) -> list[float]:
+        """``source``'s score of each of ``n`` responses of ``lengths`` tokens."""
+        if lengths is None or len(lengths) != n:
+            raise ValueError(f"overlong source '{source.name}' needs the {n} responses' lengths")
+        if source.max_resp_len is None and self.max_new_tokens is None:
+            raise ValueError(f"overlong source '{source.name}' needs max_resp_len")
+        top = source.resolved_max(self.max_new_tokens or 0)
+        return [
+            overlong_penalty(length, source.buffer_len, source.penalty_factor, top)
+            for length in lengths
+        ]
 
     def close(self) -> None:
         """Stop the scoring process and close the model clients (idempotent)."""

@@ -1,0 +1,70 @@
+"""Off-policy corrections: what a policy loss's ratio is taken against, and the per-token
+weights and mask it is multiplied by (``algo.correction``).
+
+Three policies meet in the actor loss:
+  pi_behav  the generator's sampling logprobs (vLLM ``processed_logprobs``),
+  pi_prox   the learner's recomputation with the weights before this batch's updates,
+  pi_theta  the weights being optimised.
+
+  none       ratio against pi_behav, no weights (verl's bypass mode: old = rollout)
+  tis        ratio against pi_prox,  w = min(pi_prox / pi_behav, is_cap)
+  decoupled  ratio against pi_prox,  w = pi_prox / pi_behav, or 0 where that exceeds
+             is_cap (AReaL's decoupled PPO drops those tokens; they stay in the denominator)
+
+Every weight is detached: it scales a token's loss, it is not optimised. The weights fill
+verl's ``rollout_is_weights`` slot of every loss mode (``LossInputs.is_weights``), and the
+returned mask is the one the loss aggregates over. ``off_policy_correction`` is the one
+place that turns (pi_prox, pi_behav, mask) into (ratio denominator, weights, mask): another
+correction (importance sampling or rejection by other rules) plugs in there.
+
+Metrics, over the kept tokens, whatever the correction: the mean and largest
+pi_prox / pi_behav, and the share of tokens whose weight exceeded the cap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+CORRECTIONS = ("none", "tis", "decoupled")
+
+
+@dataclass
+class Correction:
+    logp_old: torch.Tensor  # [N, T] the ratio's denominator: pi_prox, or pi_behav (none)
+    weights: torch.Tensor | None  # [N, T] detached per-token weights, None: all 1
+    mask: torch.Tensor  # [N, T] 0/1, the tokens the loss aggregates over
+    is_weight_mean: torch.Tensor  # scalar, mean pi_prox / pi_behav over kept tokens
+    is_weight_max: torch.Tensor  # scalar, its largest value
+    is_clipped_fraction: torch.Tensor  # scalar, share of tokens above is_cap
+
+
+def off_policy_correction(
+    logp_prox: torch.Tensor, logp_behav: torch.Tensor, mask: torch.Tensor, algo
+) -> Correction:
+    """``algo.correction`` applied to [N, T] log-probs of pi_prox and pi_behav and the
+    loss mask (0/1, any dtype): see the module docstring."""
+    mask = mask.to(logp_prox.dtype)
+    keep = mask > 0
+    with torch.no_grad():
+        raw = torch.exp(torch.where(keep, logp_prox - logp_behav, torch.zeros_like(mask)))
+        limited = (raw > algo.is_cap) & keep
+        n_tokens = mask.sum().clamp(min=1)
+        kept_raw = torch.where(keep, raw, torch.zeros_like(raw))
+        if algo.correction == "none":
+            logp_old, weights = logp_behav, None
+        elif algo.correction == "tis":
+            logp_old, weights = logp_prox, raw.clamp(max=algo.is_cap)
+        elif algo.correction == "decoupled":
+            logp_old, weights = logp_prox, torch.where(limited, torch.zeros_like(raw), raw)
+        else:
+            raise ValueError(f"unknown correction '{algo.correction}' ({', '.join(CORRECTIONS)})")
+        return Correction(
+            logp_old=logp_old.detach(),
+            weights=weights,
+            mask=mask,
+            is_weight_mean=kept_raw.sum() / n_tokens,
+            is_weight_max=kept_raw.max(),
+            is_clipped_fraction=limited.to(mask.dtype).sum() / n_tokens,
+        )
