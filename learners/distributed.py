@@ -125,6 +125,45 @@ class DataParallel:
             setattr(stats, name, value)
         return stats
 
+    def all_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` summed over ranks (a collective; ``x`` itself with one rank): the
+        ``reduce`` that makes a statistic of the rollout correction the whole step's."""
+        if self.world == 1:
+            return x
+        import torch.distributed as dist
+
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        total = x.detach().to(device=device, dtype=torch.float64).clone()
+        dist.all_reduce(total)
+        return total.to(device=x.device, dtype=x.dtype)
+
+    def mean_metrics(self, metrics: dict[str, float], weight: float, keys: list[str]) -> dict:
+        """Named metrics combined over ranks (a collective): every rank passes the same
+        ``keys``, a rank without some (no tokens) passes ``weight`` 0. Means are weighted
+        by ``weight``; keys ending in ``_max`` / ``_min`` take the largest / smallest."""
+        if self.world == 1:
+            return {k: metrics[k] for k in keys if k in metrics}
+        import torch.distributed as dist
+
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        values = torch.tensor([metrics.get(k, 0.0) for k in keys], dtype=torch.float64)
+        have = torch.tensor([k in metrics for k in keys])
+        w = torch.where(have, float(weight), 0.0)
+        hi = torch.where(have, values, -float("inf"))
+        lo = torch.where(have, -values, -float("inf"))
+        packed = torch.cat([values * w, w]).to(device)
+        extremes = torch.stack([hi, lo]).to(device)
+        dist.all_reduce(packed)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+        n = len(keys)
+        mean = (packed[:n] / packed[n:].clamp(min=1e-12)).cpu()
+        hi, lo = extremes[0].cpu(), -extremes[1].cpu()
+        out = {}
+        for i, k in enumerate(keys):
+            pick = hi[i] if k.endswith("_max") else lo[i] if k.endswith("_min") else mean[i]
+            out[k] = float(pick)
+        return out
+
     def any_rank(self, flag: bool) -> bool:
         """Whether ``flag`` is true on any rank (a collective): for a decision every rank
         must take alike from what it sees of its own (its loss, its shards)."""

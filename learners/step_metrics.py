@@ -97,6 +97,8 @@ def algo_metrics(batch: TrainBatch, s: StepStats, critic, adv, kl_ctrl) -> dict:
         row["learner_peak_gpu_mib"] = round(torch.cuda.max_memory_allocated() / 2**20)
     if s.kl_loss is not None:
         row["actor/kl_loss"] = s.kl_loss
+    if s.rollout_corr:
+        row.update(s.rollout_corr)  # already named rollout_corr/...
     if adv.kl_in_reward is not None:
         row["actor/reward_kl_penalty"] = adv.kl_in_reward
         row["actor/reward_kl_penalty_coeff"] = kl_ctrl.value

@@ -30,6 +30,7 @@ from learners.advantages import (
 from learners.batching import Prefetcher, TrainBatch
 from learners.checkpoints.manager import Checkpoints, buffer_fetch
 from learners.checkpoints.state import LearnerState
+from learners.correction import metric_names
 from learners.critic import (
     CriticStats,
     critic_update,
@@ -269,12 +270,18 @@ class Learner:
             temperature=cfg.generators.temperature, logp_prox=local.logp_prox,
             logp_ref=local.logp_ref, step=not warming, plan=plan, version=self.version,
             share_prefix=cfg.learner.share_prefix, any_rank=dp.any_rank, seed=cfg.learner.seed,
+            reduce=dp.all_sum,
         )  # fmt: skip
         if self.scheduler is not None and stats.optimizer_steps:  # none: warming up or skipped
             self.scheduler.step()
         if self.skips is not None:
             self.skips.report(self.steps_done, stats, critic_stats)
-        return dp.mean_stats(stats, weight, sums=("loss", "pg_loss", "kl_loss")), critic_stats
+        corr, stats.rollout_corr = stats.rollout_corr, None
+        stats = dp.mean_stats(stats, weight, sums=("loss", "pg_loss", "kl_loss"))
+        if corr is not None:  # verl's rollout_corr/* over every rank's rows
+            names = metric_names(self.algo.rollout_correction.settings())
+            stats.rollout_corr = dp.mean_metrics(corr, weight, names)
+        return stats, critic_stats
 
     def clip_grad(self, model, max_norm: float) -> float:
         """Clip the gradient norm (over all ranks' shards under FSDP2); returns it."""

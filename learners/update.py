@@ -12,6 +12,14 @@ from dataclasses import dataclass
 import torch
 
 from learners.batching import TrainBatch
+from learners.correction import (
+    WholeStep,
+    combine,
+    needs_every_prox,
+    recount,
+    rollout_settings,
+    whole_step,
+)
 from learners.finite import guarded_step
 from learners.logprobs import token_stats
 from learners.plan import Minibatch, micro_rows, plan_update
@@ -61,6 +69,8 @@ class StepStats:
     optimizer_steps: int = 0
     skipped_nonfinite_loss: int = 0
     skipped_nonfinite_grad: int = 0
+    # verl's rollout_corr/* metrics (algo.correction: rollout; learners/correction.py)
+    rollout_corr: dict[str, float] | None = None
 
 
 def policy_update(
@@ -80,6 +90,7 @@ def policy_update(
     share_prefix: bool = True,
     any_rank=None,
     seed: int = 0,
+    reduce=None,
 ) -> StepStats:
     """pi_prox, then one optimizer step per minibatch of ``plan`` (learners/plan.py; by
     default ``algo.minibatches`` chunks of this batch on one rank, no micro-batching).
@@ -101,7 +112,10 @@ def policy_update(
     once (``token_stats``). A minibatch whose loss or gradient norm is not finite takes
     no step (``guarded_step``; ``any_rank`` makes the verdict every rank's under FSDP2).
     ``seed`` (``learner.seed``), with the version, minibatch and micro-batch, seeds a loss
-    mode's random choices (clip_cov), so a run repeats them.
+    mode's random choices (clip_cov), so a run repeats them. ``reduce`` sums a tensor over
+    the data-parallel ranks (``DataParallel.all_sum``), for the rollout correction's
+    step-wide statistics; when that correction needs every row's pi_prox before the first
+    loss, one no-grad pass computes them all (learners/correction.py).
 
     Every loss term and statistic reads the positions of ``batch.loss_mask`` only: the
     sampled tokens (a multi-turn sample's observation tokens are 0 there, and ``collate``
@@ -112,24 +126,35 @@ def policy_update(
         plan = plan_update(mask, batch.attention_mask, [len(mask)], 0, algo.minibatches)
     clock = _Clock(mask.device)
     given = logp_prox is not None
+    rollout = rollout_settings(algo)
     # Without a given pi_prox: the first minibatch's gradient passes run at the weights
     # pi_prox is defined by, so they give its log-probs and entropies for their rows; a
-    # no-grad pass covers the rows of the later minibatches only.
+    # no-grad pass covers the rows of the later minibatches only (all rows when the
+    # rollout correction needs them first).
     entropy = torch.zeros_like(mask)  # pi_prox's, or (given) the ones seen during the update
-    if not given:
+    have_prox = given or needs_every_prox(rollout)
+    if have_prox and not given:
+        logp_prox, entropy = prox_pass(model, batch, temperature, None, share_prefix)
+        clock.lap("prox_s")
+    if not have_prox:
         logp_prox = torch.zeros_like(mask)
         later = [idx for mb in plan[1:] for idx in mb.micro if len(idx)]
         if len(plan) > 1:
             rows = torch.cat(later) if later else torch.zeros(0, dtype=torch.long)
             logp_prox, entropy = prox_pass(model, batch, temperature, rows, share_prefix)
             clock.lap("prox_s")
+    whole = None
+    if have_prox and rollout is not None and not rollout.bypass_mode:
+        whole = whole_step(logp_prox, batch.behav_logprobs, mask, rollout, reduce)
+        if rollout.rollout_rs is not None:
+            plan = recount(plan, whole.mask, reduce)
     bonus = algo.entropy_coeff > 0
     adv = advantages if advantages.dim() == 2 else advantages[:, None]
     parts, grads = [], []
     for k, mb in enumerate(plan):
         agg = mb.global_batch(algo.loss_scale_factor)
         sums = {"loss": 0.0, "pg_loss": 0.0, "kl_loss": 0.0}  # over the minibatch's micro-batches
-        at_prox = k == 0 and not given  # this pass's log-probs are pi_prox's
+        at_prox = k == 0 and not have_prox  # this pass's log-probs are pi_prox's
         for j, idx in enumerate(mb.micro):
             rows = micro_rows(idx, batch.attention_mask)
             rows_mask = rows.mask(mask)
@@ -143,8 +168,10 @@ def policy_update(
                 logp = stats.logp
                 prox = logp.detach() if at_prox else rows.take(logp_prox)
                 behav, adv_rows = rows.take(batch.behav_logprobs), rows.take(adv)
-                seed_j = micro_seed(seed, version or 0, k, j)
-                inputs, corr = actor_inputs(logp, prox, behav, adv_rows, rows_mask, algo, seed_j)
+                seed_j, given_j = micro_seed(seed, version or 0, k, j), _rows_of(whole, rows)
+                inputs, corr = actor_inputs(
+                    logp, prox, behav, adv_rows, rows_mask, algo, seed_j, given=given_j
+                )
                 ref = None if logp_ref is None else rows.take(logp_ref)
                 out = actor_loss(inputs, algo, stats.entropy if bonus else None, ref, agg)
             clock.lap("forward_s")
@@ -169,7 +196,27 @@ def policy_update(
             sums["kl_loss"] = None
         grads.append({**sums, "grad": grad, "stepped": step and skip is None, "skip": skip})
     stats = _step_stats(parts, grads, logp_prox, entropy, batch, version)
+    stats.rollout_corr = _rollout_metrics(rollout, whole, parts, logp_prox, batch)
     return clock.fill(stats)
+
+
+def _rows_of(whole: WholeStep | None, rows) -> tuple | None:
+    """The step-wide rollout correction's weights and mask for one pass's rows."""
+    if whole is None:
+        return None
+    weights = None if whole.weights is None else rows.take(whole.weights)
+    return weights, rows.mask(whole.mask)
+
+
+def _rollout_metrics(rollout, whole, parts, logp_prox, batch) -> dict | None:
+    """rollout_corr/* of this rank: the step-wide ones (decoupled), else each pass's."""
+    if rollout is None:
+        return None
+    if whole is not None:
+        return whole.metrics
+    if rollout.bypass_mode:
+        return combine([(corr.metrics, w) for _, corr, w in parts])
+    return whole_step(logp_prox, batch.behav_logprobs, batch.loss_mask, rollout).metrics
 
 
 class _Clock:

@@ -224,9 +224,21 @@ def check_rollout_correction(algo: AlgoConfig) -> None:
             )
         return
     try:
-        section.settings()
+        s = section.settings()
     except SettingError as exc:
         raise ConfigError(f"bad value for 'algo.rollout_correction.{exc.key}': {exc}") from None
+    if s.bypass_mode and s.rollout_is_batch_normalize:
+        raise ConfigError(
+            "bad value for 'algo.rollout_correction.rollout_is_batch_normalize': not with "
+            "bypass_mode, whose weights are computed pass by pass (pi_theta moves)"
+        )
+    if s.bypass_mode and (s.loss_type == "reinforce") != (algo.loss_mode == "reinforce"):
+        raise ConfigError(
+            "bad value for 'algo.loss_mode': the rollout correction's bypass loss_type "
+            f"'{s.loss_type}' trains "
+            + ("algo.loss_mode: reinforce" if s.loss_type == "reinforce" else "a PPO-style loss")
+            + f", not '{algo.loss_mode}' (verl replaces the loss mode; here both are said)"
+        )
 
 
 def check_gdpo(cfg: RunConfig) -> None:

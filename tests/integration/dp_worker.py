@@ -30,6 +30,7 @@ from buffer.ledger import StoredGroup, shard_samples
 from learners.batching import collate
 from learners.checkpoints.manager import Checkpoints
 from learners.checkpoints.state import LearnerState
+from learners.correction import metric_names
 from learners.distributed import DataParallel
 from learners.finite import NonFiniteWeights, require_finite
 from learners.logprobs import logits_of
@@ -39,7 +40,7 @@ from learners.update import policy_update
 from verl_async import lora
 from verl_async import protocol as P
 from verl_async.algos import token_logprobs
-from verl_async.schema import AlgoConfig, CheckpointConfig, LoraConfig
+from verl_async.schema import AlgoConfig, CheckpointConfig, LoraConfig, RolloutCorrectionConfig
 
 CASES = {
     "token-mean": {},
@@ -55,6 +56,17 @@ CASES = {
     "lora": {"lora": True, "minibatches": 2},  # adapters on a frozen base, sharded alike
     # Every other case packs each group's rows behind its prompt (learner.share_prefix).
     "unpacked": {"share_prefix": False},
+    # verl's rollout correction: token weights normalised over both ranks' tokens, and
+    # rejection that recounts each minibatch's tokens over both ranks.
+    "rollout-correction": {
+        "minibatches": 2,
+        "rollout": {
+            "rollout_is": "token",
+            "rollout_is_batch_normalize": True,
+            "rollout_rs": "token_k2",
+            "rollout_rs_threshold": 0.3,
+        },
+    },
 }
 
 
@@ -111,7 +123,7 @@ def full_params(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def sgd_step(model, batch, adv, algo, plan, sharded: bool, share_prefix: bool = True):
+def sgd_step(model, batch, adv, algo, plan, sharded: bool, share_prefix: bool = True, reduce=None):
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
 
     def clip():
@@ -121,7 +133,7 @@ def sgd_step(model, batch, adv, algo, plan, sharded: bool, share_prefix: bool = 
     before = full_params(model)
     stats = policy_update(
         model, opt, batch, adv, algo, backward=lambda loss: loss.backward(), clip_grad=clip,
-        plan=plan, share_prefix=share_prefix,
+        plan=plan, share_prefix=share_prefix, reduce=reduce,
     )  # fmt: skip
     after = full_params(model)
     return {k: after[k] - before[k] for k in before}, stats
@@ -151,6 +163,9 @@ def run_case(name: str, spec: dict, base, batch, dp: DataParallel) -> dict:
         loss_agg_mode=spec.get("loss_agg_mode", "token-mean"),
         loss_scale_factor=spec.get("loss_scale_factor"), loss_mode=spec.get("loss_mode", "vanilla"),
     )  # fmt: skip
+    if "rollout" in spec:
+        section = RolloutCorrectionConfig(**spec["rollout"])
+        algo = msgspec.structs.replace(algo, correction="rollout", rollout_correction=section)
     rewards = torch.tensor([s[0] for s in batch.scores])
     adv = (rewards - rewards.mean())[:, None] * batch.loss_mask  # per token, step-wide
     if spec.get("lora"):  # peft before sharding, as the learner does
@@ -170,7 +185,7 @@ def run_case(name: str, spec: dict, base, batch, dp: DataParallel) -> dict:
     )  # fmt: skip
     delta_dp, stats_dp = sgd_step(
         sharded, local, dp.local_part(adv, batch, local), algo, plan, sharded=True,
-        share_prefix=share,
+        share_prefix=share, reduce=dp.all_sum,
     )  # fmt: skip
     diff = max(float((delta_dp[k] - delta_one[k]).abs().max()) for k in delta_one)
     scale = max(float(d.abs().max()) for d in delta_one.values())
@@ -181,12 +196,22 @@ def run_case(name: str, spec: dict, base, batch, dp: DataParallel) -> dict:
         "trained_all_adapter": all(lora.is_adapter(k) for k in trained),
         "grad_norm_one": stats_one.grad_norm,
         "grad_norm_dp": stats_dp.grad_norm,
+        "rollout_corr": [stats_one.rollout_corr, stats_dp.rollout_corr],
+        "rollout_corr_ranks": rollout_over_ranks(algo, stats_dp, local, dp),
         "micro_passes": [len(mb.micro) for mb in plan],
         "shared_prefix_fraction": [
             stats_one.shared_prefix_fraction,
             stats_dp.shared_prefix_fraction,
         ],
     }
+
+
+def rollout_over_ranks(algo, stats, local, dp: DataParallel) -> dict | None:
+    """The ranks' rollout_corr/* combined as the learner combines them (a collective)."""
+    if algo.correction != "rollout":
+        return None
+    names = metric_names(algo.rollout_correction.settings())
+    return dp.mean_metrics(stats.rollout_corr, float(local.loss_mask.sum()), names)
 
 
 def check_gather(base, batch, dp: DataParallel) -> float:

@@ -38,6 +38,7 @@ def report(tmp_path_factory):
         "two-minibatches",
         "lora",
         "unpacked",
+        "rollout-correction",
     ],
 )
 def test_two_ranks_take_the_one_rank_step(report, case):
@@ -54,6 +55,16 @@ def test_two_ranks_take_the_one_rank_step(report, case):
         assert r["micro_passes"] == [3], r  # 6 rows of 13..20 tokens in budgets of 48
     if case == "lora":  # only the adapter moved, on one rank as on two
         assert r["trained_all_adapter"]
+    if case == "rollout-correction":  # rank 0's rows: some tokens rejected, weights rescaled
+        one, dp = r["rollout_corr"]
+        assert 0 < one["rollout_corr/rollout_rs_masked_fraction"] < 1, one
+        assert dp["rollout_corr/rollout_is_batch_norm_factor"] == pytest.approx(
+            one["rollout_corr/rollout_is_batch_norm_factor"], rel=1e-6
+        )
+        both = r["rollout_corr_ranks"]  # token-weighted means and extremes over the ranks
+        for key in ("rollout_rs_masked_fraction", "rollout_is_max", "kl", "chi2_token"):
+            key = f"rollout_corr/{key}"
+            assert both[key] == pytest.approx(one[key], rel=1e-6, abs=1e-7), key
 
 
 def test_gathered_rows_equal_one_pass_over_the_step(report):

@@ -1,6 +1,7 @@
 """The learner's update on a tiny model: the one-minibatch shortcut for pi_prox."""
 
 import copy
+import math
 
 import msgspec
 import numpy as np
@@ -268,3 +269,113 @@ def test_length_bucketed_micro_batches_take_the_full_width_step(tmp_path):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
     assert cut.loss == pytest.approx(whole.loss, abs=1e-6)
     assert cut.padding_fraction < whole.padding_fraction
+
+
+# ------------------------------------------------------------------ algo.correction: rollout
+
+
+def _rollout_algo(preset=None, minibatches=2, loss_mode="vanilla", **keys):
+    from verl_async.schema import RolloutCorrectionConfig
+
+    section = RolloutCorrectionConfig(**({"preset": preset} if preset else {}), **keys)
+    return msgspec.structs.replace(
+        AlgoConfig(), correction="rollout", rollout_correction=section,
+        minibatches=minibatches, loss_mode=loss_mode,
+    )  # fmt: skip
+
+
+def _train(path, batch, adv, algo, lr=0.5):
+    """One update from the tiny model at ``path``: (stats, the model after it)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    stats = policy_update(model, opt, batch, adv, algo, lambda loss: loss.backward(), lambda: 0.0)
+    return stats, model
+
+
+def _same_update(a, b):
+    (sa, ma), (sb, mb) = a, b
+    assert abs(sa.loss - sb.loss) < 1e-6
+    for p, q in zip(ma.parameters(), mb.parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("m") / "m", TinyModelConfig())
+
+
+ADV = torch.tensor([1.0, -1.0, 0.5, -0.5])
+
+
+def test_rollout_decoupled_token_is_trains_as_tis_and_bypass_ppo_clip_as_none(tiny_path):
+    batch = _batch()
+    tis = msgspec.structs.replace(AlgoConfig(), correction="tis", is_cap=2.0)
+    rollout = _rollout_algo("decoupled_token_is")
+    a, b = _train(tiny_path, batch, ADV, tis), _train(tiny_path, batch, ADV, rollout)
+    _same_update(a, b)
+    assert a[0].rollout_corr is None
+    metrics = b[0].rollout_corr
+    assert metrics["rollout_corr/rollout_is_mean"] > 0 and "rollout_corr/chi2_seq" in metrics
+    assert all(np.isfinite(v) for v in metrics.values())
+    none = msgspec.structs.replace(AlgoConfig(), correction="none")
+    c, d = (
+        _train(tiny_path, batch, ADV, none),
+        _train(tiny_path, batch, ADV, _rollout_algo("bypass_ppo_clip")),
+    )
+    _same_update(c, d)
+    assert "rollout_corr/kl" in d[0].rollout_corr
+
+
+def test_rollout_rejection_trains_as_a_batch_whose_mask_lost_the_rejected_rows(tiny_path):
+    """verl's decoupled rejection replaces the response mask before the actor runs: the
+    same update as a batch whose loss mask lost those rows, token counts included. The
+    band keeps the two rows of smallest |sum of k1| (every row's pi_prox first)."""
+    from transformers import AutoModelForCausalLM
+
+    batch = _batch()
+    model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
+    logp_prox, _ = prox_pass(model, batch, 1.0)
+    k1 = ((batch.behav_logprobs - logp_prox) * batch.loss_mask).sum(dim=1)  # [N]
+    bound = float(k1.abs().sort().values[1:3].mean())  # between the 2nd and 3rd smallest
+    band = f"{math.exp(-bound)}_{math.exp(bound)}"
+    algo = _rollout_algo(None, rollout_rs="seq_sum_k1", rollout_rs_threshold=band)
+    stats, trained = _train(tiny_path, batch, ADV, algo)
+    kept = (k1.abs() <= bound).float()[:, None]
+    assert int(kept.sum()) == 2
+    plain = copy.deepcopy(batch)
+    plain.loss_mask = batch.loss_mask * kept
+    _same_update((stats, trained), _train(tiny_path, plain, ADV, _rollout_algo("disabled")))
+    assert stats.rollout_corr["rollout_corr/rollout_rs_seq_masked_fraction"] == 0.5
+    assert stats.prox_s > 0  # every row's pi_prox before the first minibatch
+
+
+def test_rollout_batch_normalisation_divides_a_token_mean_loss_by_the_mean_weight(tiny_path):
+    batch = _batch()
+    plain = _rollout_algo("decoupled_token_is", minibatches=1)
+    normed = _rollout_algo("decoupled_token_is", minibatches=1, rollout_is_batch_normalize=True)
+    a, b = _train(tiny_path, batch, ADV, plain)[0], _train(tiny_path, batch, ADV, normed)[0]
+    mu = b.rollout_corr["rollout_corr/rollout_is_batch_norm_factor"]
+    assert mu == pytest.approx(a.rollout_corr["rollout_corr/rollout_is_mean"], rel=1e-6)
+    assert b.pg_loss == pytest.approx(a.pg_loss / mu, rel=1e-5)
+
+
+def test_rollout_bypass_reinforce_weighs_minus_a_logp_by_the_sequence_weight(tiny_path):
+    from transformers import AutoModelForCausalLM
+
+    from verl_async.algos.rollout_correction import rollout_correction
+    from verl_async.correction_config import preset_settings
+
+    batch = _batch()
+    algo = _rollout_algo("bypass_pg_is", minibatches=1, loss_mode="reinforce")
+    stats, _ = _train(tiny_path, batch, ADV, algo)
+    model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
+    logp, _ = prox_pass(model, batch, 1.0)  # pi_theta before the one step
+    w, _, _ = rollout_correction(
+        logp, batch.behav_logprobs, batch.loss_mask, preset_settings("bypass_pg_is")
+    )
+    m = batch.loss_mask
+    expected = (-ADV[:, None] * logp * w * m).sum() / m.sum()
+    assert stats.pg_loss == pytest.approx(float(expected), rel=1e-5)
+    assert "rollout_corr/rollout_is_seq_mean" in stats.rollout_corr

@@ -11,9 +11,11 @@ import math
 from dataclasses import asdict
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
+from verl_async.algos import GlobalBatch, actor_inputs, policy_loss
 from verl_async.algos.rollout_correction import (
     importance_weights,
     offpolicy_metrics,
@@ -31,6 +33,7 @@ from verl_async.correction_config import (
     preset_settings,
     resolve,
 )
+from verl_async.schema import AlgoConfig, RolloutCorrectionConfig
 
 D = torch.float64
 PAD, INF = 1e4, float("inf")
@@ -407,6 +410,15 @@ def _load(*overrides):
     return load_config("configs/tiny.yaml", list(overrides))
 
 
+def test_config_bypass_reinforce_names_its_loss_mode():
+    cfg = _load(
+        "algo.correction=rollout",
+        "algo.rollout_correction.preset=bypass_pg_is",
+        "algo.loss_mode=reinforce",
+    )
+    assert cfg.algo.rollout_correction.settings().loss_type == "reinforce"
+
+
 def test_config_preset_resolves_and_writes_back_unset_keys_as_absent():
     cfg = _load("algo.correction=rollout", "algo.rollout_correction.preset=decoupled_geo_rs")
     assert cfg.algo.rollout_correction.settings() == preset_settings("decoupled_geo_rs")
@@ -432,6 +444,13 @@ def test_config_preset_resolves_and_writes_back_unset_keys_as_absent():
          "'algo.rollout_correction.preset'"),
         (["algo.correction=rollout", "algo.rollout_correction.rollout_is=seq"],
          "'algo.rollout_correction.rollout_is'"),
+        (["algo.correction=rollout", "algo.rollout_correction.preset=bypass_pg_is",
+          "algo.rollout_correction.rollout_is_batch_normalize=true", "algo.loss_mode=reinforce"],
+         "'algo.rollout_correction.rollout_is_batch_normalize'"),
+        (["algo.correction=rollout", "algo.rollout_correction.preset=bypass_pg_is"],
+         "'algo.loss_mode'"),
+        (["algo.correction=rollout", "algo.rollout_correction.preset=bypass_ppo_clip",
+          "algo.loss_mode=reinforce"], "'algo.loss_mode'"),
     ],
 )  # fmt: skip
 def test_config_errors_name_the_key(overrides, key):
@@ -499,3 +518,52 @@ def test_presets_equal_verl():
     for name, fields in recorded.items():
         ours = asdict(preset_settings(name))
         assert {k: fields[k] for k in ours} == ours, name
+
+
+def _bypass_entries() -> list[dict]:
+    return [e for e in _fixture().get("policy_loss", []) if e["loss_mode"] == "bypass_mode"]
+
+
+def _bypass_algo(entry: dict):
+    """Our algo section for a verl bypass_mode entry: correction rollout in bypass mode,
+    with the keys its settings read."""
+    c, rc = entry["config"], entry["config"]["policy_loss"]["rollout_correction"]
+    keys = {"rollout_is": rc["rollout_is"], "rollout_rs": rc["rollout_rs"], "bypass_mode": True}
+    keys["loss_type"] = rc["loss_type"]
+    if rc["rollout_is"] is not None:
+        keys["rollout_is_threshold"] = rc["rollout_is_threshold"]
+    if rc["rollout_rs"] is not None:
+        keys["rollout_rs_threshold"] = rc["rollout_rs_threshold"]
+    low = c["clip_ratio"] if c["clip_ratio_low"] is None else c["clip_ratio_low"]
+    high = c["clip_ratio"] if c["clip_ratio_high"] is None else c["clip_ratio_high"]
+    return msgspec.structs.replace(
+        AlgoConfig(), correction="rollout", rollout_correction=RolloutCorrectionConfig(**keys),
+        loss_mode="reinforce" if rc["loss_type"] == "reinforce" else "vanilla",
+        loss_agg_mode=entry["loss_agg_mode"], clip_eps=low, clip_eps_high=high,
+        clip_ratio_c=c["clip_ratio_c"],
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("entry", _bypass_entries(), ids=lambda e: e["name"])
+def test_bypass_mode_loss_equals_verl(entry):
+    """verl's bypass_mode loss (IS weights of pi_theta against pi_rollout, rejection, then
+    vanilla or REINFORCE) through our correction hook and the loss registry: loss,
+    gradient, the loss's metrics and every rollout_corr/* metric."""
+    group = _fixture()["inputs"][entry["inputs"]]
+    mask = _tensor(entry["mask"], group)
+    logp = _tensor("log_prob", group).requires_grad_()
+    rollout = _tensor(entry["old_log_prob_from"], group)
+    algo = _bypass_algo(entry)
+    inputs, corr = actor_inputs(logp, rollout, rollout, _tensor("advantages", group), mask, algo)
+    out = policy_loss(inputs, algo, GlobalBatch(**entry["config"]["global_batch_info"]))
+    out.loss.backward()
+    close(out.loss, entry["loss"], rtol=1e-10, atol=1e-12)
+    close(logp.grad, entry["grad_log_prob"], rtol=1e-10, atol=1e-12)
+    metrics = entry["metrics"]
+    for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
+        if f"actor/{key}" in metrics:
+            close(getattr(out, key), metrics[f"actor/{key}"], rtol=1e-10, atol=1e-12)
+    expected = {k: v for k, v in metrics.items() if k.startswith("rollout_corr/")}
+    assert set(corr.metrics) == set(expected)
+    for key, value in expected.items():
+        assert corr.metrics[key] == pytest.approx(value, rel=1e-12, abs=1e-12), key

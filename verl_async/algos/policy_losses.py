@@ -133,10 +133,13 @@ def actor_inputs(
     mask: torch.Tensor,
     algo,
     seed: int = 0,
+    given: tuple[torch.Tensor | None, torch.Tensor] | None = None,
 ) -> tuple[LossInputs, Correction]:
     """A loss's inputs from the three policies' log-probs [N, T]: ``algo.correction``
-    chooses the ratio's denominator, the weights and the mask (``corrections.py``)."""
-    corr = off_policy_correction(logp_prox, logp_behav, mask, algo)
+    chooses the ratio's denominator, the weights and the mask (``corrections.py``;
+    ``given``: the rollout correction's weights and mask for these rows, computed over
+    the whole step)."""
+    corr = off_policy_correction(logp_prox, logp_behav, mask, algo, logp=logp, given=given)
     inputs = LossInputs(
         logp=logp,
         logp_old=corr.logp_old,
