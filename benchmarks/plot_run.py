@@ -1,9 +1,10 @@
 """Reward and evaluation curves of one run directory, as a PNG.
 
-    python benchmarks/plot_run.py RUN_DIR OUT.png [--window 10] [--title TEXT]
+    python benchmarks/plot_run.py RUN_DIR OUT.png [--window 10] [--title TEXT] [--metric KEY ...]
 
 Left: every reward source's raw batch mean (``reward/<name>`` in metrics.jsonl, trailing
-mean over ``--window`` steps) and the combined reward. Right: the evaluation rounds of
+mean over ``--window`` steps), the combined reward and each ``--metric`` (any key of
+metrics.jsonl, e.g. ``multiturn/tool_calls``, drawn dashed). Right: the evaluation rounds of
 ``eval.jsonl`` (each source's mean score on the validation prompts) against the step they
 were started at. Needs matplotlib (the ``plot`` extra).
 """
@@ -24,7 +25,7 @@ def source_names(rows: list[dict], prefix: str) -> list[str]:
     return sorted(n for n in names if not any((prefix + n).startswith(s) for s in skip))
 
 
-def plot(run_dir: Path, out: Path, window: int, title: str) -> None:
+def plot(run_dir: Path, out: Path, window: int, title: str, metrics: tuple[str, ...] = ()) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -39,6 +40,9 @@ def plot(run_dir: Path, out: Path, window: int, title: str) -> None:
         values = [r.get(f"reward/{name}") for r in rows]
         values = [v if v is not None else float("nan") for v in values]
         left.plot(steps, rolling(values, window), label=name)
+    for key in metrics:
+        values = [r.get(key, float("nan")) for r in rows]
+        left.plot(steps, rolling(values, window), "--", label=key)
     left.set(xlabel="step", ylabel=f"batch mean (trailing {window})", title="training reward")
     left.legend()
     for name in source_names(evals, "eval/reward/"):
@@ -61,8 +65,9 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--window", type=int, default=10)
     parser.add_argument("--title", default="")
+    parser.add_argument("--metric", action="append", default=[], help="another metric to draw")
     args = parser.parse_args()
-    plot(args.run_dir, args.out, args.window, args.title)
+    plot(args.run_dir, args.out, args.window, args.title, tuple(args.metric))
 
 
 if __name__ == "__main__":

@@ -265,11 +265,21 @@ def test_generation_cpu_on_the_tiny_model(tmp_path, tiny_model):
 def test_plot_run(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
-    rows = [{"step": i, "reward_mean": i / 4, "reward/correct": i / 5} for i in range(4)]
+    rows = [
+        {"step": i, "reward_mean": i / 4, "reward/correct": i / 5, "multiturn/tool_calls": i / 3}
+        for i in range(4)
+    ]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (run / "eval.jsonl").write_text(json.dumps({"step": 0, "eval/reward/correct": 0.5}) + "\n")
     res = subprocess.run(
-        [sys.executable, "benchmarks/plot_run.py", str(run), str(tmp_path / "c.png")],
+        [
+            sys.executable,
+            "benchmarks/plot_run.py",
+            str(run),
+            str(tmp_path / "c.png"),
+            "--metric",
+            "multiturn/tool_calls",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
