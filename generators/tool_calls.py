@@ -26,7 +26,9 @@ is left of the episode's ``episode_timeout_s``), waits for its tool's
 for an unknown tool, arguments the schema refuses, a tool that raised, or a call past
 ``multiturn.max_parallel_calls`` (tool errors); a timeout (a tool timeout). A plain function
 past its deadline keeps its pool thread until it returns; calls that find no thread free
-wait, within their own deadline. A malformed call (the parser's errors) is answered with
+wait, within their own deadline. The pool's threads are daemon threads
+(``DaemonPool``): one that never returns cannot hold the generator's exit, as a
+``ThreadPoolExecutor``'s would (Python joins those at interpreter exit). A malformed call (the parser's errors) is answered with
 an error message too, and counted in ``tool_parse_errors``.
 """
 
@@ -36,8 +38,10 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from generators.env_instances import EnvCounts
@@ -51,6 +55,41 @@ from verl_async.tools.schemas import Tool, ToolCallError, check_arguments, resul
 
 _CHARS_PER_TOKEN = 8  # a result is cut to this many characters per token before tokenizing
 _POOL_THREADS = 32  # threads of a box's pool for plain functions
+
+
+class DaemonPool(concurrent.futures.Executor):
+    """At most ``threads`` daemon threads running submitted calls in order of submission,
+    started as calls need them. A call that never returns keeps its thread, and the
+    process can still exit."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self._max, self._name = threads, name
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._started = self._idle = 0
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any):
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._idle <= 0 and self._started < self._max:
+                self._started += 1
+                self._idle += 1
+                name = f"{self._name}-{self._started}"
+                threading.Thread(target=self._serve, name=name, daemon=True).start()
+            self._idle -= 1  # this call takes an idle thread, or waits for one
+        self._work.put((future, fn, args, kwargs))
+        return future
+
+    def _serve(self) -> None:
+        while True:
+            future, fn, args, kwargs = self._work.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as exc:  # the caller's await raises it
+                    future.set_exception(exc)
+            with self._lock:
+                self._idle += 1
 
 
 class ToolBox:
@@ -76,7 +115,7 @@ class ToolBox:
             mt.tool_parser, tokenizer, self.schemas, "multiturn.tool_parser"
         )
         self._limits: dict[str, asyncio.Semaphore] = {}
-        self._pool = concurrent.futures.ThreadPoolExecutor(_POOL_THREADS, "tool")
+        self._pool = DaemonPool(_POOL_THREADS, "tool")
         self._loop: asyncio.AbstractEventLoop | None = None  # for async tools, once needed
 
     def parse(self, text: str, turn: int) -> ParsedTurn:

@@ -7,6 +7,7 @@ import asyncio
 import json
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -213,3 +214,36 @@ def test_a_factory_that_refuses_its_args_fails_at_start_naming_the_key(tok):
     tool = ToolConfig(function="verl_async.tools.sandbox:python_tool", args={"cpu": 1})
     with pytest.raises(ConfigError, match=r"multiturn.environments\[0\].tools\[0\].args"):
         run(tok, ["7"], tools=[tool])
+
+
+def test_daemon_pool_runs_calls_within_its_bound_and_a_hung_call_cannot_hold_exit(tmp_path):
+    import subprocess
+    import threading as th
+
+    from generators.tool_calls import DaemonPool
+
+    pool = DaemonPool(2, "t")
+    gate = th.Event()
+    hung = [pool.submit(gate.wait) for _ in range(2)]  # both threads busy
+    queued = pool.submit(lambda x: x * 2, 21)
+    failing = pool.submit(int, "x")
+    assert not queued.done()  # waits: no third thread
+    assert sum(t.name.startswith("t-") for t in th.enumerate()) == 2
+    gate.set()
+    assert queued.result(timeout=10) == 42 and all(f.result(timeout=10) for f in hung)
+    with pytest.raises(ValueError):
+        failing.result(timeout=10)
+    # A call that never returns: the process still exits at once (a ThreadPoolExecutor's
+    # thread would be joined at exit, forever).
+    script = (
+        "import threading, time\n"
+        "from generators.tool_calls import DaemonPool\n"
+        "DaemonPool(1, 'x').submit(threading.Event().wait)\n"
+        "time.sleep(0.2)\n"
+        "print('exiting')\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+        cwd=Path(__file__).resolve().parents[2],
+    )  # fmt: skip
+    assert res.returncode == 0 and res.stdout.strip() == "exiting", res.stderr[-2000:]
