@@ -399,6 +399,7 @@ class BufferServer:
                 "(algo.filter_groups.max_in_a_row): it is kept and trains with zero advantage",
                 group.group_id,
                 self.filter.rule.max_in_a_row,
+                once_a_window=True,  # a converged policy does this every step: one line a window
             )
         return verdict
 
