@@ -49,6 +49,7 @@ from common import (  # noqa: E402
 )
 
 UPDATE_PARTS = ("prox", "forward", "backward", "optimizer")
+CORRECTIONS = ("none", "tis", "decoupled", "rollout")  # algo.correction; other labels: --variant
 LAST = 10  # final reward = mean over the last LAST steps
 WINDOW = 20  # time to the target reward: trailing mean over WINDOW steps
 
@@ -275,7 +276,7 @@ def plot(cells: list[Cell], path: Path, target: float) -> None:
             if timed:
                 seconds = [mean(step) for step in zip(*(c.step_wall_s for c in cs), strict=True)]
                 axes[1][col].plot(seconds, curve, label=label)
-        axes[0][col].set_title(f"correction = {corr}")
+        axes[0][col].set_title(f"correction = {corr}" if corr in CORRECTIONS else corr)
         axes[0][col].set_xlabel("learner step (equal samples per step)")
         if timed:
             axes[1][col].set_xlabel("train time, s (learner start → step)")
