@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     from learners.batching import collate, copy_to_device, wait_for_copy
     from learners.publish import gathered_buckets
     from learners.setup import adamw
-    from learners.update import policy_update
+    from learners.update import UpdateHooks, policy_update
     from verl_async import lora
     from verl_async.algos import grpo_advantages
     from verl_async.runtime import free_port
@@ -240,13 +240,14 @@ def main(argv: list[str] | None = None) -> int:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
+    hooks = UpdateHooks(backward=torch.Tensor.backward, clip_grad=clip_grad)
     parts: list[dict] = []  # each timed step's split (StepStats' timing fields)
 
     def train_step(batch) -> None:
         rewards = torch.from_numpy(batch.scores[:, 0])  # one source, weight 1
         adv = grpo_advantages(rewards, batch.group_index.cpu()).to(dev)
         model.train()
-        s = policy_update(model, optimizer, batch, adv, algo, torch.Tensor.backward, clip_grad)
+        s = policy_update(model, optimizer, batch, adv, algo, hooks)
         parts.append({k: getattr(s, k, None) for k in PARTS})
 
     def timed_steps(overlap: bool) -> list[float]:

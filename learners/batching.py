@@ -79,8 +79,9 @@ class TrainBatch:
     filtered: Filtered | None = None  # the groups dynamic sampling dropped among the step's
     # Set by the learner's compute_advantages:
     rewards: torch.Tensor | None = None  # [N] combined reward of each sample
-    logp_prox: torch.Tensor | None = None  # [N, T-1] pi_prox, when needed before the update
-    logp_ref: torch.Tensor | None = None  # [N, T-1] the reference policy (algo.kl)
+    # [N, T-1] pi_prox, when needed before the update (policy_update then takes it as given)
+    logp_prox: torch.Tensor | None = None
+    logp_ref: torch.Tensor | None = None  # [N, T-1] the reference policy (algo.kl; its KL loss)
     values: torch.Tensor | None = None  # [N, T-1] the critic's, before its update (gae)
 
     def to(self, device: torch.device) -> TrainBatch:

@@ -127,7 +127,8 @@ class DataParallel:
 
     def all_sum(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` summed over ranks (a collective; ``x`` itself with one rank): the
-        ``reduce`` that makes a statistic of the rollout correction the whole step's."""
+        ``reduce`` of ``UpdateHooks`` that makes a statistic of the rollout correction
+        the whole step's."""
         if self.world == 1:
             return x
         import torch.distributed as dist

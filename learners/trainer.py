@@ -44,7 +44,7 @@ from learners.finite import SkipLog, require_finite
 from learners.plan import plan_update
 from learners.publish import WeightSync, gathered_buckets
 from learners.step_metrics import GeneratorTiming, algo_metrics, multiturn_metrics, step_row
-from learners.update import StepStats, policy_update, prox_pass
+from learners.update import StepStats, UpdateHooks, policy_update, prox_pass
 from verl_async import lora
 from verl_async import protocol as P
 from verl_async.auth import LEARNER, client_credentials
@@ -87,6 +87,7 @@ class Learner:
         self.critic_optimizer = critic_optimizer
         self.reference = reference  # algo.kl.in_reward or algo.kl.loss_coef > 0
         self.kl_ctrl = kl_controller(self.cfg.algo.kl)  # checkpointed
+        self.actor_hooks = self.update_hooks(model, self.cfg.learner.grad_clip)
         self.algo = msgspec.structs.replace(  # the divisor of seq-mean-token-sum-norm resolved
             self.cfg.algo,
             loss_scale_factor=self.cfg.algo.loss_scale_factor or longest_response(self.cfg),
@@ -263,15 +264,19 @@ class Learner:
             critic_stats = value_fit(critic_stats, batch.values, adv.returns, batch.loss_mask)
         warming = self.critic is not None and self.steps_done < cfg.critic.warmup_steps
         self.model.train()
-        stats = policy_update(
-            self.model, self.optimizer, local, dp.local_part(adv.advantages, batch, local),
-            self.algo, backward=self.acc.backward,
-            clip_grad=lambda: self.clip_grad(self.model, cfg.learner.grad_clip),
-            temperature=cfg.generators.temperature, logp_prox=local.logp_prox,
-            logp_ref=local.logp_ref, step=not warming, plan=plan, version=self.version,
-            share_prefix=cfg.learner.share_prefix, any_rank=dp.any_rank, seed=cfg.learner.seed,
-            reduce=dp.all_sum,
-        )  # fmt: skip
+        stats = policy_update(  # local.logp_prox and local.logp_ref join in when computed
+            self.model,
+            self.optimizer,
+            local,
+            dp.local_part(adv.advantages, batch, local),
+            self.algo,
+            self.actor_hooks,
+            plan=plan,
+            version=self.version,
+            step=not warming,
+            temperature=cfg.generators.temperature,
+            learner=cfg.learner,
+        )
         if self.scheduler is not None and stats.optimizer_steps:  # none: warming up or skipped
             self.scheduler.step()
         if self.skips is not None:
@@ -282,6 +287,12 @@ class Learner:
             names = metric_names(self.algo.rollout_correction.settings())
             stats.rollout_corr = dp.mean_metrics(corr, weight, names)
         return stats, critic_stats
+
+    def update_hooks(self, model, max_norm: float) -> UpdateHooks:
+        """This setup's backward, gradient clipping (``model``'s, to ``max_norm``) and
+        collectives, for ``policy_update``."""
+        clip = lambda: self.clip_grad(model, max_norm)  # noqa: E731
+        return UpdateHooks(self.acc.backward, clip, self.dp.any_rank, self.dp.all_sum)
 
     def clip_grad(self, model, max_norm: float) -> float:
         """Clip the gradient norm (over all ranks' shards under FSDP2); returns it."""

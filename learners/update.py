@@ -7,6 +7,7 @@ all run this code.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,7 @@ from verl_async.algos import (
 )
 from verl_async.algos.kl import kl_penalty
 from verl_async.algos.masked import masked_sum
+from verl_async.schema import AlgoConfig, LearnerConfig
 
 
 @dataclass
@@ -73,131 +75,204 @@ class StepStats:
     rollout_corr: dict[str, float] | None = None
 
 
+@dataclass(frozen=True)
+class UpdateHooks:
+    """How the caller's setup runs the parts of an update that differ between setups (one
+    rank under Accelerate or plain torch, FSDP2 ranks, the GPU benchmark). A caller builds
+    them once; every setup then runs the same ``policy_update``."""
+
+    backward: Callable[[torch.Tensor], None]
+    """Back-propagates a micro-batch's loss (``accelerator.backward``, or
+    ``torch.Tensor.backward``); the gradients accumulate until the minibatch's step."""
+    clip_grad: Callable[[], float]
+    """Clips the model's gradients and returns their norm before clipping: the norm over
+    every rank's shards under FSDP2, so every rank sees the same one."""
+    any_rank: Callable[[bool], bool] | None = None
+    """Whether a flag is true on any data-parallel rank (a collective:
+    ``DataParallel.any_rank``), so a loss that is not finite on one rank skips the
+    minibatch's step on all (``guarded_step``). None: this rank alone decides."""
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """A tensor summed over the data-parallel ranks (a collective:
+    ``DataParallel.all_sum``), for the rollout correction's step-wide statistics
+    (learners/correction.py). None: this rank's rows are the whole step."""
+
+
 def policy_update(
     model,
     optimizer,
     batch: TrainBatch,
     advantages: torch.Tensor,
-    algo,
-    backward,
-    clip_grad,
-    temperature: float = 1.0,
-    logp_prox: torch.Tensor | None = None,
-    logp_ref: torch.Tensor | None = None,
-    step: bool = True,
+    algo: AlgoConfig,
+    hooks: UpdateHooks,
+    *,
     plan: list[Minibatch] | None = None,
     version: int | None = None,
-    share_prefix: bool = True,
-    any_rank=None,
-    seed: int = 0,
-    reduce=None,
+    step: bool = True,
+    temperature: float = 1.0,
+    learner: LearnerConfig | None = None,
 ) -> StepStats:
     """pi_prox, then one optimizer step per minibatch of ``plan`` (learners/plan.py; by
     default ``algo.minibatches`` chunks of this batch on one rank, no micro-batching).
 
-    ``advantages`` is [N] (one per sample) or [N, T-1] (per token). ``backward(loss)`` and
-    ``clip_grad() -> norm`` come from the caller (Accelerate, or plain torch under FSDP2),
-    so every setup runs this exact code. ``logp_ref`` adds the KL loss term
-    (``algo.kl.loss_coef``); ``step=False`` computes the losses and metrics without
-    changing the weights (the critic's warm-up steps).
+    ``advantages`` is [N] (one per sample) or [N, T-1] (per token). ``hooks`` backpropagate,
+    clip and agree over ranks the way the caller's setup does. The batch's optional
+    tensors join in: ``batch.logp_ref`` adds the KL loss term (``algo.kl.loss_coef``), and
+    ``batch.logp_prox``, when the caller computed pi_prox already, is taken as pi_prox. The step:
+    ``version`` is the weights' (for the rollout-versus-learner log-prob check of
+    ``StepStats``, and the seed below); ``step=False`` computes the losses and metrics
+    without changing the weights (the critic's warm-up steps). The settings:
+    ``temperature`` is the generators' sampling temperature (``generators.temperature``),
+    at which every log-prob is computed; ``learner`` (None: its defaults) gives
+    ``share_prefix`` (rows of a pass that share their prompt compute it once:
+    ``token_stats``) and ``seed``, which with the version, minibatch and micro-batch seeds
+    a loss mode's random choices (clip_cov), so a run repeats them.
 
-    pi_prox: ``logp_prox`` when the caller computed it already. Else the first minibatch's
-    gradient passes run at the weights pi_prox is defined by, so its log-probs, detached,
-    are pi_prox's for those rows, and a no-grad pass before the update covers the later
-    minibatches' rows only: with one minibatch no separate forward at all (a quarter of
-    the step's compute on a real model), with k of them (k - 1)/k of one. Log-probs and
-    entropies are computed at the loss mask's positions only (learners/logprobs.py).
-    ``version``: the weights' version (for the rollout-versus-learner log-prob check of
-    ``StepStats``). ``share_prefix``: rows of a pass that share their prompt compute it
-    once (``token_stats``). A minibatch whose loss or gradient norm is not finite takes
-    no step (``guarded_step``; ``any_rank`` makes the verdict every rank's under FSDP2).
-    ``seed`` (``learner.seed``), with the version, minibatch and micro-batch, seeds a loss
-    mode's random choices (clip_cov), so a run repeats them. ``reduce`` sums a tensor over
-    the data-parallel ranks (``DataParallel.all_sum``), for the rollout correction's
-    step-wide statistics; when that correction needs every row's pi_prox before the first
-    loss, one no-grad pass computes them all (learners/correction.py).
+    pi_prox, when not given: the first minibatch's gradient passes run at the weights
+    pi_prox is defined by, so their log-probs, detached, are pi_prox's for those rows, and
+    a no-grad pass before the update covers the later minibatches' rows only: with one
+    minibatch no separate forward at all (a quarter of the step's compute on a real
+    model), with k of them (k - 1)/k of one. When the rollout correction needs every row's
+    pi_prox before the first loss, one no-grad pass computes them all
+    (learners/correction.py). Log-probs and entropies are computed at the loss mask's
+    positions only (learners/logprobs.py). A minibatch whose loss or gradient norm is not
+    finite takes no step (``guarded_step``).
 
     Every loss term and statistic reads the positions of ``batch.loss_mask`` only: the
     sampled tokens (a multi-turn sample's observation tokens are 0 there, and ``collate``
     has already replaced their placeholder log-probs and versions).
     """
-    mask = batch.loss_mask
     if plan is None:
+        mask = batch.loss_mask
         plan = plan_update(mask, batch.attention_mask, [len(mask)], 0, algo.minibatches)
-    clock = _Clock(mask.device)
-    given = logp_prox is not None
-    rollout = rollout_settings(algo)
-    # Without a given pi_prox: the first minibatch's gradient passes run at the weights
-    # pi_prox is defined by, so they give its log-probs and entropies for their rows; a
-    # no-grad pass covers the rows of the later minibatches only (all rows when the
-    # rollout correction needs them first).
-    entropy = torch.zeros_like(mask)  # pi_prox's, or (given) the ones seen during the update
-    have_prox = given or needs_every_prox(rollout)
-    if have_prox and not given:
-        logp_prox, entropy = prox_pass(model, batch, temperature, None, share_prefix)
-        clock.lap("prox_s")
-    if not have_prox:
-        logp_prox = torch.zeros_like(mask)
-        later = [idx for mb in plan[1:] for idx in mb.micro if len(idx)]
-        if len(plan) > 1:
-            rows = torch.cat(later) if later else torch.zeros(0, dtype=torch.long)
-            logp_prox, entropy = prox_pass(model, batch, temperature, rows, share_prefix)
-            clock.lap("prox_s")
-    whole = None
-    if have_prox and rollout is not None and not rollout.bypass_mode:
-        whole = whole_step(logp_prox, batch.behav_logprobs, mask, rollout, reduce)
-        if rollout.rollout_rs is not None:
-            plan = recount(plan, whole.mask, reduce)
-    bonus = algo.entropy_coeff > 0
-    adv = advantages if advantages.dim() == 2 else advantages[:, None]
-    parts, grads = [], []
-    for k, mb in enumerate(plan):
-        agg = mb.global_batch(algo.loss_scale_factor)
-        sums = {"loss": 0.0, "pg_loss": 0.0, "kl_loss": 0.0}  # over the minibatch's micro-batches
-        at_prox = k == 0 and not have_prox  # this pass's log-probs are pi_prox's
+    settings = learner or LearnerConfig()
+    update = _Update(model, batch, advantages, algo, hooks, temperature, settings, version, step)
+    plan = update.prox_first(plan)
+    grads = [update.minibatch(k, mb, optimizer) for k, mb in enumerate(plan)]
+    return update.stats(grads)
+
+
+class _Update:
+    """One ``policy_update``: pi_prox and the entropies as they are filled in, the
+    step-wide rollout correction, what each gradient pass reported, and the clock."""
+
+    def __init__(
+        self, model, batch, advantages, algo, hooks, temperature, learner, version, step
+    ) -> None:
+        self.model, self.batch, self.algo, self.hooks = model, batch, algo, hooks
+        self.adv = advantages if advantages.dim() == 2 else advantages[:, None]
+        self.temperature, self.share_prefix = temperature, learner.share_prefix
+        self.seed, self.version, self.step = learner.seed, version, step
+        self.clock = _Clock(batch.loss_mask.device)
+        self.rollout = rollout_settings(algo)
+        self.bonus = algo.entropy_coeff > 0
+        self.given = batch.logp_prox is not None
+        self.have_prox = self.given or needs_every_prox(self.rollout)  # before any step
+        self.logp_prox = batch.logp_prox  # [N, T-1]; filled in by prox_first if not given
+        # pi_prox's entropies, or (given) the ones seen during the update
+        self.entropy = torch.zeros_like(batch.loss_mask)
+        self.whole: WholeStep | None = None
+        self.parts: list = []  # (pg LossOutput, correction, tokens) of each real pass
+
+    def prox_first(self, plan: list[Minibatch]) -> list[Minibatch]:
+        """What the update needs before its first step: pi_prox of the rows the first
+        minibatch's gradient passes will not give (all of them when the rollout correction
+        needs them first), and the step-wide rollout correction. Returns the plan, its
+        token counts recounted when rejection sampling masked tokens."""
+        mask = self.batch.loss_mask
+        if self.have_prox and not self.given:
+            self.logp_prox, self.entropy = self._prox_pass(None)
+        if not self.have_prox:
+            self.logp_prox = torch.zeros_like(mask)
+            later = [idx for mb in plan[1:] for idx in mb.micro if len(idx)]
+            if len(plan) > 1:
+                rows = torch.cat(later) if later else torch.zeros(0, dtype=torch.long)
+                self.logp_prox, self.entropy = self._prox_pass(rows)
+        rollout, reduce = self.rollout, self.hooks.reduce
+        if self.have_prox and rollout is not None and not rollout.bypass_mode:
+            behav = self.batch.behav_logprobs
+            self.whole = whole_step(self.logp_prox, behav, mask, rollout, reduce)
+            if rollout.rollout_rs is not None:
+                plan = recount(plan, self.whole.mask, reduce)
+        return plan
+
+    def _prox_pass(self, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        out = prox_pass(self.model, self.batch, self.temperature, rows, self.share_prefix)
+        self.clock.lap("prox_s")
+        return out
+
+    def minibatch(self, k: int, mb: Minibatch, optimizer) -> dict:
+        """Minibatch ``k``: a gradient pass per micro-batch, then (``step``) one guarded
+        optimizer step. Returns its losses summed over its micro-batches and its step's
+        outcome."""
+        agg = mb.global_batch(self.algo.loss_scale_factor)
+        sums = {"loss": 0.0, "pg_loss": 0.0, "kl_loss": 0.0}
+        at_prox = k == 0 and not self.have_prox  # this pass's log-probs are pi_prox's
         for j, idx in enumerate(mb.micro):
-            rows = micro_rows(idx, batch.attention_mask)
-            rows_mask = rows.mask(mask)
-            ids, attn = rows.inputs(batch.input_ids, batch.attention_mask)
-            with torch.enable_grad() if step else torch.no_grad():
-                stats = token_stats(
-                    model, ids, attn, rows_mask, temperature, entropy=bonus or at_prox or given,
-                    share_prefix=share_prefix,
-                )  # fmt: skip
-                clock.count(stats)
-                logp = stats.logp
-                prox = logp.detach() if at_prox else rows.take(logp_prox)
-                behav, adv_rows = rows.take(batch.behav_logprobs), rows.take(adv)
-                seed_j, given_j = micro_seed(seed, version or 0, k, j), _rows_of(whole, rows)
-                inputs, corr = actor_inputs(
-                    logp, prox, behav, adv_rows, rows_mask, algo, seed_j, given=given_j
-                )
-                ref = None if logp_ref is None else rows.take(logp_ref)
-                out = actor_loss(inputs, algo, stats.entropy if bonus else None, ref, agg)
-            clock.lap("forward_s")
-            if step:
-                backward(out.total)
-            clock.lap("backward_s")
-            if not rows.placeholder:  # a placeholder row counts for nothing
-                cols = slice(0, rows.width - 1)
-                if at_prox:
-                    logp_prox[rows.idx, cols] = prox
-                if at_prox or given:
-                    entropy[rows.idx, cols] = stats.entropy.detach()
+            out = self.micro(k, j, idx, agg, at_prox)
+            if out is not None:
                 sums["loss"] += float(out.total.detach())
                 sums["pg_loss"] += float(out.pg.loss.detach())
                 sums["kl_loss"] += 0.0 if out.kl_loss is None else float(out.kl_loss.detach())
-                parts.append((out.pg, corr, float(rows_mask.sum())))
         grad, skip = 0.0, None
-        if step:
-            grad, skip = guarded_step(optimizer, clip_grad, sums["loss"], any_rank)
-        clock.lap("optimizer_s")
-        if logp_ref is None or algo.kl.loss_coef == 0:
+        if self.step:
+            hooks = self.hooks
+            grad, skip = guarded_step(optimizer, hooks.clip_grad, sums["loss"], hooks.any_rank)
+        self.clock.lap("optimizer_s")
+        if self.batch.logp_ref is None or self.algo.kl.loss_coef == 0:
             sums["kl_loss"] = None
-        grads.append({**sums, "grad": grad, "stepped": step and skip is None, "skip": skip})
-    stats = _step_stats(parts, grads, logp_prox, entropy, batch, version)
-    stats.rollout_corr = _rollout_metrics(rollout, whole, parts, logp_prox, batch)
-    return clock.fill(stats)
+        return {**sums, "grad": grad, "stepped": self.step and skip is None, "skip": skip}
+
+    def micro(
+        self, k: int, j: int, idx: torch.Tensor, agg: GlobalBatch, at_prox: bool
+    ) -> ActorLoss | None:
+        """Micro-batch ``j`` of minibatch ``k`` (rows ``idx``): its losses and backward.
+        Records its pi_prox (``at_prox``) and entropies, and its metrics; returns its
+        losses, or None for a placeholder row (it counts for nothing)."""
+        batch, mask, algo = self.batch, self.batch.loss_mask, self.algo
+        rows = micro_rows(idx, batch.attention_mask)
+        rows_mask = rows.mask(mask)
+        ids, attn = rows.inputs(batch.input_ids, batch.attention_mask)
+        entropy = self.bonus or at_prox or self.given
+        with torch.enable_grad() if self.step else torch.no_grad():
+            stats = token_stats(
+                self.model,
+                ids,
+                attn,
+                rows_mask,
+                self.temperature,
+                entropy=entropy,
+                share_prefix=self.share_prefix,
+            )
+            self.clock.count(stats)
+            logp = stats.logp
+            prox = logp.detach() if at_prox else rows.take(self.logp_prox)
+            behav, adv = rows.take(batch.behav_logprobs), rows.take(self.adv)
+            seed, given = micro_seed(self.seed, self.version or 0, k, j), _rows_of(self.whole, rows)
+            inputs, corr = actor_inputs(logp, prox, behav, adv, rows_mask, algo, seed, given=given)
+            ref = None if batch.logp_ref is None else rows.take(batch.logp_ref)
+            out = actor_loss(inputs, algo, stats.entropy if self.bonus else None, ref, agg)
+        self.clock.lap("forward_s")
+        if self.step:
+            self.hooks.backward(out.total)
+        self.clock.lap("backward_s")
+        if rows.placeholder:
+            return None
+        cols = slice(0, rows.width - 1)
+        if at_prox:
+            self.logp_prox[rows.idx, cols] = prox
+        if at_prox or self.given:
+            self.entropy[rows.idx, cols] = stats.entropy.detach()
+        self.parts.append((out.pg, corr, float(rows_mask.sum())))
+        return out
+
+    def stats(self, grads: list[dict]) -> StepStats:
+        """The update's metrics (``grads``: each minibatch's ``minibatch`` result)."""
+        logp_prox, batch = self.logp_prox, self.batch
+        stats = _step_stats(self.parts, grads, logp_prox, self.entropy, batch, self.version)
+        stats.rollout_corr = _rollout_metrics(
+            self.rollout, self.whole, self.parts, logp_prox, batch
+        )
+        return self.clock.fill(stats)
 
 
 def _rows_of(whole: WholeStep | None, rows) -> tuple | None:

@@ -83,7 +83,7 @@ def _tiny(tmp_path):
 def test_fsdp2_learner_step_in_bf16_keeps_fp32_parameters(tmp_path, process_group):
     from learners.plan import plan_update
     from learners.setup import fsdp2
-    from learners.update import policy_update
+    from learners.update import UpdateHooks, policy_update
     from verl_async.schema import AlgoConfig
 
     model = fsdp2(_tiny(tmp_path).cuda(), torch.bfloat16)
@@ -102,10 +102,9 @@ def test_fsdp2_learner_step_in_bf16_keeps_fp32_parameters(tmp_path, process_grou
     def clip():
         return torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).full_tensor()
 
-    stats = policy_update(
-        model, opt, batch, torch.tensor([1.0, -1.0], device="cuda"), AlgoConfig(),
-        backward=torch.Tensor.backward, clip_grad=clip, plan=plan,
-    )  # fmt: skip
+    adv = torch.tensor([1.0, -1.0], device="cuda")
+    hooks = UpdateHooks(backward=torch.Tensor.backward, clip_grad=clip)
+    stats = policy_update(model, opt, batch, adv, AlgoConfig(), hooks, plan=plan)
     assert np.isfinite(stats.loss) and stats.grad_norm > 0
     after = {k: v.full_tensor() for k, v in model.state_dict().items()}
     assert any(not torch.equal(before[k], after[k]) for k in before)

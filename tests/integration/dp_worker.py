@@ -36,11 +36,17 @@ from learners.finite import NonFiniteWeights, require_finite
 from learners.logprobs import logits_of
 from learners.plan import Minibatch, plan_update
 from learners.setup import fsdp2, leave_job
-from learners.update import policy_update
+from learners.update import UpdateHooks, policy_update
 from verl_async import lora
 from verl_async import protocol as P
 from verl_async.algos import token_logprobs
-from verl_async.schema import AlgoConfig, CheckpointConfig, LoraConfig, RolloutCorrectionConfig
+from verl_async.schema import (
+    AlgoConfig,
+    CheckpointConfig,
+    LearnerConfig,
+    LoraConfig,
+    RolloutCorrectionConfig,
+)
 
 CASES = {
     "token-mean": {},
@@ -130,11 +136,10 @@ def sgd_step(model, batch, adv, algo, plan, sharded: bool, share_prefix: bool = 
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
+    hooks = UpdateHooks(backward=lambda loss: loss.backward(), clip_grad=clip, reduce=reduce)
+    learner = LearnerConfig(share_prefix=share_prefix)
     before = full_params(model)
-    stats = policy_update(
-        model, opt, batch, adv, algo, backward=lambda loss: loss.backward(), clip_grad=clip,
-        plan=plan, share_prefix=share_prefix, reduce=reduce,
-    )  # fmt: skip
+    stats = policy_update(model, opt, batch, adv, algo, hooks, plan=plan, learner=learner)
     after = full_params(model)
     return {k: after[k] - before[k] for k in before}, stats
 
@@ -251,14 +256,13 @@ def check_nonfinite(base, batch, dp: DataParallel, run_dir: Path) -> list[list[f
     local = dp.local(batch)
     adv = dp.local_part(torch.ones_like(batch.loss_mask), batch, local)
 
-    def update(adv):
-        def clip():
-            return torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).full_tensor()
+    def clip():
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).full_tensor()
 
-        return policy_update(
-            model, opt, local, adv, ONE_MINIBATCH, lambda loss: loss.backward(), clip,
-            any_rank=dp.any_rank,
-        )  # fmt: skip
+    hooks = UpdateHooks(lambda loss: loss.backward(), clip, any_rank=dp.any_rank)
+
+    def update(adv):
+        return policy_update(model, opt, local, adv, ONE_MINIBATCH, hooks)
 
     update(adv)  # a good step first: AdamW has moments to keep
     before = local_state(model, opt)

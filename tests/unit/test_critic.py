@@ -12,7 +12,7 @@ from learners.critic import (
     reference_logprobs,
     value_fit,
 )
-from learners.update import policy_update, prox_pass
+from learners.update import UpdateHooks, policy_update, prox_pass
 from verl_async.launch.tiny_model import build_tiny_model
 from verl_async.schema import AlgoConfig, KLConfig, RunConfig, TinyModelConfig
 
@@ -73,14 +73,10 @@ def test_kl_loss_to_the_reference_starts_at_zero_and_leaves_the_reference_alone(
     )
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    first = policy_update(
-        model, opt, batch, adv, algo, lambda loss: loss.backward(), lambda: 0.0, 1.0,
-        logp_ref=logp_ref,
-    )  # fmt: skip
-    second = policy_update(
-        model, opt, batch, adv, algo, lambda loss: loss.backward(), lambda: 0.0, 1.0,
-        logp_ref=logp_ref,
-    )  # fmt: skip
+    batch.logp_ref = logp_ref
+    hooks = UpdateHooks(backward=lambda loss: loss.backward(), clip_grad=lambda: 0.0)
+    first = policy_update(model, opt, batch, adv, algo, hooks)
+    second = policy_update(model, opt, batch, adv, algo, hooks)
     assert abs(first.kl_loss) < 1e-6  # identical weights: k3 is 0
     assert second.kl_loss > 1e-4  # one step later the policy has moved
     for a, b in zip(ref.parameters(), before, strict=True):
@@ -94,10 +90,9 @@ def test_warmup_steps_compute_losses_without_moving_the_actor(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     before = [p.clone() for p in model.parameters()]
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    stats = policy_update(
-        model, opt, _batch(), torch.tensor([1.0, -1.0, 0.5, -0.5]), AlgoConfig(),
-        lambda loss: loss.backward(), lambda: 0.0, step=False,
-    )  # fmt: skip
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    hooks = UpdateHooks(backward=lambda loss: loss.backward(), clip_grad=lambda: 0.0)
+    stats = policy_update(model, opt, _batch(), adv, AlgoConfig(), hooks, step=False)
     assert stats.loss != 0 and stats.grad_norm == 0
     for a, b in zip(model.parameters(), before, strict=True):
         assert torch.equal(a, b)

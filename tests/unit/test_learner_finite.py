@@ -19,7 +19,7 @@ from learners.critic import critic_update, critic_values, load_critic
 from learners.distributed import DataParallel
 from learners.finite import NonFiniteWeights, SkipLog, guarded_step, nonfinite_names
 from learners.trainer import Learner
-from learners.update import policy_update
+from learners.update import UpdateHooks, policy_update
 from verl_async.checkpoint import list_checkpoints, step_dir
 from verl_async.launch.tiny_model import build_tiny_model
 from verl_async.schema import AlgoConfig, RunConfig, TinyModelConfig
@@ -48,10 +48,11 @@ def _trained(model_dir):
 
 
 def _update(model, opt, adv, backward=None):
-    return policy_update(
-        model, opt, _batch(), adv, ALGO, backward or (lambda loss: loss.backward()),
-        lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0),
-    )  # fmt: skip
+    hooks = UpdateHooks(
+        backward=backward or (lambda loss: loss.backward()),
+        clip_grad=lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0),
+    )
+    return policy_update(model, opt, _batch(), adv, ALGO, hooks)
 
 
 def _snapshot(model, opt) -> list[torch.Tensor]:

@@ -23,7 +23,7 @@ from verl_async.algos import (
 from verl_async.algos import policy_losses as registry
 from verl_async.config import load_config
 from verl_async.config_base import ConfigError
-from verl_async.schema import AlgoConfig
+from verl_async.schema import AlgoConfig, LearnerConfig
 
 D = torch.float64
 PAD = 1e4
@@ -449,7 +449,7 @@ def tiny_model(tmp_path_factory):
 
 
 def _update(model, mode, seed=0, **settings):
-    from learners.update import policy_update
+    from learners.update import UpdateHooks, policy_update
 
     from .test_policy_update import _batch
 
@@ -457,9 +457,9 @@ def _update(model, mode, seed=0, **settings):
     algo = msgspec.structs.replace(AlgoConfig(), loss_mode=mode, **(SETTINGS | settings))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    stats = policy_update(
-        model, opt, _batch(), adv, algo, lambda x: x.backward(), lambda: 0.0, seed=seed
-    )
+    hooks = UpdateHooks(backward=lambda x: x.backward(), clip_grad=lambda: 0.0)
+    learner = LearnerConfig(seed=seed)
+    stats = policy_update(model, opt, _batch(), adv, algo, hooks, learner=learner)
     return model, stats
 
 

@@ -10,11 +10,13 @@ import torch
 
 from learners.batching import collate
 from learners.logprobs import logits_of
-from learners.update import policy_update, prox_pass
+from learners.update import UpdateHooks, policy_update, prox_pass
 from verl_async import protocol as P
 from verl_async.algos import actor_inputs, policy_loss, token_logprobs
 from verl_async.launch.tiny_model import build_tiny_model
 from verl_async.schema import AlgoConfig, KLConfig, TinyModelConfig
+
+HOOKS = UpdateHooks(backward=lambda loss: loss.backward(), clip_grad=lambda: 0.0)  # one rank
 
 
 def _batch(prompts=(5, 5, 5, 5), responses=(3, 3, 3, 3)):
@@ -65,9 +67,7 @@ def test_one_minibatch_takes_pi_prox_from_the_gradient_pass(tmp_path):
     opt.step()
 
     opt2 = torch.optim.SGD(model.parameters(), lr=0.5)
-    stats = policy_update(
-        model, opt2, batch, adv, algo, lambda loss: loss.backward(), lambda: 0.0, temperature
-    )
+    stats = policy_update(model, opt2, batch, adv, algo, HOOKS, temperature=temperature)
     assert abs(stats.loss - out.loss.item()) < 1e-6
     for a, b in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
@@ -94,7 +94,7 @@ def test_every_estimator_composes_with_every_correction(tmp_path):
     path = build_tiny_model(tmp_path / "m", TinyModelConfig())
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     batch = _batch()
-    logp_ref, _ = prox_pass(base, batch, 1.0)
+    batch.logp_ref, _ = prox_pass(base, batch, 1.0)
     rewards = torch.tensor([1.0, 0.0, 1.0, 0.0])
     groups = torch.tensor([0, 0, 1, 1])
     values = torch.full_like(batch.loss_mask, 0.25)
@@ -112,10 +112,7 @@ def test_every_estimator_composes_with_every_correction(tmp_path):
         model = copy.deepcopy(base)
         before = [p.clone() for p in model.parameters()]
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        stats = policy_update(
-            model, opt, batch, adv.advantages, algo, lambda loss: loss.backward(), lambda: 0.0,
-            logp_ref=logp_ref,
-        )  # fmt: skip
+        stats = policy_update(model, opt, batch, adv.advantages, algo, HOOKS)
         label = f"{estimator}/{correction}"
         assert np.isfinite(stats.loss) and stats.kl_loss is not None, label
         moved = max((a - b).abs().max() for a, b in zip(model.parameters(), before, strict=True))
@@ -131,9 +128,8 @@ def test_entropy_bonus_subtracts_coeff_times_entropy(tmp_path):
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     plain = msgspec.structs.replace(AlgoConfig(), minibatches=1)
     bonus = msgspec.structs.replace(plain, entropy_coeff=0.5)
-    noop = lambda loss: None  # noqa: E731 (measure only: no step)
-    a = policy_update(model, None, batch, adv, plain, noop, lambda: 0.0, step=False)
-    b = policy_update(model, None, batch, adv, bonus, noop, lambda: 0.0, step=False)
+    a = policy_update(model, None, batch, adv, plain, HOOKS, step=False)
+    b = policy_update(model, None, batch, adv, bonus, HOOKS, step=False)
     assert b.loss == pytest.approx(a.loss - 0.5 * a.entropy, abs=1e-5)
     # verl's actor/pg_loss is the policy-gradient part alone: unchanged by the bonus.
     assert b.pg_loss == pytest.approx(a.pg_loss, abs=1e-6) and a.pg_loss == pytest.approx(a.loss)
@@ -148,11 +144,8 @@ def test_pg_loss_leaves_out_the_kl_loss_term(tmp_path):
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     algo = msgspec.structs.replace(AlgoConfig(), minibatches=1, kl=KLConfig(loss_coef=0.1))
     # A reference that disagrees with the policy, so the KL term is not zero.
-    logp_ref = prox_pass(model, batch, 1.0)[0] - 0.3 * batch.loss_mask
-    noop = lambda loss: None  # noqa: E731
-    s = policy_update(
-        model, None, batch, adv, algo, noop, lambda: 0.0, logp_ref=logp_ref, step=False
-    )
+    batch.logp_ref = prox_pass(model, batch, 1.0)[0] - 0.3 * batch.loss_mask
+    s = policy_update(model, None, batch, adv, algo, HOOKS, step=False)
     assert s.kl_loss > 1e-3
     assert s.loss == pytest.approx(s.pg_loss + 0.1 * s.kl_loss, abs=1e-6)
 
@@ -177,16 +170,11 @@ def test_rollout_logp_gap_is_measured_on_tokens_of_the_trained_version_only(tmp_
     batch.behav_logprobs, batch.token_versions = behav, versions
     algo = msgspec.structs.replace(AlgoConfig(), minibatches=1)
     adv = torch.zeros(4)
-    stats = policy_update(
-        model, torch.optim.SGD(model.parameters(), lr=0.0), batch, adv, algo,
-        backward=lambda loss: loss.backward(), clip_grad=lambda: 0.0, version=7,
-    )  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    stats = policy_update(model, opt, batch, adv, algo, HOOKS, version=7)
     assert stats.rollout_logp_diff_max == pytest.approx(0.25, abs=1e-5)
     assert stats.rollout_fresh_fraction == pytest.approx(0.75)  # 3 of 4 samples, same lengths
-    none = policy_update(
-        model, torch.optim.SGD(model.parameters(), lr=0.0), batch, adv, algo,
-        backward=lambda loss: loss.backward(), clip_grad=lambda: 0.0,
-    )  # fmt: skip
+    none = policy_update(model, opt, batch, adv, algo, HOOKS)
     assert (none.rollout_logp_diff_max, none.rollout_fresh_fraction) == (0.0, 0.0)
 
 
@@ -225,9 +213,7 @@ def test_later_minibatches_read_pi_prox_from_before_the_first_step(tmp_path, min
         opt.zero_grad()
 
     opt2 = torch.optim.SGD(model.parameters(), lr=0.5)
-    stats = policy_update(
-        model, opt2, batch, adv, algo, lambda loss: loss.backward(), lambda: 0.0, temperature
-    )
+    stats = policy_update(model, opt2, batch, adv, algo, HOOKS, temperature=temperature)
     for a, b in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
     mask = batch.loss_mask
@@ -256,9 +242,7 @@ def test_length_bucketed_micro_batches_take_the_full_width_step(tmp_path):
 
     def run(m, plan):
         opt = torch.optim.SGD(m.parameters(), lr=0.5)
-        return policy_update(
-            m, opt, batch, adv, algo, lambda x: x.backward(), lambda: 0.0, plan=plan
-        )
+        return policy_update(m, opt, batch, adv, algo, HOOKS, plan=plan)
 
     mask, attn = batch.loss_mask, batch.attention_mask
     bucketed = plan_update(mask, attn, [6], 0, 2, max_tokens_per_microbatch=24)
@@ -290,7 +274,7 @@ def _train(path, batch, adv, algo, lr=0.5):
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    stats = policy_update(model, opt, batch, adv, algo, lambda loss: loss.backward(), lambda: 0.0)
+    stats = policy_update(model, opt, batch, adv, algo, HOOKS)
     return stats, model
 
 
