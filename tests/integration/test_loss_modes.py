@@ -1,13 +1,13 @@
 """Every built-in loss mode trains the tiny default through the real processes.
 
-Each run is ``verl-async train configs/tiny.yaml`` (buffer, generator, learner), 200
-synchronous steps with ``algo.loss_mode`` set (tests/integration/learning.py: a synchronous
-run's schedule does not depend on the machine's speed). Learning is not asked of every
-mode (its values against verl's are pinned in tests/unit/test_verl_losses.py); what is
-asked is that a whole run stays finite and bounded: every step logged, every number in
-metrics.jsonl finite, no optimizer step skipped for a non-finite loss or gradient, the loss
-within a bound no healthy run comes near, and the clip fractions shares. ``vanilla`` is
-every other integration test's loss.
+Each run is ``verl-async train configs/tiny.yaml`` (buffer, generator, learner) as the
+tiny default runs, asynchronous with its staleness bound of 2, for 200 steps with
+``algo.loss_mode`` set. Learning is not asked of every mode (its values against verl's are
+pinned in tests/unit/test_verl_losses.py, and no bar here depends on how fast the machine
+is); what is asked is that a whole run stays finite and bounded: every step logged, every
+number in metrics.jsonl finite, no optimizer step skipped for a non-finite loss or
+gradient, the loss within a bound no healthy run comes near, the clip fractions shares,
+and the staleness bound held. ``vanilla`` is every other integration test's loss.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import yaml
 
 from verl_async.algos import policy_loss_names
 
-from .learning import Case, train_and_check
+from .conftest import run_cli
+from .learning import rows
 
 STEPS = 200
 # |loss| of a step: the tiny default's stays under 1 with every mode (advantages are
@@ -44,13 +45,13 @@ def _numbers(row: dict):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_loss_mode_trains_the_tiny_default_finite_and_bounded(tmp_path, mode):
-    case = Case(
-        "configs/tiny.yaml",
-        (f"trainer.total_steps={STEPS}", "checkpoint.every_steps=0", f"algo.loss_mode={mode}",
-         *EXTRA.get(mode, ())),
-        lambda run_dir: [],
-    )  # fmt: skip
-    metrics = train_and_check(case, tmp_path / mode, STEPS, timeout=600)
+    run_dir = tmp_path / mode
+    args = ["train", "configs/tiny.yaml", "--run-dir", str(run_dir), f"trainer.total_steps={STEPS}",
+            "checkpoint.every_steps=0", f"algo.loss_mode={mode}", *EXTRA.get(mode, ())]  # fmt: skip
+    res = run_cli(args, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    metrics = rows(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in metrics] == list(range(STEPS))
     for row in metrics:
         bad = [key for key, value in _numbers(row) if not math.isfinite(value)]
         assert not bad, (row["step"], bad)
@@ -58,8 +59,10 @@ def test_loss_mode_trains_the_tiny_default_finite_and_bounded(tmp_path, mode):
         assert row["skipped_steps/nonfinite_grad"] == 0, row["step"]
         assert abs(row["loss"]) < MAX_ABS_LOSS, (row["step"], row["loss"])
         assert 0 <= row["actor/pg_clipfrac"] <= 1 and 0 <= row["actor/pg_clipfrac_lower"] <= 1
+        assert row["staleness_max"] <= 2
     # The run trained with this mode: the resolved config the learner read. (A zero
     # gradient norm is no fault: once every group's samples score alike, GRPO's
     # advantages, and so every mode's gradient, are 0.)
-    config = yaml.safe_load((tmp_path / mode / "config.yaml").read_text())
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert config["algo"]["loss_mode"] == mode
+    assert config["staleness"]["max"] == 2
