@@ -25,6 +25,7 @@ sample size is the ranks' average, not the step's exact value.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import torch
@@ -83,10 +84,12 @@ def recount(plan: list[Minibatch], mask: torch.Tensor, reduce: Reduce | None) ->
     return [dataclasses.replace(mb, tokens=t) for mb, t in zip(plan, totals, strict=True)]
 
 
-def metric_names(s: RolloutCorrection) -> list[str]:
-    """Every metric name the settings produce (the same on every rank, for a collective)."""
+@functools.lru_cache(maxsize=8)
+def metric_names(s: RolloutCorrection) -> tuple[str, ...]:
+    """Every metric name the settings produce (the same on every rank, for a collective);
+    found once per settings by a one-token run, not every step."""
     one = torch.zeros(1, 1, dtype=torch.float64)
-    return sorted(rollout_correction(one, one, torch.ones_like(one), s)[2])
+    return tuple(sorted(rollout_correction(one, one, torch.ones_like(one), s)[2]))
 
 
 def combine(parts: list[tuple[dict[str, float], float]]) -> dict[str, float]:

@@ -19,6 +19,7 @@ With one rank every method is the identity and no process group is touched.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import fields
 
 import torch
@@ -138,7 +139,7 @@ class DataParallel:
         dist.all_reduce(total)
         return total.to(device=x.device, dtype=x.dtype)
 
-    def mean_metrics(self, metrics: dict[str, float], weight: float, keys: list[str]) -> dict:
+    def mean_metrics(self, metrics: dict[str, float], weight: float, keys: Sequence[str]) -> dict:
         """Named metrics combined over ranks (a collective): every rank passes the same
         ``keys``, a rank without some (no tokens) passes ``weight`` 0. Means are weighted
         by ``weight``; keys ending in ``_max`` / ``_min`` take the largest / smallest."""

@@ -40,6 +40,7 @@ bypass_mode true takes the ratio against pi_behav, as ``none`` does (verl's bypa
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -242,7 +243,14 @@ def preset_settings(name: str) -> RolloutCorrection:
 
 def resolve(preset: str | None, explicit: dict[str, Any]) -> RolloutCorrection:
     """verl's defaults, then ``preset``'s values, then the keys set by hand (``explicit``),
-    checked (see the module docstring); SettingError names the key at fault."""
+    checked (see the module docstring); SettingError names the key at fault. Resolved once
+    per distinct config: the learner asks for every pass."""
+    return _resolve(preset, tuple(sorted(explicit.items())))
+
+
+@functools.lru_cache(maxsize=32)
+def _resolve(preset: str | None, items: tuple[tuple[str, Any], ...]) -> RolloutCorrection:
+    explicit = dict(items)
     values = asdict(preset_settings(preset)) if preset is not None else asdict(RolloutCorrection())
     if preset is not None:
         spec = PRESETS[preset]
