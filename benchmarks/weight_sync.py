@@ -56,7 +56,7 @@ def raw_receiver(
 
     group = join_group("127.0.0.1", port, 1, 2, backend, 120)
     offer = offers.get(timeout=120)
-    offer = MemoryOffer(**offer) if offer is not None else None
+    offer = msgspec.convert(offer, MemoryOffer) if offer is not None else None
     specs = [ParamSpec(n, d, tuple(s)) for n, d, s in specs]
     for _ in range(repeats):
         for _bucket in receive_weights(group, specs, bucket_bytes, torch.device("cpu"), offer):

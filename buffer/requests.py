@@ -107,13 +107,32 @@ def check_announce(update: P.WeightUpdate, target_version: int) -> None:
 def check_memory_offer(offer: P.MemoryOffer) -> None:
     """A memory file of the announcing process: ``/proc/<pid>/fd/<n>`` with its own pid and
     a token of 16 to 64 hex digits (members check the file itself; this keeps junk off the
-    generators)."""
+    generators); or a device buffer's offer (``check_cuda_offer``)."""
+    if offer.cuda is not None:
+        check_cuda_offer(offer)
+        return
     fd = offer.path.removeprefix(f"/proc/{offer.pid}/fd/")
     if offer.pid <= 0 or not (fd.isascii() and fd.isdigit()) or len(fd) > 10:
         raise P.ProtocolError(
             f"memory offer path {offer.path[:64]!r} is not /proc/{offer.pid}/fd/<n>"
         )
-    if not 16 <= len(offer.token) <= 64 or any(c not in "0123456789abcdef" for c in offer.token):
+    _check_token(offer.token)
+
+
+def check_cuda_offer(offer: P.MemoryOffer) -> None:
+    """A device buffer's offer: no path, a CUDA IPC handle of sane sizes (CUDA's handles
+    are 64 bytes), a token as a memory file's."""
+    ipc = offer.cuda
+    handles = (ipc.handle, ipc.ref_counter_handle, ipc.event_handle)
+    if offer.path or offer.pid <= 0 or min(ipc.device, ipc.size, ipc.offset) < 0:
+        raise P.ProtocolError("device memory offer with a path, or a negative number")
+    if not ipc.handle or any(len(h) > 256 for h in handles) or ipc.size == 0:
+        raise P.ProtocolError("device memory offer with an empty or oversized handle")
+    _check_token(offer.token)
+
+
+def _check_token(token: str) -> None:
+    if not 16 <= len(token) <= 64 or any(c not in "0123456789abcdef" for c in token):
         raise P.ProtocolError("memory offer token is not 16 to 64 lowercase hex digits")
 
 

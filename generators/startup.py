@@ -45,7 +45,7 @@ async def start_and_join(ctx: RunContext, index: int, role: str) -> RolloutEngin
             ep.weights_port,
             placement.sync_world_size(cfg),  # every vLLM worker of every engine is a member
             placement.sync_rank_offset(cfg, index),
-            resolve_backend(cfg.weights.backend),
+            resolve_backend(cfg.weights.backend, cfg.placement.colocate),
             epoch,
         )
     except BaseException:

@@ -79,7 +79,7 @@ class WeightSyncExtension:
         received = 0
         initialize_layerwise_reload(model)
         try:
-            offer = MemoryOffer(**memory) if memory is not None else None
+            offer = msgspec.convert(memory, MemoryOffer) if memory is not None else None
             for bucket in receive_weights(
                 self.verl_group, param_specs, bucket_bytes, self.device, offer
             ):
@@ -111,7 +111,7 @@ class WeightSyncExtension:
         writer = self.local_rank == 0
         tensors: dict[str, torch.Tensor] = {}
         received = 0
-        offer = MemoryOffer(**memory) if memory is not None else None
+        offer = msgspec.convert(memory, MemoryOffer) if memory is not None else None
         for bucket in receive_weights(
             self.verl_group, param_specs, bucket_bytes, self.device, offer
         ):

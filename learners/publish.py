@@ -95,13 +95,12 @@ class WeightSync:
 
     def reserve(self, plan: list[Bucket], device: torch.device) -> None:
         """Allocate, and touch, what publishing updates of ``plan`` needs: the background
-        broadcast's packed buffers and the shared memory. Done before the first step
-        (1.2 s of it for SmolLM2-135M's 513 MiB on 2 CPU cores), which would pay for it
-        otherwise."""
+        broadcast's packed buffers and the shared memory (a device buffer is offered from
+        then on). Done before the first step (1.2 s of it for SmolLM2-135M's 513 MiB on 2
+        CPU cores), which would pay for it otherwise."""
         if self.broadcast is not None and not self.packed:
             self.packed = [torch.zeros(b.nbytes, dtype=torch.uint8, device=device) for b in plan]
-        if self.group.memory is not None:
-            self.group.memory.reserve(sum(b.nbytes for b in plan))
+        self.group.reserve(sum(b.nbytes for b in plan))
 
     def publish(
         self, update: P.WeightUpdate, buckets: Iterable[tuple[Bucket, dict[str, torch.Tensor]]]

@@ -90,12 +90,13 @@ def run_learner(ctx: RunContext) -> None:
             ep.weights_port,
             0,
             world,
-            resolve_backend(cfg.weights.backend),
+            resolve_backend(cfg.weights.backend, cfg.placement.colocate),
             cfg.weights.join_timeout_s,
             shared_memory=cfg.weights.shared_memory,
+            device=accelerator.device,
         )
         offered = "offered" if group.memory is not None else "not offered"
-        log.info("weight-sync group ready: shared memory %s", offered)
+        log.info("weight-sync group ready: same-host memory %s", offered)
         mark(ctx.path, "learner", "joined weight sync")
     stop_on_signals()
     learner = Learner(

@@ -184,13 +184,28 @@ def _check_group(key: str, group: list[str]) -> None:
         )
 
 
+def _colocated_gpu(cfg: RunConfig) -> str | None:
+    """With ``placement.colocate``: the learner's GPU, which generators may share."""
+    p = cfg.placement
+    if not p.colocate:
+        return None
+    if len(p.learners) != 1 or not is_cuda(p.learners[0]):
+        raise ConfigError(
+            "bad value for 'placement.colocate': generators share the GPU of a single "
+            f"CUDA learner rank (placement.learners is {p.learners})"
+        )
+    return p.learners[0]
+
+
 def _check_no_sharing(cfg: RunConfig) -> None:
     """A pinned core or a GPU serves one generator or learner process (the placement's
-    point is that they do not compete); unpinned 'cpu' may be shared. Reward models may
-    share: their list is reused round-robin by design."""
+    point is that they do not compete); unpinned 'cpu' may be shared, and with
+    ``placement.colocate`` the learner's GPU by generators. Reward models may share: their
+    list is reused round-robin by design."""
     owner: dict[str, str] = {}
+    shared = _colocated_gpu(cfg)
     for key, device in _entries(cfg, with_reward_models=False):
-        if device == "cpu":
+        if device == "cpu" or device == shared and key.startswith("placement.generators"):
             continue
         if device in owner:
             raise ConfigError(

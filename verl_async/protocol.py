@@ -146,16 +146,33 @@ class ParamSpec(msgspec.Struct, frozen=True, array_like=True):
     shape: tuple[int, ...]
 
 
-class MemoryOffer(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Learner rank 0's memory file of a weight-sync epoch (verl_async/weight_sync.py):
-    members on its host open ``path`` and accept it only if it is that process's memory
-    file, of their own user, holding ``token``. It travels only from the learner through
-    the buffer (``AnnounceWeights``, learner-only) to the generators (``VersionStatus``),
-    never through the weight-sync store, which any local process can write."""
+class CudaIpc(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A CUDA IPC handle of learner rank 0's device buffer (verl_async/device_memory.py):
+    what ``UntypedStorage._share_cuda_`` gives, field by field."""
 
-    path: str  # /proc/<pid>/fd/<n>
-    token: str  # hex; the file's first bytes until the epoch's first update is written
+    device: int
+    handle: bytes
+    size: int  # bytes of the storage
+    offset: int  # bytes into the allocation
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes  # empty: none
+    event_sync_required: bool
+
+
+class MemoryOffer(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Learner rank 0's memory of a weight-sync epoch (verl_async/weight_sync.py): a memory
+    file, which members on its host open at ``path`` and accept only if it is that
+    process's memory file, of their own user, holding ``token``; or (``cuda`` set, ``path``
+    empty) a device buffer members on its GPU open by its CUDA IPC handle and accept only
+    if it holds ``token``. It travels only from the learner through the buffer
+    (``AnnounceWeights``, learner-only) to the generators (``VersionStatus``), never
+    through the weight-sync store, which any local process can write."""
+
+    path: str  # /proc/<pid>/fd/<n>; "" for a device buffer
+    token: str  # hex; the memory's first bytes until the epoch's first update is written
     pid: int  # learner rank 0's process id
+    cuda: CudaIpc | None = None
 
 
 class WeightUpdate(msgspec.Struct, frozen=True, kw_only=True):

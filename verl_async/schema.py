@@ -581,6 +581,11 @@ class PlacementConfig(_Section):
     """One learner rank per device; several ranks must be all CPU or all CUDA."""
     reward_models: list[str] = msgspec.field(default_factory=lambda: ["cpu"])
     """Device of each ``model`` reward source's process, reused round-robin."""
+    colocate: bool = False
+    """Let the generators share learner rank 0's GPU (a one-GPU machine: e.g. both on
+    'cuda:0'; one learner rank). Weight updates then go by CUDA IPC over a gloo group
+    (NCCL refuses two ranks on one device); give vLLM a ``gpu_memory_utilization`` that
+    leaves the learner room. False: a GPU serves one process."""
     generator_nice: Annotated[int, msgspec.Meta(ge=0, le=19)] = 10
     """Scheduling niceness (0-19) of a generator whose CPU cores a learner rank may also
     use ('cpu' placements): the learner's threads then take a shared core first, so a

@@ -18,7 +18,10 @@ The bytes go one of two ways (``send_update``, ``receive_weights``):
   rank 0 writes the buckets into a memory file of its own (``memfd``), members read them
   from it through ``/proc/<pid>/fd/<n>``, and a one-number all-reduce tells rank 0 that
   every member has read them. No byte crosses the loopback's TCP stack, which cost both
-  sides system CPU on the cores training uses.
+  sides system CPU on the cores training uses. With rank 0 on a GPU that its members
+  share (``placement.colocate``: NCCL refuses two ranks on one device, so the group is
+  gloo) the same steps go through a device buffer of rank 0's that members open by its
+  CUDA IPC handle (``device_memory.py``): device-to-device copies, no host round trip.
 
 Both ends reuse their memory from one update to the next (rank 0's memory file, each
 member's receive buffers, ``SyncGroup.buffers``): fresh pages would be zeroed by the
@@ -63,6 +66,7 @@ from torch._C._distributed_c10d import (
     TCPStore,
 )
 
+from verl_async.device_memory import DeviceMemory
 from verl_async.protocol import MemoryOffer, ParamSpec
 from verl_async.shared_memory import SharedMemory
 
@@ -71,10 +75,29 @@ log = logging.getLogger("verl_async.weight_sync")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_backend(backend: str) -> str:
+Memory = SharedMemory | DeviceMemory
+
+
+def resolve_backend(backend: str, colocated: bool = False) -> str:
+    """``weights.backend``'s 'auto': NCCL with CUDA, unless generators share the learner's
+    GPU (``placement.colocate``; NCCL refuses two ranks on one device), then gloo (the
+    bytes go by CUDA IPC), as everywhere without CUDA."""
     if backend == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
+        return "nccl" if torch.cuda.is_available() and not colocated else "gloo"
     return backend
+
+
+def new_memory(device: torch.device | None, nbytes: int = 0) -> Memory | None:
+    """Rank 0's same-host channel of a gloo group: a device buffer on a CUDA ``device``
+    (offered once ``nbytes`` are reserved), else a memory file."""
+    if device is not None and torch.device(device).type == "cuda":
+        return DeviceMemory.create(torch.device(device), nbytes)
+    return SharedMemory.create()
+
+
+def accept_memory(offer: MemoryOffer) -> Memory | None:
+    """A member: the offered memory opened and checked, or None (logged)."""
+    return DeviceMemory.accept(offer) if offer.cuda is not None else SharedMemory.accept(offer)
 
 
 @dataclass
@@ -89,11 +112,13 @@ class SyncGroup:
     timeout_s: float  # of each collective
     join_timeout_s: float  # of its rendezvous (this epoch's and the next ones')
     epoch: int = 0
-    # Rank 0: the memory file it offers this epoch; a member: the one it accepted. Once
+    # Rank 0: the memory it offers this epoch; a member: the one it accepted. Once
     # ``memory_agreed`` (the epoch's first update), every member holds it or none does.
-    memory: SharedMemory | None = None
+    memory: Memory | None = None
     memory_agreed: bool = False
     offers_memory: bool = True  # rank 0: offer shared memory again when rebuilt
+    device: torch.device | None = None  # rank 0's; a CUDA one offers device memory
+    reserved: int = 0  # rank 0: bytes of an update (``reserve``)
     buffers: list[torch.Tensor] = field(default_factory=list)  # a member's, one per bucket
 
     @property
@@ -102,10 +127,19 @@ class SyncGroup:
         network only)."""
         return self.memory.offer if self.memory is not None else None
 
-    def new_memory(self) -> SharedMemory | None:
-        """Rank 0: a memory file for the next epoch, when this group offers one (its offer
-        is announced before the group is built, ``rebuild(epoch, memory)``)."""
-        return SharedMemory.create() if self.offers_memory and self.backend == "gloo" else None
+    def new_memory(self) -> Memory | None:
+        """Rank 0: memory for the next epoch, when this group offers one (its offer is
+        announced before the group is built, ``rebuild(epoch, memory)``)."""
+        if not (self.offers_memory and self.backend == "gloo"):
+            return None
+        return new_memory(self.device, self.reserved)
+
+    def reserve(self, nbytes: int) -> None:
+        """Rank 0: allocate the memory of updates of ``nbytes`` now (a device buffer is
+        offered from then on), and for the epochs to come."""
+        self.reserved = nbytes
+        if self.memory is not None:
+            self.memory.reserve(nbytes)
 
     def buffer(self, index: int, nbytes: int, device: torch.device) -> torch.Tensor:
         """A member's receive buffer for bucket ``index`` of an update, the one of the last
@@ -144,7 +178,7 @@ class SyncGroup:
             self.memory.close()
             self.memory = None
 
-    def rebuild(self, epoch: int, memory: SharedMemory | None = None) -> SyncGroup:
+    def rebuild(self, epoch: int, memory: Memory | None = None) -> SyncGroup:
         """Drop this group and build the group of ``epoch`` with the same rank and members
         over the same store (rank 0 is its server, offering ``memory``, from
         ``new_memory``). Blocks until every member has joined."""
@@ -153,7 +187,7 @@ class SyncGroup:
             self.store, self.rank, self.world_size, self.backend, self.timeout_s, epoch, memory,
             self.join_timeout_s,
         )  # fmt: skip
-        out.offers_memory = self.offers_memory
+        out.offers_memory, out.device, out.reserved = self.offers_memory, self.device, self.reserved
         return out
 
 
@@ -167,22 +201,24 @@ def join_group(
     epoch: int = 0,
     shared_memory: bool = True,
     join_timeout_s: float | None = None,
+    device: torch.device | None = None,
 ) -> SyncGroup:
     """Create (rank 0) or join the weight-sync group of ``epoch`` over a new store
     connection (a restarted generator joins a later epoch this way; members of an earlier
     epoch use ``SyncGroup.rebuild``). Blocks until all ranks have joined, at most
     ``join_timeout_s`` (default ``timeout_s``, the bound of each collective).
     ``shared_memory`` (rank 0's say; ``weights.shared_memory``): offer the same-host
-    channel (``SyncGroup.offer``, announced with each update)."""
+    channel (``SyncGroup.offer``, announced with each update): a device buffer when
+    rank 0's ``device`` is a GPU, else a memory file."""
     join_timeout_s = timeout_s if join_timeout_s is None else join_timeout_s
     store = TCPStore(
         host, port, world_size, is_master=(rank == 0),
         timeout=dt.timedelta(seconds=join_timeout_s), wait_for_workers=epoch == 0,
     )  # fmt: skip
     offers = shared_memory and rank == 0 and backend == "gloo"
-    memory = SharedMemory.create() if offers else None
+    memory = new_memory(device) if offers else None
     out = _build(store, rank, world_size, backend, timeout_s, epoch, memory, join_timeout_s)
-    out.offers_memory = shared_memory
+    out.offers_memory, out.device = shared_memory, device
     return out
 
 
@@ -198,7 +234,7 @@ def _build(
     backend: str,
     timeout_s: float,
     epoch: int,
-    memory: SharedMemory | None = None,
+    memory: Memory | None = None,
     join_timeout_s: float | None = None,
 ) -> SyncGroup:
     """The process group of ``epoch`` over ``store`` (its keys under an epoch's prefix);
@@ -258,7 +294,7 @@ def route_source(host: str) -> str:
         return s.getsockname()[0]
 
 
-def _agree_on_memory(group: SyncGroup, memory: SharedMemory | None) -> None:
+def _agree_on_memory(group: SyncGroup, memory: Memory | None) -> None:
     """The epoch's first update: rank 0 offers its memory file, each member says whether
     it accepted the offer it was announced; one all-reduce (minimum) makes them agree, and
     the group keeps the file only if all did."""
@@ -277,7 +313,9 @@ def _settled(group: SyncGroup) -> None:
     """The epoch's way for updates is settled (rank 0 says which, once per epoch)."""
     group.memory_agreed = True
     if group.rank == 0:
-        route = "shared memory" if group.memory is not None else "the network"
+        route = "the network"
+        if group.memory is not None:
+            route = "CUDA IPC" if isinstance(group.memory, DeviceMemory) else "shared memory"
         log.info("weight-sync epoch %d: updates go through %s", group.epoch, route)
 
 
@@ -444,7 +482,7 @@ def receive_weights(
     buckets = plan_buckets(specs, bucket_bytes)
     route, nbytes = _header(group)
     if route == AGREE:
-        _agree_on_memory(group, SharedMemory.accept(offer) if offer is not None else None)
+        _agree_on_memory(group, accept_memory(offer) if offer is not None else None)
         route, nbytes = _header(group)
     if route == MEMORY:
         expected = sum(b.nbytes for b in buckets)
@@ -456,8 +494,9 @@ def receive_weights(
         raise RuntimeError(f"a weight update header of route {route}")
     offset = 0
     for i, bucket in enumerate(buckets):
-        if route == MEMORY:  # gloo: a CPU buffer, moved where the consumer wants it
-            buf = group.buffer(i, bucket.nbytes, torch.device("cpu"))
+        if route == MEMORY:  # a memory file: through a CPU buffer; CUDA IPC: on the device
+            on = device if isinstance(group.memory, DeviceMemory) else torch.device("cpu")
+            buf = group.buffer(i, bucket.nbytes, on)
             group.memory.read_into(buf, offset)
             buf = buf.to(device)
         else:

@@ -632,6 +632,15 @@ def _issue_four(h: Harness, version: int = 1) -> None:
     assert [g.group_id for g in reply.groups] == [0, 1, 2, 3]
 
 
+def _ipc(**changes) -> P.CudaIpc:
+    """A CUDA IPC handle of the shape ``UntypedStorage._share_cuda_`` gives (64-byte handles)."""
+    fields = dict(
+        device=0, handle=b"h" * 64, size=1 << 20, offset=0, ref_counter_handle=b"r" * 64,
+        ref_counter_offset=0, event_handle=b"e" * 64, event_sync_required=True,
+    )  # fmt: skip
+    return P.CudaIpc(**{**fields, **changes})
+
+
 def _error(body: P.Body, code: str = "rejected") -> str:
     assert isinstance(body, P.Error), body
     assert body.code == code
@@ -682,6 +691,11 @@ def test_wrong_requests_get_errors_and_change_nothing(harness):
         (P.AnnounceWeights(update=P.WeightUpdate(version=7, params=[], bucket_bytes=1)), "version 7 announced while the newest is 1: versions go up one at a time"),
         (P.AnnounceWeights(update=P.WeightUpdate(version=2, params=[], bucket_bytes=1, memory=P.MemoryOffer(path="/tmp/x", token="ab" * 16, pid=7))), "memory offer path '/tmp/x' is not /proc/7/fd/<n>"),
         (P.AnnounceWeights(update=P.WeightUpdate(version=2, params=[], bucket_bytes=1, memory=P.MemoryOffer(path="/proc/7/fd/3", token="XY", pid=7))), "memory offer token is not 16 to 64 lowercase hex digits"),
+        (P.AnnounceWeights(update=P.WeightUpdate(version=2, params=[], bucket_bytes=1, memory=P.MemoryOffer(path="/proc/7/fd/3", token="ab" * 16, pid=7, cuda=_ipc()))), "device memory offer with a path, or a negative number"),
+        (P.AnnounceWeights(update=P.WeightUpdate(version=2, params=[], bucket_bytes=1, memory=P.MemoryOffer(path="", token="ab" * 16, pid=7, cuda=_ipc(size=-1)))), "device memory offer with a path, or a negative number"),
+        (P.AnnounceWeights(update=P.WeightUpdate(version=2, params=[], bucket_bytes=1, memory=P.MemoryOffer(path="", token="ab" * 16, pid=7, cuda=_ipc(handle=b"")))), "device memory offer with an empty or oversized handle"),
+        (P.AnnounceWeights(update=P.WeightUpdate(version=2, params=[], bucket_bytes=1, memory=P.MemoryOffer(path="", token="ab" * 16, pid=7, cuda=_ipc(event_handle=b"x" * 4096)))), "device memory offer with an empty or oversized handle"),
+        (P.AnnounceWeights(update=P.WeightUpdate(version=2, params=[], bucket_bytes=1, memory=P.MemoryOffer(path="", token="XY", pid=7, cuda=_ipc()))), "memory offer token is not 16 to 64 lowercase hex digits"),
         (P.SnapshotBuffer(step=-2, version=0), "SnapshotBuffer.step = -2 is negative"),
         (P.SnapshotBuffer(step=3, version=0), "snapshot at step 3, but only 0 steps were consumed"),
         (P.FetchSnapshot(step=0), "no snapshot was taken at step 0"),

@@ -83,6 +83,28 @@ GPU_NODE = [
             "bad value for 'placement.generators.1': generators.engine 'hf' runs on one GPU, "
             "not 2; use generators.engine 'vllm' for tensor parallelism",
         ),
+        (  # without colocate a GPU serves one process
+            ["placement.generators=[cuda:0]", "placement.learners=[cuda:0]"],
+            "bad value for 'placement.learners.0': 'cuda:0' is already used by "
+            f"'placement.generators.0' {SHARED}",
+        ),
+        (
+            ["placement.colocate=true", "placement.generators=[cuda:0]",
+             "placement.learners=[cuda:0, cuda:1]"],
+            "bad value for 'placement.colocate': generators share the GPU of a single CUDA "
+            "learner rank (placement.learners is ['cuda:0', 'cuda:1'])",
+        ),
+        (
+            ["placement.colocate=true", "placement.learners=[cpu:1]"],
+            "bad value for 'placement.colocate': generators share the GPU of a single CUDA "
+            "learner rank (placement.learners is ['cpu:1'])",
+        ),
+        (  # colocate shares the learner's GPU, not another one between generators
+            ["placement.colocate=true", "placement.generators=[cuda:1, cuda:1]",
+             "placement.learners=[cuda:0]"],
+            "bad value for 'placement.generators.1': 'cuda:1' is already used by "
+            f"'placement.generators.0' {SHARED}",
+        ),
         (
             ["placement.generators=[cpu:0, [cpu:2, cpu:3]]", "generators.count=1"],
             "bad value for 'generators.count': 1 disagrees with placement.generators "
@@ -109,6 +131,10 @@ def test_each_placement_error_is_one_message_naming_the_key(overrides, message):
             "placement.learners=[cpu]",
         ],
         GPU_NODE,
+        # one GPU: the learner and two generators on it, weights by CUDA IPC
+        ["placement.colocate=true", "placement.generators=[cuda:0, cuda:0]",
+         "placement.learners=[cuda:0]", "generators.engine=hf"],
+        ["placement.colocate=true", "placement.generators=[cuda:1]", "placement.learners=[cuda:0]"],
     ],
 )
 def test_valid_layouts_load(overrides):

@@ -163,3 +163,19 @@ def test_a_memory_offer_decodes_strictly():
     raw[2]["update"]["memory"]["uid"] = 0
     with pytest.raises(P.ProtocolError, match="malformed"):
         P.decode([msgspec.msgpack.encode(raw)])
+
+
+def test_a_device_memory_offer_travels_whole():
+    """A CUDA IPC offer's handles are bytes: they cross msgpack (the buffer) and the plain
+    values an engine's workers are handed (``to_builtins``, base64) unchanged."""
+    ipc = P.CudaIpc(
+        device=0, handle=bytes(range(64)), size=1 << 20, offset=512, ref_counter_handle=b"\0" * 64,
+        ref_counter_offset=3, event_handle=b"", event_sync_required=False,
+    )  # fmt: skip
+    offer = P.MemoryOffer(path="", token="ab" * 16, pid=7, cuda=ipc)
+    update = P.WeightUpdate(version=1, params=[], bucket_bytes=64, memory=offer)
+    raw = msgspec.msgpack.encode(
+        P.Envelope(P.PROTOCOL_VERSION, 1, P.AnnounceWeights(update=update))
+    )
+    assert P.decode([raw])[0].body.update.memory == offer
+    assert msgspec.convert(msgspec.to_builtins(offer), P.MemoryOffer) == offer
