@@ -89,8 +89,11 @@ GPU_NODE = [
             f"'placement.generators.0' {SHARED}",
         ),
         (
-            ["placement.colocate=true", "placement.generators=[cuda:0]",
-             "placement.learners=[cuda:0, cuda:1]"],
+            [
+                "placement.colocate=true",
+                "placement.generators=[cuda:0]",
+                "placement.learners=[cuda:0, cuda:1]",
+            ],
             "bad value for 'placement.colocate': generators share the GPU of a single CUDA "
             "learner rank (placement.learners is ['cuda:0', 'cuda:1'])",
         ),
@@ -100,8 +103,11 @@ GPU_NODE = [
             "learner rank (placement.learners is ['cpu:1'])",
         ),
         (  # colocate shares the learner's GPU, not another one between generators
-            ["placement.colocate=true", "placement.generators=[cuda:1, cuda:1]",
-             "placement.learners=[cuda:0]"],
+            [
+                "placement.colocate=true",
+                "placement.generators=[cuda:1, cuda:1]",
+                "placement.learners=[cuda:0]",
+            ],
             "bad value for 'placement.generators.1': 'cuda:1' is already used by "
             f"'placement.generators.0' {SHARED}",
         ),
@@ -132,8 +138,12 @@ def test_each_placement_error_is_one_message_naming_the_key(overrides, message):
         ],
         GPU_NODE,
         # one GPU: the learner and two generators on it, weights by CUDA IPC
-        ["placement.colocate=true", "placement.generators=[cuda:0, cuda:0]",
-         "placement.learners=[cuda:0]", "generators.engine=hf"],
+        [
+            "placement.colocate=true",
+            "placement.generators=[cuda:0, cuda:0]",
+            "placement.learners=[cuda:0]",
+            "generators.engine=hf",
+        ],
         ["placement.colocate=true", "placement.generators=[cuda:1]", "placement.learners=[cuda:0]"],
     ],
 )
