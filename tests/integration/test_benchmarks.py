@@ -208,6 +208,23 @@ def test_gpu_script_code_path_on_cpu(tmp_path, lora_rank):
     assert result["publish_bytes"] == (4 * adapters if lora_rank else 4 * result["params"])
 
 
+def test_gpu_check_dry_run(tmp_path):
+    """The GPU lease's one script runs its whole plan at tiny sizes on the CPU: the
+    same-device weight channel (a memory file here) delivers every byte, the one-device
+    loop trains, and every learner variant and the profile finish with their figures."""
+    out = _run("gpu_check.py", ["--dry-run", "--out", str(tmp_path)], timeout=900)
+    assert "parts passed" in out.splitlines()[-1]
+    results = {r["part"]: r for r in json.loads((tmp_path / "results.json").read_text())}
+    assert all(r["rc"] == 0 for r in results.values()), results
+    assert results["ipc"]["figures"]["identical"] is True
+    assert results["ipc"]["figures"]["route"] == "memory"
+    e2e = results["e2e-tiny"]["figures"]
+    assert e2e["steps"] == 8 and e2e["rollout_logp_diff_max"] < 1e-3
+    variants = [p for p in results if p.startswith("learner-tiny-")]
+    assert len(variants) >= 4 and all(results[p]["figures"]["step_s"] for p in variants)
+    assert (tmp_path / "summary.md").read_text().count("| learner-tiny-") == len(variants)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(
     not __import__("torch").cuda.is_available(), reason="needs CUDA (benchmarks/gpu.py)"
