@@ -480,6 +480,9 @@ def receive_weights(
     receives the next.
     """
     buckets = plan_buckets(specs, bucket_bytes)
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # its buffers are reused by device
+        device = torch.device("cuda", torch.cuda.current_device())
     route, nbytes = _header(group)
     if route == AGREE:
         _agree_on_memory(group, accept_memory(offer) if offer is not None else None)
