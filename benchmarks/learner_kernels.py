@@ -78,7 +78,7 @@ def main() -> None:
 
 
 def shared_prompts(m, args) -> None:
-    from learners.logprobs import token_stats
+    from learners.logprobs import PassOptions, token_stats
 
     g = torch.Generator().manual_seed(0)
     prompt_len = args.seq_len - args.response_len
@@ -98,7 +98,8 @@ def shared_prompts(m, args) -> None:
 
     def step(share: bool) -> None:
         m.zero_grad(set_to_none=True)
-        stats = token_stats(m, ids, attn, mask, entropy=True, share_prefix=share)
+        options = PassOptions(share_prefix=share)
+        stats = token_stats(m, ids, attn, mask, entropy=True, options=options)
         (stats.logp * mask).sum().backward()
         seen[share] = stats
 

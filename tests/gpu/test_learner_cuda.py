@@ -150,7 +150,7 @@ def test_shared_prefix_pass_on_cuda_equals_the_padded_pass(attn_impl):
     """The learner's packed pass (each group's prompt once, a block mask keeping samples
     apart) on CUDA, where sdpa picks its own kernels for a boolean mask: log-probs,
     entropies and gradients equal the padded pass's, float32."""
-    from learners.logprobs import token_stats
+    from learners.logprobs import PassOptions, token_stats
 
     from ..unit.test_logprobs import _groups, _model
 
@@ -161,7 +161,8 @@ def test_shared_prefix_pass_on_cuda_equals_the_padded_pass(attn_impl):
 
     def run(share: bool):
         model.zero_grad()
-        stats = token_stats(model, ids, attn, mask, 0.8, entropy=True, share_prefix=share)
+        options = PassOptions(share_prefix=share)
+        stats = token_stats(model, ids, attn, mask, 0.8, entropy=True, options=options)
         ((stats.logp * weights + 0.1 * stats.entropy) * mask).sum().backward()
         return stats, [p.grad.clone() for p in model.parameters()]
 

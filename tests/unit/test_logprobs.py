@@ -4,7 +4,7 @@ pinned against the full computation: every position's logits, then the mask."""
 import pytest
 import torch
 
-from learners.logprobs import logits_of, token_stats
+from learners.logprobs import PassOptions, logits_of, token_stats
 from verl_async.algos import token_entropy, token_logprobs
 
 VOCAB = 97
@@ -64,7 +64,8 @@ def test_values_and_gradients_equal_the_full_computation(tie, chunk, temperature
     ref_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
 
-    stats = token_stats(model, ids, attn, mask, temperature, entropy=True, chunk_tokens=chunk)
+    options = PassOptions(chunk_tokens=chunk)
+    stats = token_stats(model, ids, attn, mask, temperature, entropy=True, options=options)
     ((stats.logp * weights + 0.1 * stats.entropy) * mask).sum().backward()
     on = mask > 0
     torch.testing.assert_close(stats.logp[on], ref_logp[on], atol=1e-5, rtol=1e-5)
@@ -154,10 +155,8 @@ def test_shared_prefixes_give_the_single_pass_values_and_gradients(attn_impl, pa
 
     def run(share: bool):
         model.zero_grad()
-        stats = token_stats(
-            model, ids, attn, mask, 0.8, entropy=True, share_prefix=share,
-            pack_tokens=pack_tokens,
-        )  # fmt: skip
+        options = PassOptions(share_prefix=share, pack_tokens=pack_tokens)
+        stats = token_stats(model, ids, attn, mask, 0.8, entropy=True, options=options)
         ((stats.logp * weights + 0.1 * stats.entropy) * mask).sum().backward()
         return stats, [p.grad.clone() for p in model.parameters()]
 
