@@ -38,10 +38,10 @@ masked position, and under autograd the prefix's gradient collects every row's s
 as in the padded pass. Values and gradients equal the padded pass's to float precision.
 It is used when the packed rows hold at most ``SHARE_WHEN`` of the padded batch's
 positions, with sdpa or eager attention (flash attention takes no such mask), not with
-gradient checkpointing, and not where a row is longer than the model's sliding window
-(the mask given replaces the model's own). A packed row holds at most ``pack_tokens``
-(its mask is S x S); a group that does not fit gets another with its own copy of the
-prefix.
+gradient checkpointing, and not where a packed row would be longer than the model's
+sliding window (the mask given replaces the model's own). A packed row holds at most
+``pack_tokens`` (its mask is S x S); a group that does not fit gets another with its own
+copy of the prefix.
 
 **Padding-free passes.** With ``padding_free`` the rows go end to end, several rows (or
 prefix families) per packed row up to ``pack_tokens``, each token at its position in
@@ -52,9 +52,12 @@ implementation (``config._attn_implementation`` starting with "flash_attention")
 mask is given: every row goes into one packed row [1, S] whose position ids restart
 at 0 at each row's start, and transformers derives the variable-length boundaries from
 them. Each row is then one contiguous causal sequence, so prefixes are not shared
-there. That path needs CUDA and the flash-attn kernels, so the CPU tests cannot run it.
-Padding-free passes are used wherever they compute fewer positions than the padded
-pass, not with gradient checkpointing.
+there, and ``pack_tokens`` does not apply (no S x S mask). That path needs CUDA and the
+flash-attn kernels: the CPU tests check its packing, not its values. Padding-free passes
+are used wherever they compute fewer positions than the padded pass, not with gradient
+checkpointing (not verified), and with sdpa and eager not where a packed row would be
+longer than the sliding window. Values and gradients equal the padded pass's (float64
+tests, sdpa and eager).
 """
 
 from __future__ import annotations
@@ -322,9 +325,6 @@ def _packing(model, input_ids, attention_mask, keep, options: PassOptions) -> Pa
     length = attention_mask.sum(dim=1)
     if bool((attention_mask != (torch.arange(t, device=length.device) < length[:, None])).any()):
         return None  # not right-padded
-    window = getattr(inner.config, "sliding_window", None)
-    if not varlen and window and int(length.max()) > window:
-        return None  # a row would need the window in the mask given, which replaces it
     cut = torch.zeros_like(length)
     if options.share_prefix and not varlen:
         first = torch.where(keep.any(dim=1), keep.int().argmax(dim=1), length - 1)
@@ -345,8 +345,9 @@ def _packing(model, input_ids, attention_mask, keep, options: PassOptions) -> Pa
         packed = _fill(pieces, None if varlen else options.pack_tokens)
     b, width = len(packed), max(sum(p.size for p in r) for r in packed)
     saves = b * width < n * t if options.padding_free else b * width <= SHARE_WHEN * n * t
-    if not saves:
-        return None
+    window = getattr(inner.config, "sliding_window", None)
+    if not saves or (not varlen and window and width > window):
+        return None  # (a packed row would need the window in the mask given: it replaces it)
     return _build(packed, ids, cuts, lengths, attn_impl, varlen, input_ids.device)
 
 
