@@ -370,21 +370,24 @@ def _pieces(families: dict[tuple, list[int]], rests: list[int], pack_tokens: int
 
 
 def _fill(pieces: list[_Piece], pack_tokens: int | None) -> list[list[_Piece]]:
-    """Pieces end to end in packed rows of at most ``pack_tokens`` (None: one row), each
-    into the first that has room, longest first."""
+    """Pieces end to end in as few packed rows of at most ``pack_tokens`` (None: one row)
+    as this finds, balanced: longest first, each onto the shortest row, so the rows end
+    close together and little padding is left at their ends."""
     if pack_tokens is None:
         return [pieces]
-    rows: list[list[_Piece]] = []
-    room: list[int] = []
-    for piece in sorted(pieces, key=lambda p: -p.size):
-        at = next((r for r, free in enumerate(room) if free >= piece.size), None)
-        if at is None:
-            rows.append([])
-            room.append(pack_tokens)
-            at = len(rows) - 1
-        rows[at].append(piece)
-        room[at] -= piece.size
-    return rows
+    ordered = sorted(pieces, key=lambda p: -p.size)
+    limit = max(pack_tokens, ordered[0].size)  # a piece longer than a row gets one alone
+    b = -(-sum(p.size for p in pieces) // limit)
+    while True:
+        rows: list[list[_Piece]] = [[] for _ in range(b)]
+        load = [0] * b
+        for piece in ordered:
+            at = load.index(min(load))
+            rows[at].append(piece)
+            load[at] += piece.size
+        if max(load) <= limit:
+            return rows
+        b += 1
 
 
 def _build(packed, ids, cuts, lengths, attn_impl, varlen: bool, device) -> Packing:
@@ -394,9 +397,9 @@ def _build(packed, ids, cuts, lengths, attn_impl, varlen: bool, device) -> Packi
     out = torch.zeros((b, width), dtype=torch.long)
     positions = torch.zeros_like(out)
     segment = torch.full((b, width), -2, dtype=torch.long)  # -1 prefix, i row i, -2 padding
-    family = torch.full((b, width), -1, dtype=torch.long)  # the piece, -1 padding
+    piece_of = torch.full((b, width), -1, dtype=torch.long)  # the piece, -1 padding
     row_of, start_of = [0] * n, [0] * n
-    at_piece = 0
+    pieces_so_far = 0
     for r, pieces in enumerate(packed):
         at = 0
         for piece in pieces:
@@ -404,8 +407,8 @@ def _build(packed, ids, cuts, lengths, attn_impl, varlen: bool, device) -> Packi
             out[r, at : at + c] = torch.tensor(piece.prefix, dtype=torch.long)
             positions[r, at : at + c] = torch.arange(c)
             segment[r, at : at + c] = -1
-            family[r, at : at + piece.size] = at_piece
-            at, at_piece = at + c, at_piece + 1
+            piece_of[r, at : at + piece.size] = pieces_so_far
+            at, pieces_so_far = at + c, pieces_so_far + 1
             for i in piece.rows:
                 rest = lengths[i] - cuts[i]
                 out[r, at : at + rest] = torch.tensor(ids[i][cuts[i] : lengths[i]])
@@ -413,7 +416,7 @@ def _build(packed, ids, cuts, lengths, attn_impl, varlen: bool, device) -> Packi
                 segment[r, at : at + rest] = i
                 row_of[i], start_of[i] = r, at
                 at += rest
-    attend = None if varlen else _attend(segment, family, attn_impl)
+    attend = None if varlen else _attend(segment, piece_of, attn_impl)
     cut, length = torch.tensor(cuts), torch.tensor(lengths)
     return Packing(
         out.to(device), positions.to(device), None if attend is None else attend.to(device),
@@ -422,15 +425,15 @@ def _build(packed, ids, cuts, lengths, attn_impl, varlen: bool, device) -> Packi
     )  # fmt: skip
 
 
-def _attend(segment: torch.Tensor, family: torch.Tensor, attn_impl: str) -> torch.Tensor:
-    """[B, 1, S, S]: causal within a row's remainder; a remainder also sees its piece's
-    prefix; padding sees itself."""
+def _attend(segment: torch.Tensor, piece_of: torch.Tensor, attn_impl: str) -> torch.Tensor:
+    """[B, 1, S, S] from each column's segment and piece [B, S]: causal within a row's
+    remainder; a remainder also sees its own piece's prefix; padding sees itself."""
     width = segment.shape[1]
     cols = torch.arange(width)
     causal = cols[None, :] <= cols[:, None]
     same = segment[:, :, None] == segment[:, None, :]
     prefix = segment[:, None, :] == -1
-    attend = causal & (family[:, :, None] == family[:, None, :]) & (same | prefix)
+    attend = causal & (piece_of[:, :, None] == piece_of[:, None, :]) & (same | prefix)
     attend |= torch.eye(width, dtype=torch.bool)
     if attn_impl == "eager":
         attend = torch.zeros(attend.shape).masked_fill(~attend, torch.finfo(torch.float32).min)
