@@ -122,10 +122,10 @@ def policy_update(
     ``StepStats``, and the seed below); ``step=False`` computes the losses and metrics
     without changing the weights (the critic's warm-up steps). The settings:
     ``temperature`` is the generators' sampling temperature (``generators.temperature``),
-    at which every log-prob is computed; ``learner`` (None: its defaults) gives
-    how each pass runs (``PassOptions.of``: the log-prob chunk size, shared prompts,
-    padding-free packing; ``token_stats``) and ``seed``, which with the version, minibatch and micro-batch seeds
-    a loss mode's random choices (clip_cov), so a run repeats them.
+    at which every log-prob is computed; ``learner`` (None: its defaults) gives how each
+    pass runs (``PassOptions.of``: the log-prob chunk size, shared prompts, padding-free
+    packing; ``token_stats``) and ``seed``, which with the version, minibatch and
+    micro-batch seeds a loss mode's random choices (clip_cov), so a run repeats them.
 
     pi_prox, when not given: the first minibatch's gradient passes run at the weights
     pi_prox is defined by, so their log-probs, detached, are pi_prox's for those rows, and
@@ -410,7 +410,9 @@ def prox_pass(
     part = micro_rows(every if rows is None else rows, batch.attention_mask)
     ids, attn = part.inputs(batch.input_ids, batch.attention_mask)
     with torch.no_grad():
-        stats = token_stats(model, ids, attn, part.mask(mask), temperature, True, options)
+        stats = token_stats(
+            model, ids, attn, part.mask(mask), temperature, entropy=True, options=options
+        )
     if not part.placeholder:
         cols = slice(0, part.width - 1)
         logp[part.idx, cols], entropy[part.idx, cols] = stats.logp, stats.entropy
