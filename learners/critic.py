@@ -23,7 +23,7 @@ import torch
 
 from learners.batching import TrainBatch
 from learners.finite import guarded_step
-from learners.logprobs import token_stats
+from learners.logprobs import PassOptions, token_stats
 from learners.plan import Minibatch, micro_rows, plan_update
 from verl_async.algos.losses import explained_variance, value_loss
 from verl_async.algos.masked import masked_mean
@@ -85,16 +85,14 @@ def load_reference(path: str, device: torch.device, dtype: torch.dtype):
 
 
 def reference_logprobs(
-    ref, batch: TrainBatch, temperature: float, share_prefix: bool = True
+    ref, batch: TrainBatch, temperature: float, options: PassOptions | None = None
 ) -> torch.Tensor:
     """The reference policy's log-probs of the batch's targets [N, T-1] at the loss mask's
     positions (0 elsewhere), at the sampling temperature (the same distribution the
-    actor's log-probs describe)."""
+    actor's log-probs describe), the pass run as ``options`` say (None: the defaults)."""
+    ids, attn, mask = batch.input_ids, batch.attention_mask, batch.loss_mask
     with torch.no_grad():
-        return token_stats(
-            ref, batch.input_ids, batch.attention_mask, batch.loss_mask, temperature,
-            share_prefix=share_prefix,
-        ).logp  # fmt: skip
+        return token_stats(ref, ids, attn, mask, temperature, options=options).logp
 
 
 def critic_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

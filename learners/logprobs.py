@@ -1,9 +1,9 @@
 """Log-probs and entropies of a causal LM at the positions a loss reads, and nowhere else.
 
 A model's head turns each position's hidden state into V logits (V = 49,152 for
-SmolLM2). The learner needs them only where the next token is a sampled response token
-(the loss mask): not over the prompt, not over a multi-turn sample's observations, not
-over padding. ``token_stats`` runs the model once with
+SmolLM2, 151,936 for Qwen2.5). The learner needs them only where the next token is a
+sampled response token (the loss mask): not over the prompt, not over a multi-turn
+sample's observations, not over padding. ``token_stats`` runs the model once with
 
 - ``logits_to_keep`` set to the columns that hold at least one such position, so the
   transformer's last hidden states are sliced before the head, and
@@ -11,18 +11,21 @@ over padding. ``token_stats`` runs the model once with
   positions' hidden states and computes, in chunks of ``chunk_tokens`` positions,
   log softmax at the target and (when asked) the entropy. Under autograd every chunk
   after the first is recomputed in backward (activation checkpointing), so the
-  [tokens, vocab] logits of the whole batch never exist at once. The model returns these
-  per-token values as its "logits".
+  [tokens, vocab] logits of the whole batch never exist at once: at most one chunk's
+  [chunk_tokens, vocab] (and the few tensors of the same size its log softmax and its
+  backward make). The model returns these per-token values as its "logits".
+  ``chunk_tokens=0`` keeps the model's own head over every kept column instead, so the
+  [N, K, V] logits exist at once (the plain path, for comparison).
 
 The replacement runs inside the model's own forward, so FSDP2 (which gathers the head's
 weight around that forward, and hooks the backward on the forward's outputs) and tied
 embeddings work unchanged.
 
 Values equal the full computation (``logits_of`` then ``token_logprobs`` and
-``token_entropy``) at every masked position: the same float32 formulas, the temperature
-applied after the cast to float32. Everywhere else both outputs hold 0. A model whose
-forward takes no ``logits_to_keep`` or that changes logits after the head (Gemma-2's
-soft-capping) gets the full computation, then the same selection.
+``token_entropy``) at every masked position: the same formulas in float32 (float64 for
+a float64 model), the temperature applied after the cast. Everywhere else both outputs
+hold 0. A model whose forward takes no ``logits_to_keep`` or that changes logits after
+the head (Gemma-2's soft-capping) gets the full computation, then the same selection.
 
 **Shared prefixes.** The samples of a GRPO group start with the same prompt, and with
 short answers the prompt is most of every row: SmolLM2's chat template makes a sum's
@@ -39,12 +42,29 @@ gradient checkpointing, and not where a packed row would be longer than the mode
 sliding window (the mask given replaces the model's own). A packed row holds at most
 ``pack_tokens`` (its mask is S x S); a group that does not fit gets another with its own
 copy of the prefix.
+
+**Padding-free passes.** With ``padding_free`` the rows go end to end, several rows (or
+prefix families) per packed row up to ``pack_tokens``, each token at its position in
+its own row, so the pass computes no padding but at the packed rows' ends. With sdpa
+or eager attention this is the same packing under a block-diagonal causal mask (rows
+sharing a prefix still share it when ``share_prefix`` is on). With a flash attention
+implementation (``config._attn_implementation`` starting with "flash_attention") no
+mask is given: every row goes into one packed row [1, S] whose position ids restart
+at 0 at each row's start, and transformers derives the variable-length boundaries from
+them. Each row is then one contiguous causal sequence, so prefixes are not shared
+there, and ``pack_tokens`` does not apply (no S x S mask). That path needs CUDA and the
+flash-attn kernels: the CPU tests check its packing, not its values. Padding-free passes
+are used wherever they compute fewer positions than the padded pass, not with gradient
+checkpointing (not verified), and with sdpa and eager not where a packed row would be
+longer than the sliding window. Values and gradients equal the padded pass's (float64
+tests, sdpa and eager).
 """
 
 from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +73,21 @@ from torch.utils.checkpoint import checkpoint
 CHUNK_TOKENS = 1024  # positions whose logits exist at once: 1024 x 49,152 x 4 B = 200 MB
 PACK_TOKENS = 2048  # the longest packed row: its attention mask is S x S
 SHARE_WHEN = 0.8  # pack when the packed rows hold at most this share of the padded positions
+
+
+@dataclass(frozen=True)
+class PassOptions:
+    """How ``token_stats`` runs its pass (the learner's settings: ``PassOptions.of``)."""
+
+    chunk_tokens: int = CHUNK_TOKENS  # positions whose logits exist at once; 0: all of them
+    share_prefix: bool = True  # rows that begin alike compute their prefix once
+    padding_free: bool = False  # rows end to end, no padding computed
+    pack_tokens: int = PACK_TOKENS  # the longest packed row (sdpa and eager)
+
+    @classmethod
+    def of(cls, learner) -> PassOptions:
+        """The options a ``LearnerConfig`` sets."""
+        return cls(learner.logprob_chunk_tokens, learner.share_prefix, learner.padding_free)
 
 
 @dataclass
@@ -77,8 +112,9 @@ def logits_of(
 
 
 def _stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool):
-    """(log-prob of each target, entropy or None) of logits [M, V], in float32."""
-    logits = logits.float()
+    """(log-prob of each target, entropy or None) of logits [M, V], in float32 (or the
+    logits' own dtype when wider)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if temperature != 1.0:
         logits = logits / temperature
     logprobs = torch.log_softmax(logits, dim=-1)
@@ -122,17 +158,17 @@ def token_stats(
     mask: torch.Tensor,
     temperature: float = 1.0,
     entropy: bool = False,
-    chunk_tokens: int = CHUNK_TOKENS,
-    share_prefix: bool = True,
-    pack_tokens: int = PACK_TOKENS,
+    options: PassOptions | None = None,
 ) -> TokenStats:
     """Log-probs (and entropies) of ids [N, T] (right-padded) at the positions where
-    ``mask`` [N, T-1] is non-zero; gradients flow when grad mode is on. ``share_prefix``:
-    rows that begin alike compute their common prefix once (above).
+    ``mask`` [N, T-1] is non-zero; gradients flow when grad mode is on. ``options``
+    (None: the defaults) choose the chunk size, prefix sharing and padding-free packing
+    (above).
 
     One forward pass always runs, even for a mask with no token (a placeholder row keeps
     FSDP2's collectives in step): its last column is computed then, and left in the
     outputs at a position every reader masks, so the loss stays connected to the graph."""
+    options = options or PassOptions()
     n, t = input_ids.shape
     tokens = int(attention_mask.sum())
     keep = mask > 0
@@ -151,43 +187,71 @@ def token_stats(
             computed=n * t, real=tokens, tokens=tokens,
         )  # fmt: skip
     pack = None
-    if share_prefix and not placeholder:
-        pack = _packing(model, input_ids, attention_mask, keep, pack_tokens)
+    if (options.share_prefix or options.padding_free) and not placeholder:
+        pack = _packing(model, input_ids, attention_mask, keep, options)
     if pack is not None:
-        return _packed_stats(
-            model, input_ids, keep, pack, temperature, entropy, chunk_tokens, tokens
-        )
+        return _packed_stats(model, input_ids, keep, pack, temperature, entropy, options, tokens)
     logp, ent = _sliced(
-        model, input_ids, keep, temperature, entropy, chunk_tokens, attention_mask=attention_mask
-    )
+        model, input_ids, keep, temperature, entropy, options.chunk_tokens,
+        attention_mask=attention_mask,
+    )  # fmt: skip
     return TokenStats(logp, ent, computed=n * t, real=tokens, tokens=tokens)
 
 
 def _sliced(model, input_ids, keep, temperature, entropy, chunk_tokens, **inputs):
     """One forward pass of ids [N, T] (``inputs``: the model's other arguments) with the
-    hidden states sliced to the columns ``keep`` [N, T-1] needs and the head replaced by
-    the chunked log-softmax at the targets: (log-probs, entropies or None), [N, T-1] each,
-    0 where ``keep`` is False."""
+    hidden states sliced to the columns ``keep`` [N, T-1] needs and the log-softmax at the
+    targets computed from them: (log-probs, entropies or None), [N, T-1] each, 0 where
+    ``keep`` is False."""
     n, t = input_ids.shape
-    targets = input_ids[:, 1:]
     cols = keep.any(dim=0).nonzero().flatten()  # columns with a masked position
-    sub_keep = keep[:, cols]  # [N, K]
-    sub_targets = targets[:, cols][sub_keep]  # [M]
-    inner = _inner(model)
+    kept = _Kept(keep[:, cols], input_ids[:, 1:][:, cols][keep[:, cols]], temperature, entropy)
+    forward = partial(model, input_ids=input_ids, logits_to_keep=cols, **inputs)
+    if chunk_tokens > 0:
+        values = _chunked_values(_inner(model), forward, kept, chunk_tokens)
+    else:
+        values = _full_values(forward, kept)
+
+    def place(flat: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros((n, len(cols)), dtype=flat.dtype, device=flat.device)
+        out = out.masked_scatter(kept.keep, flat)
+        full = torch.zeros((n, t - 1), dtype=flat.dtype, device=flat.device)
+        return full.index_copy(1, cols, out)
+
+    return place(values[:, 0]), place(values[:, 1]) if entropy else None
+
+
+@dataclass
+class _Kept:
+    """The masked positions among a pass's kept columns, and what to compute there."""
+
+    keep: torch.Tensor  # [N, K] bool
+    targets: torch.Tensor  # [M] long: the target of each, in row-major order
+    temperature: float
+    entropy: bool
+
+    @property
+    def width(self) -> int:
+        return 2 if self.entropy else 1
+
+
+def _chunked_values(inner, forward, kept: _Kept, chunk_tokens: int) -> torch.Tensor:
+    """[M, 1] log-probs, or [M, 2] with the entropies, of the masked positions: the
+    model's ``forward`` with its head (of ``inner``, the transformers model) replaced by
+    the chunked log-softmax."""
     head = inner.get_output_embeddings()
     calls = []
 
     def head_forward(hidden: torch.Tensor) -> torch.Tensor:  # hidden: [N, K, H]
-        """What the model returns as its "logits": [M, 1] log-probs, or [M, 2] with the
-        entropies, of the masked positions. The loss is computed from this very output,
-        so FSDP2's hooks on the root module's outputs see the backward pass."""
+        """What the model returns as its "logits". The loss is computed from this very
+        output, so FSDP2's hooks on the root module's outputs see the backward pass."""
         calls.append(1)
-        chosen = hidden[sub_keep]  # [M, H]
+        chosen = hidden[kept.keep]  # [M, H]
         parts = []
         for start in range(0, len(chosen), chunk_tokens):
             args = (
                 chosen[start : start + chunk_tokens], head.weight, head.bias,
-                sub_targets[start : start + chunk_tokens], temperature, entropy,
+                kept.targets[start : start + chunk_tokens], kept.temperature, kept.entropy,
             )  # fmt: skip
             if start > 0 and torch.is_grad_enabled():
                 parts.append(checkpoint(_head_stats, *args, use_reentrant=False))
@@ -197,33 +261,34 @@ def _sliced(model, input_ids, keep, temperature, entropy, chunk_tokens, **inputs
 
     head.forward = head_forward  # an instance attribute: this call only
     try:
-        out = model(input_ids=input_ids, logits_to_keep=cols, **inputs)
+        values = forward().logits
     finally:
         del head.forward
-    values = out.logits
-    if not calls or values.shape != (len(sub_targets), 2 if entropy else 1):
+    if not calls or values.shape != (len(kept.targets), kept.width):
         raise RuntimeError(f"{type(inner).__name__}'s forward did not return its head's output")
+    return values
 
-    def place(flat: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros((n, len(cols)), dtype=flat.dtype, device=flat.device)
-        out = out.masked_scatter(sub_keep, flat)
-        full = torch.zeros((n, t - 1), dtype=flat.dtype, device=flat.device)
-        return full.index_copy(1, cols, out)
 
-    return place(values[:, 0]), place(values[:, 1]) if entropy else None
+def _full_values(forward, kept: _Kept) -> torch.Tensor:
+    """As ``_chunked_values``, through the model's own head: the [N, K, V] logits of every
+    kept column at once (``chunk_tokens=0``)."""
+    logits = forward().logits  # [N, K, V]
+    logp, ent = _stats(logits[kept.keep], kept.targets, kept.temperature, kept.entropy)
+    return torch.stack([logp, ent] if kept.entropy else [logp], dim=-1)
 
 
 @dataclass
 class Packing:
-    """Rows [N] packed by shared prefix into ``ids`` [B, S]: packed row ``row[i]`` holds
-    row i's prefix (its first ``cut[i]`` tokens, shared with the other rows packed there)
-    at its start, and row i's remainder ids[i, cut[i]:] from column ``start[i]`` on."""
+    """Rows [N] packed into ``ids`` [B, S]: packed row ``row[i]`` holds row i's prefix (its
+    first ``cut[i]`` tokens, shared with the other rows of its family there; none when
+    ``cut[i]`` is 0) and row i's remainder ids[i, cut[i]:] from column ``start[i]`` on."""
 
     ids: torch.Tensor  # [B, S] long
     positions: torch.Tensor  # [B, S] long: each token's position in its own row
     # [B, 1, S, S]: where query (dim 2) may attend key (dim 3), in the form the model's
-    # attention takes: bool for sdpa, additive float (0 or the float32 minimum) for eager
-    attend: torch.Tensor
+    # attention takes: bool for sdpa, additive float (0 or the float32 minimum) for eager;
+    # None for flash attention (B = 1, boundaries where the positions restart at 0)
+    attend: torch.Tensor | None
     row: torch.Tensor  # [N] long
     start: torch.Tensor  # [N] long
     cut: torch.Tensor  # [N] long
@@ -231,82 +296,152 @@ class Packing:
     real: int  # real tokens in ``ids``
 
 
-def _packing(model, input_ids, attention_mask, keep, pack_tokens: int) -> Packing | None:
-    """Where rows share prefixes worth computing once, their packing; else None.
+@dataclass
+class _Piece:
+    """A prefix and the rows whose remainders follow it, within one packed row."""
 
-    A row's prefix is everything before the position that predicts its first masked
-    target, so every log-prob comes from a remainder. The rows of one prefix go into one
-    packed row while it stays within ``pack_tokens`` (else into several, each with its
-    own copy of the prefix)."""
+    prefix: tuple
+    rows: list[int]
+    size: int  # tokens: the prefix and the remainders
+
+
+def _packing(model, input_ids, attention_mask, keep, options: PassOptions) -> Packing | None:
+    """The packing of this pass's rows, or None where the padded pass is to run.
+
+    Sharing: a row's prefix is everything before the position that predicts its first
+    masked target, so every log-prob comes from a remainder; the rows of one prefix go
+    into one piece while it stays within ``pack_tokens`` (else into several, each with
+    its own copy of the prefix). Without sharing each row is a piece of its own with no
+    prefix. Each piece is a packed row, or (padding-free) pieces fill packed rows end to
+    end."""
     inner = _inner(model)
-    attn_impl = getattr(getattr(inner, "config", None), "_attn_implementation", None)
-    if attn_impl not in ("sdpa", "eager") or getattr(inner, "is_gradient_checkpointing", False):
+    attn_impl = str(getattr(getattr(inner, "config", None), "_attn_implementation", None))
+    varlen = options.padding_free and attn_impl.startswith("flash_attention")
+    if not varlen and attn_impl not in ("sdpa", "eager"):
+        return None
+    if getattr(inner, "is_gradient_checkpointing", False):
         return None
     n, t = input_ids.shape
     length = attention_mask.sum(dim=1)
     if bool((attention_mask != (torch.arange(t, device=length.device) < length[:, None])).any()):
         return None  # not right-padded
-    first = torch.where(keep.any(dim=1), keep.int().argmax(dim=1), length - 1)
-    cut = torch.minimum(first, length - 1)
-    if bool((cut < 1).any()):
-        return None
+    cut = torch.zeros_like(length)
+    if options.share_prefix and not varlen:
+        first = torch.where(keep.any(dim=1), keep.int().argmax(dim=1), length - 1)
+        cut = torch.minimum(first, length - 1).clamp(min=0)
+        if not options.padding_free and bool((cut < 1).any()):
+            return None
     ids, cuts, lengths = input_ids.tolist(), cut.tolist(), length.tolist()
     families: dict[tuple, list[int]] = {}
     for i, (row, c) in enumerate(zip(ids, cuts, strict=True)):
         families.setdefault(tuple(row[:c]), []).append(i)
-    if len(families) == n:
+    if not options.padding_free and len(families) == n:
         return None
-    packed: list[tuple[tuple, list[int]]] = []  # (prefix, rows) of each packed row
-    sizes: list[int] = []  # tokens of each packed row
+    rests = [x - c for x, c in zip(lengths, cuts, strict=True)]
+    pieces = _pieces(families, rests, options.pack_tokens)
+    if not options.padding_free:
+        packed = [[p] for p in pieces]
+    else:
+        packed = _fill(pieces, None if varlen else options.pack_tokens)
+    b, width = len(packed), max(sum(p.size for p in r) for r in packed)
+    saves = b * width < n * t if options.padding_free else b * width <= SHARE_WHEN * n * t
+    window = getattr(inner.config, "sliding_window", None)
+    if not saves or (not varlen and window and width > window):
+        return None  # (a packed row would need the window in the mask given: it replaces it)
+    return _build(packed, ids, cuts, lengths, attn_impl, varlen, input_ids.device)
+
+
+def _pieces(families: dict[tuple, list[int]], rests: list[int], pack_tokens: int):
+    """Each family's rows in pieces of at most ``pack_tokens`` (one row at least); rows
+    without a prefix a piece each."""
+    pieces: list[_Piece] = []
     for prefix, rows in families.items():
         for i in rows:
-            rest = lengths[i] - cuts[i]
-            if not packed or packed[-1][0] is not prefix or sizes[-1] + rest > pack_tokens:
-                packed.append((prefix, []))  # a new family, or full: another copy of the prefix
-                sizes.append(len(prefix))
-            packed[-1][1].append(i)
-            sizes[-1] += rest
-    b, width = len(packed), max(sizes)
-    if b * width > SHARE_WHEN * n * t:
-        return None
-    window = getattr(inner.config, "sliding_window", None)
-    if window and width > window:  # a packed row would need the window in its own mask
-        return None
+            last = pieces[-1] if pieces else None
+            if (
+                not prefix or last is None or last.prefix is not prefix
+                or last.size + rests[i] > pack_tokens
+            ):  # fmt: skip
+                last = _Piece(prefix, [], len(prefix))  # another copy of the prefix
+                pieces.append(last)
+            last.rows.append(i)
+            last.size += rests[i]
+    return pieces
+
+
+def _fill(pieces: list[_Piece], pack_tokens: int | None) -> list[list[_Piece]]:
+    """Pieces end to end in as few packed rows of at most ``pack_tokens`` (None: one row)
+    as this finds, balanced: longest first, each onto the shortest row, so the rows end
+    close together and little padding is left at their ends."""
+    if pack_tokens is None:
+        return [pieces]
+    ordered = sorted(pieces, key=lambda p: -p.size)
+    limit = max(pack_tokens, ordered[0].size)  # a piece longer than a row gets one alone
+    b = -(-sum(p.size for p in pieces) // limit)
+    while True:
+        rows: list[list[_Piece]] = [[] for _ in range(b)]
+        load = [0] * b
+        for piece in ordered:
+            at = load.index(min(load))
+            rows[at].append(piece)
+            load[at] += piece.size
+        if max(load) <= limit:
+            return rows
+        b += 1
+
+
+def _build(packed, ids, cuts, lengths, attn_impl, varlen: bool, device) -> Packing:
+    """The tensors of the packed rows ``packed`` (lists of pieces), on ``device``."""
+    n = len(ids)
+    b, width = len(packed), max(sum(p.size for p in r) for r in packed)
     out = torch.zeros((b, width), dtype=torch.long)
     positions = torch.zeros_like(out)
     segment = torch.full((b, width), -2, dtype=torch.long)  # -1 prefix, i row i, -2 padding
+    piece_of = torch.full((b, width), -1, dtype=torch.long)  # the piece, -1 padding
     row_of, start_of = [0] * n, [0] * n
-    for r, (prefix, rows) in enumerate(packed):
-        c = len(prefix)
-        out[r, :c] = torch.tensor(prefix, dtype=torch.long)
-        positions[r, :c] = torch.arange(c)
-        segment[r, :c] = -1
-        at = c
-        for i in rows:
-            rest = lengths[i] - cuts[i]
-            out[r, at : at + rest] = torch.tensor(ids[i][cuts[i] : lengths[i]], dtype=torch.long)
-            positions[r, at : at + rest] = torch.arange(cuts[i], lengths[i])
-            segment[r, at : at + rest] = i
-            row_of[i], start_of[i] = r, at
-            at += rest
-    # Causal within a segment, every remainder sees its prefix, padding sees itself.
-    cols = torch.arange(width)
-    causal = cols[None, :] <= cols[:, None]
-    same = segment[:, :, None] == segment[:, None, :]
-    attend = causal & (same | (segment[:, None, :] == -1))
-    attend |= torch.eye(width, dtype=torch.bool)
-    if attn_impl == "eager":
-        attend = torch.zeros(attend.shape).masked_fill(~attend, torch.finfo(torch.float32).min)
-    device = input_ids.device
+    pieces_so_far = 0
+    for r, pieces in enumerate(packed):
+        at = 0
+        for piece in pieces:
+            c = len(piece.prefix)
+            out[r, at : at + c] = torch.tensor(piece.prefix, dtype=torch.long)
+            positions[r, at : at + c] = torch.arange(c)
+            segment[r, at : at + c] = -1
+            piece_of[r, at : at + piece.size] = pieces_so_far
+            at, pieces_so_far = at + c, pieces_so_far + 1
+            for i in piece.rows:
+                rest = lengths[i] - cuts[i]
+                out[r, at : at + rest] = torch.tensor(ids[i][cuts[i] : lengths[i]])
+                positions[r, at : at + rest] = torch.arange(cuts[i], lengths[i])
+                segment[r, at : at + rest] = i
+                row_of[i], start_of[i] = r, at
+                at += rest
+    attend = None if varlen else _attend(segment, piece_of, attn_impl)
+    cut, length = torch.tensor(cuts), torch.tensor(lengths)
     return Packing(
-        out.to(device), positions.to(device), attend[:, None].to(device),
+        out.to(device), positions.to(device), None if attend is None else attend.to(device),
         torch.tensor(row_of, device=device), torch.tensor(start_of, device=device),
-        cut, length - cut, real=sum(sizes),
+        cut.to(device), (length - cut).to(device), real=sum(p.size for r in packed for p in r),
     )  # fmt: skip
 
 
+def _attend(segment: torch.Tensor, piece_of: torch.Tensor, attn_impl: str) -> torch.Tensor:
+    """[B, 1, S, S] from each column's segment and piece [B, S]: causal within a row's
+    remainder; a remainder also sees its own piece's prefix; padding sees itself."""
+    width = segment.shape[1]
+    cols = torch.arange(width)
+    causal = cols[None, :] <= cols[:, None]
+    same = segment[:, :, None] == segment[:, None, :]
+    prefix = segment[:, None, :] == -1
+    attend = causal & (piece_of[:, :, None] == piece_of[:, None, :]) & (same | prefix)
+    attend |= torch.eye(width, dtype=torch.bool)
+    if attn_impl == "eager":
+        attend = torch.zeros(attend.shape).masked_fill(~attend, torch.finfo(torch.float32).min)
+    return attend[:, None]
+
+
 def _packed_stats(
-    model, input_ids, keep, pack: Packing, temperature, entropy, chunk_tokens, tokens
+    model, input_ids, keep, pack: Packing, temperature, entropy, options: PassOptions, tokens
 ) -> TokenStats:
     """One pass over the packed rows; outputs as ``token_stats``'s, [N, T-1]."""
     n, t = input_ids.shape
@@ -325,10 +460,12 @@ def _packed_stats(
     )  # fmt: skip
     packed_keep = torch.zeros((b, width - 1), dtype=torch.bool, device=device)
     packed_keep[packed_row, packed_col] = True
+    inputs = {"position_ids": pack.positions}
+    if pack.attend is not None:
+        inputs["attention_mask"] = pack.attend
     logp, ent = _sliced(
-        model, pack.ids, packed_keep, temperature, entropy, chunk_tokens,
-        attention_mask=pack.attend, position_ids=pack.positions,
-    )  # fmt: skip
+        model, pack.ids, packed_keep, temperature, entropy, options.chunk_tokens, **inputs
+    )
 
     def place(values: torch.Tensor) -> torch.Tensor:  # [B, S-1] -> [N, T-1]
         full = torch.zeros((n, t - 1), dtype=values.dtype, device=device)

@@ -41,6 +41,7 @@ from learners.critic import (
 from learners.distributed import DataParallel
 from learners.evaluation import EvalTracker
 from learners.finite import SkipLog, require_finite
+from learners.logprobs import PassOptions
 from learners.plan import plan_update
 from learners.publish import WeightSync, gathered_buckets
 from learners.step_metrics import GeneratorTiming, algo_metrics, multiturn_metrics, step_row
@@ -208,12 +209,12 @@ class Learner:
         outcome = torch.from_numpy(np.asarray(outcome, np.float32))  # [N]
         batch.rewards = episode_returns(outcome, batch.turn_rewards)
         algo, temperature, dp = self.algo, self.cfg.generators.temperature, self.dp
-        share = self.cfg.learner.share_prefix
+        passes = PassOptions.of(self.cfg.learner)
         if self.reference is not None:
-            local.logp_ref = reference_logprobs(self.reference, local, temperature, share)
+            local.logp_ref = reference_logprobs(self.reference, local, temperature, passes)
             batch.logp_ref = dp.gather_rows(local.logp_ref, batch)
         if algo.kl.in_reward:  # the KL of the policy the update starts from
-            local.logp_prox, _ = prox_pass(self.model, local, temperature, share_prefix=share)
+            local.logp_prox, _ = prox_pass(self.model, local, temperature, options=passes)
             batch.logp_prox = dp.gather_rows(local.logp_prox, batch)
         if self.critic is not None:
             with torch.no_grad():

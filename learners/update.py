@@ -22,7 +22,7 @@ from learners.correction import (
     whole_step,
 )
 from learners.finite import guarded_step
-from learners.logprobs import token_stats
+from learners.logprobs import PassOptions, token_stats
 from learners.plan import Minibatch, micro_rows, plan_update
 from verl_async.algos import (
     GlobalBatch,
@@ -122,10 +122,10 @@ def policy_update(
     ``StepStats``, and the seed below); ``step=False`` computes the losses and metrics
     without changing the weights (the critic's warm-up steps). The settings:
     ``temperature`` is the generators' sampling temperature (``generators.temperature``),
-    at which every log-prob is computed; ``learner`` (None: its defaults) gives
-    ``share_prefix`` (rows of a pass that share their prompt compute it once:
-    ``token_stats``) and ``seed``, which with the version, minibatch and micro-batch seeds
-    a loss mode's random choices (clip_cov), so a run repeats them.
+    at which every log-prob is computed; ``learner`` (None: its defaults) gives how each
+    pass runs (``PassOptions.of``: the log-prob chunk size, shared prompts, padding-free
+    packing; ``token_stats``) and ``seed``, which with the version, minibatch and
+    micro-batch seeds a loss mode's random choices (clip_cov), so a run repeats them.
 
     pi_prox, when not given: the first minibatch's gradient passes run at the weights
     pi_prox is defined by, so their log-probs, detached, are pi_prox's for those rows, and
@@ -160,7 +160,7 @@ class _Update:
     ) -> None:
         self.model, self.batch, self.algo, self.hooks = model, batch, algo, hooks
         self.adv = advantages if advantages.dim() == 2 else advantages[:, None]
-        self.temperature, self.share_prefix = temperature, learner.share_prefix
+        self.temperature, self.passes = temperature, PassOptions.of(learner)
         self.seed, self.version, self.step = learner.seed, version, step
         self.clock = _Clock(batch.loss_mask.device)
         self.rollout = rollout_settings(algo)
@@ -196,7 +196,7 @@ class _Update:
         return plan
 
     def _prox_pass(self, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        out = prox_pass(self.model, self.batch, self.temperature, rows, self.share_prefix)
+        out = prox_pass(self.model, self.batch, self.temperature, rows, self.passes)
         self.clock.lap("prox_s")
         return out
 
@@ -235,13 +235,7 @@ class _Update:
         entropy = self.bonus or at_prox or self.given
         with torch.enable_grad() if self.step else torch.no_grad():
             stats = token_stats(
-                self.model,
-                ids,
-                attn,
-                rows_mask,
-                self.temperature,
-                entropy=entropy,
-                share_prefix=self.share_prefix,
+                self.model, ids, attn, rows_mask, self.temperature, entropy, self.passes
             )
             self.clock.count(stats)
             logp = stats.logp
@@ -404,11 +398,12 @@ def prox_pass(
     batch: TrainBatch,
     temperature: float,
     rows: torch.Tensor | None = None,
-    share_prefix: bool = True,
+    options: PassOptions | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """pi_prox log-probs and token entropies [N, T-1] at the loss mask's positions, before
-    any update (no grad, one forward pass). ``rows``: only these rows, the others stay 0
-    (an empty set still runs the pass, on a placeholder row, for FSDP2's collectives)."""
+    any update (no grad, one forward pass run as ``options`` say; None: the defaults).
+    ``rows``: only these rows, the others stay 0 (an empty set still runs the pass, on a
+    placeholder row, for FSDP2's collectives)."""
     mask = batch.loss_mask
     logp, entropy = torch.zeros_like(mask), torch.zeros_like(mask)
     every = torch.arange(len(mask), device=mask.device)
@@ -416,7 +411,7 @@ def prox_pass(
     ids, attn = part.inputs(batch.input_ids, batch.attention_mask)
     with torch.no_grad():
         stats = token_stats(
-            model, ids, attn, part.mask(mask), temperature, entropy=True, share_prefix=share_prefix
+            model, ids, attn, part.mask(mask), temperature, entropy=True, options=options
         )
     if not part.placeholder:
         cols = slice(0, part.width - 1)

@@ -305,6 +305,18 @@ class LearnerConfig(_Section):
     the padded batch's positions, with sdpa or eager attention, without gradient
     checkpointing, and where a packed row fits in the model's sliding window. False: every
     row computes its whole sequence."""
+    logprob_chunk_tokens: NonNegInt = 1024
+    """Positions whose logits exist at once when the learner computes log-probs and
+    entropies: the head runs on the masked positions' last hidden states in chunks of
+    this many, each recomputed in backward, so the [tokens x vocabulary] logits never
+    exist whole (prime-rl's fused_lm_head_token_chunk_size; learners/logprobs.py). Same
+    values and gradients; 0: the model's own head over every kept position at once."""
+    padding_free: bool = False
+    """Pack a pass's rows end to end (several rows or prompt groups per packed row, each
+    token at its position in its own row) so no padding is computed: a block-diagonal
+    causal mask with sdpa or eager attention (prompts still shared with share_prefix),
+    position ids only with flash attention (rows not sharing prompts there). Same
+    log-probs and gradients as the padded pass; not with gradient checkpointing."""
     keep_freed_memory: bool = True
     """A learner on CPUs keeps the memory it frees for its next allocations instead of
     returning it to the system (glibc's allocator: no separate mapping per large block, no

@@ -145,12 +145,14 @@ def test_pinned_batch_is_copied_on_a_side_stream():
         torch.testing.assert_close(got.cpu(), getattr(batch, name), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("padding_free", [False, True])
 @pytest.mark.parametrize("attn_impl", ["sdpa", "eager"])
-def test_shared_prefix_pass_on_cuda_equals_the_padded_pass(attn_impl):
+def test_shared_prefix_pass_on_cuda_equals_the_padded_pass(attn_impl, padding_free):
     """The learner's packed pass (each group's prompt once, a block mask keeping samples
-    apart) on CUDA, where sdpa picks its own kernels for a boolean mask: log-probs,
-    entropies and gradients equal the padded pass's, float32."""
-    from learners.logprobs import token_stats
+    apart; ``padding_free``: the groups end to end in one packed row) on CUDA, where sdpa
+    picks its own kernels for a boolean mask: log-probs, entropies and gradients equal
+    the padded pass's, float32."""
+    from learners.logprobs import PassOptions, token_stats
 
     from ..unit.test_logprobs import _groups, _model
 
@@ -161,7 +163,8 @@ def test_shared_prefix_pass_on_cuda_equals_the_padded_pass(attn_impl):
 
     def run(share: bool):
         model.zero_grad()
-        stats = token_stats(model, ids, attn, mask, 0.8, entropy=True, share_prefix=share)
+        options = PassOptions(share_prefix=share, padding_free=share and padding_free)
+        stats = token_stats(model, ids, attn, mask, 0.8, entropy=True, options=options)
         ((stats.logp * weights + 0.1 * stats.entropy) * mask).sum().backward()
         return stats, [p.grad.clone() for p in model.parameters()]
 
@@ -172,3 +175,33 @@ def test_shared_prefix_pass_on_cuda_equals_the_padded_pass(attn_impl):
     torch.testing.assert_close(shared.entropy[on], plain.entropy[on], atol=1e-5, rtol=1e-5)
     for got, ref in zip(shared_grads, plain_grads, strict=True):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+
+
+def test_padding_free_pass_with_flash_attention_equals_the_padded_pass():
+    """Flash attention, rows end to end in one packed row told apart by position ids
+    alone (learners/logprobs.py): the same log-probs and gradients as flash attention
+    over the padded rows, to bf16's precision (a row seeing another's tokens would move
+    its log-probs by far more)."""
+    pytest.importorskip("flash_attn")
+    from learners.logprobs import PassOptions, token_stats
+
+    from ..unit.test_logprobs import _groups, _model
+
+    model = _model(tie=True).to(device="cuda", dtype=torch.bfloat16)
+    model.config._attn_implementation = "flash_attention_2"
+    ids, attn, mask = (t.cuda() for t in _groups())
+
+    def run(padding_free: bool):
+        model.zero_grad()
+        options = PassOptions(share_prefix=False, padding_free=padding_free)
+        stats = token_stats(model, ids, attn, mask, entropy=True, options=options)
+        ((stats.logp + 0.1 * stats.entropy) * mask).sum().backward()
+        return stats, [p.grad.float().clone() for p in model.parameters()]
+
+    (plain, plain_grads), (free, free_grads) = run(False), run(True)
+    on = mask > 0
+    assert free.computed == int(attn.sum()) < plain.computed  # one packed row, no padding
+    torch.testing.assert_close(free.logp[on], plain.logp[on], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(free.entropy[on], plain.entropy[on], atol=2e-2, rtol=2e-2)
+    for got, ref in zip(free_grads, plain_grads, strict=True):
+        torch.testing.assert_close(got, ref, atol=5e-2, rtol=5e-2)

@@ -37,6 +37,8 @@ def test_overrides_apply_with_yaml_values(repo_root):
             "unknown config key 'placement.reward_model_devices'",
         ),
         ("learner.num_processes=1", "unknown config key 'learner.num_processes'"),
+        ("learner.logprob_chunk_tokens=-1", "'learner.logprob_chunk_tokens'"),
+        ("learner.padding_free=maybe", "'learner.padding_free'"),
         ("generators.count=2", "'generators.count'"),
         ("model.tiny.num_heads=8", "'model.tiny.num_heads'"),
         ("buffer.host=0.0.0.0", "'buffer.host'"),

@@ -255,6 +255,37 @@ def test_length_bucketed_micro_batches_take_the_full_width_step(tmp_path):
     assert cut.padding_fraction < whole.padding_fraction
 
 
+@pytest.mark.parametrize(
+    "keys",
+    [{"padding_free": True}, {"padding_free": True, "share_prefix": False},
+     {"logprob_chunk_tokens": 0}, {"logprob_chunk_tokens": 3}],
+)  # fmt: skip
+def test_logprob_pass_options_train_as_the_padded_pass(tmp_path, keys):
+    """learner.padding_free and learner.logprob_chunk_tokens change how the passes run,
+    not the update: the weights after two minibatches (pi_prox from a separate pass for
+    the second) equal the padded, default-chunked run's to 1e-6."""
+    from transformers import AutoModelForCausalLM
+
+    from verl_async.schema import LearnerConfig
+
+    path = build_tiny_model(tmp_path / "m", TinyModelConfig())
+    batch = _batch(prompts=(3, 6, 2, 5, 4, 3), responses=(2, 7, 1, 4, 6, 3))
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.25, -2.0])
+    algo = msgspec.structs.replace(AlgoConfig(), minibatches=2, entropy_coeff=0.01)
+
+    def run(learner: LearnerConfig):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        return policy_update(model, opt, batch, adv, algo, HOOKS, learner=learner), model
+
+    (plain, plain_model), (other, model) = run(LearnerConfig()), run(LearnerConfig(**keys))
+    for a, b in zip(model.parameters(), plain_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    assert other.loss == pytest.approx(plain.loss, abs=1e-6)
+    if keys.get("padding_free"):
+        assert other.padding_fraction == 0 < plain.padding_fraction
+
+
 # ------------------------------------------------------------------ algo.correction: rollout
 
 
