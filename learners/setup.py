@@ -253,12 +253,15 @@ def compile_layers(model) -> None:
     and state_dict keys stay, so publishing and checkpoints see no difference). The layers
     hold the step's compute and most of its small kernels (norms, RoPE, SwiGLU, casts);
     the head stays eager because learners/logprobs.py replaces its forward at call time.
-    Layers of one class share their compiled code. Shapes: automatic dynamic, so the first
+    Layers of one class share their compiled code once the forward keeps no KV cache
+    (``use_cache`` off: a learner never decodes, and a cache's state differs from the
+    first layer to the next, a recompile each). Shapes: automatic dynamic, so the first
     shape compiles static and the first different one recompiles with the batch and
     sequence sizes symbolic, which later shapes reuse (``dynamic=True`` would make the
     hidden size symbolic too: a tiny model's steady step was 17x slower on CPU). Call it
     after gradient checkpointing is enabled (the checkpoint then wraps the compiled
     layer) and before FSDP2 (whose hooks stay outside the compiled graphs)."""
+    model.config.use_cache = False
     for block in decoder_layers(model):
         block.compile()
 

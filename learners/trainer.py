@@ -333,7 +333,7 @@ class Learner:
         self.version = version
         self.publish_bytes = sum(t.numel() * t.element_size() for t in state.values())
         bucket = self.cfg.weights.bucket_mb << 20
-        buckets = gathered_buckets(state, plan)
+        buckets = gathered_buckets(state, plan, self.acc.device)
         update = P.WeightUpdate(version=self.version, params=specs, bucket_bytes=bucket)
         if self.sync is None:  # other ranks: take part in the gathers
             for _ in buckets:

@@ -58,14 +58,18 @@ def _tiny(tmp_path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
-def _train(model, make_optimizer) -> dict[str, torch.Tensor]:
-    """The weights after one SGD or AdamW step per batch of ``SHAPES``."""
-    optimizer = make_optimizer(model)
+def _train(model, make_optimizer, optimizer=None, steps=None, device=None):
+    """The weights after one SGD or AdamW step per batch of ``SHAPES`` (of those
+    ``steps`` picks), the batches on ``device``."""
+    optimizer = optimizer or make_optimizer(model)
     model.train()
     hooks = UpdateHooks(backward=lambda loss: loss.backward(), clip_grad=lambda: 0.0)
-    for step, (rows, longest) in enumerate(SHAPES):
+    for step in steps or range(len(SHAPES)):
+        rows, longest = SHAPES[step]
         batch = _batch(step, rows, longest)
         advantages = torch.linspace(-1.0, 1.0, rows)
+        if device is not None:
+            batch, advantages = batch.to(device), advantages.to(device)
         stats = policy_update(
             model, optimizer, batch, advantages, ALGO, hooks, version=step, learner=SETTINGS
         )
@@ -76,7 +80,7 @@ def _train(model, make_optimizer) -> dict[str, torch.Tensor]:
 def _full(model) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in model.named_parameters():
-        out[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        out[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
     return out
 
 
@@ -100,80 +104,118 @@ def test_activation_checkpointing_trains_bit_for_bit(tmp_path):
         assert torch.equal(value, checkpointed[name]), name
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_compiled_layers_train_as_eager(tmp_path, checkpointing):
+@pytest.mark.slow  # compiles: about 100 s on 2 busy cores with a cold inductor cache
+def test_compiled_layers_train_as_eager_with_and_without_checkpointing(tmp_path):
     """Inductor fuses and reorders float32 sums, so a compiled step's gradient differs
     from eager's by rounding (about 1e-7 relative). With SGD the weights' differences stay
     that size next to how far the four steps moved them: the bound is 1e-5 of the largest
-    move (1e-6 absolute for elements that barely moved), as in the two-rank FSDP2 test. The
-    graph count checks that the four steps of three shapes compiled a bounded number of
-    graphs (static first, then dynamic batch and sequence sizes), not one per shape."""
+    move (1e-6 absolute for elements that barely moved), as in the two-rank FSDP2 test.
+    The checkpointed model runs the graphs the first one compiled (the checkpoint wraps
+    the compiled layer and recomputes through it), so the count covers both: four steps
+    of three shapes compile a bounded number of graphs (static, then the sequence and
+    the batch size made dynamic as each first varies), not one per shape or layer."""
     from torch._dynamo.utils import counters
 
     from learners.setup import compile_layers
 
+    torch._dynamo.reset()  # this test's graphs only, whatever compiled before it
+    graphs = counters["stats"]["unique_graphs"]
     base = _tiny(tmp_path)
     plain = _train(copy.deepcopy(base), _sgd)
-    model = copy.deepcopy(base)
-    if checkpointing:
-        model.gradient_checkpointing_enable()
-        model.config.use_cache = False
-    compile_layers(model)
-    graphs = counters["stats"]["unique_graphs"]
-    compiled = _train(model, _sgd)
-    graphs = counters["stats"]["unique_graphs"] - graphs
-    assert 1 <= graphs <= 4, graphs
-    assert [n for n, _ in model.named_parameters()] == list(plain)  # names unchanged
     moved = _moved(plain, base)
     assert moved > 1e-3
-    for name, value in plain.items():
-        torch.testing.assert_close(compiled[name], value, rtol=0, atol=1e-6 + 1e-5 * moved)
+    for checkpointing in (False, True):
+        model = copy.deepcopy(base)
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        compile_layers(model)
+        assert not model.config.use_cache
+        compiled = _train(model, _sgd)
+        assert [n for n, _ in model.named_parameters()] == list(plain)  # names unchanged
+        for name, value in plain.items():
+            torch.testing.assert_close(compiled[name], value, rtol=0, atol=1e-6 + 1e-5 * moved)
+    graphs = counters["stats"]["unique_graphs"] - graphs
+    assert 1 <= graphs <= 4, graphs
 
 
-def test_fsdp2_offload_on_one_rank_trains_bit_for_bit(tmp_path):
-    """A fresh interpreter: it joins a process group of one (learners/setup.py:
-    own_process_group), which must not outlive the run."""
+def offload_report(tmp_path: Path, device: str) -> dict:
+    """``_offload_run`` in a fresh interpreter: it joins a process group of one
+    (learners/setup.py: own_process_group), which must not outlive the run."""
     out = tmp_path / "offload.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "tests.unit.test_learner_options", str(tmp_path), str(out)]
-    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [*cmd, device], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert res.returncode == 0, res.stderr[-4000:]
-    report = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_fsdp2_offload_on_one_rank_trains_bit_for_bit(tmp_path):
+    report = offload_report(tmp_path, "cpu")
     assert report["offloaded"] == ["cpu"]  # every shard in host memory
+    assert report["sent_from"] == ["cpu"]
     assert report["moved"] > 1e-3
     assert report["max_abs_diff"] == 0.0, report
     assert report["published_max_abs_diff"] == 0.0, report
+    assert report["resumed_max_abs_diff"] == 0.0, report  # the full checkpoint's round trip
 
 
-def _offload_run(tmp_path: Path, out: Path) -> None:
+def _offload_run(tmp_path: Path, out: Path, device: str) -> None:
     """Plain AdamW steps beside the same steps of the model sharded with FSDP2 and CPU
-    offload over one rank; the published (gathered) weights too."""
+    offload over one rank; the published (gathered) weights too, and the last step taken
+    again by a fresh sharded model loaded from the full checkpoint's tensors of the step
+    before (learners/checkpoints/full.py)."""
+    from learners.checkpoints import full
     from learners.publish import gathered_buckets
-    from learners.setup import adamw, fsdp2, leave_job, own_process_group
+    from learners.setup import adamw, allocate_state, fsdp2, leave_job, own_process_group
     from verl_async.weight_sync import param_specs, plan_buckets
 
     own_process_group()
     base = _tiny(tmp_path)
     make = lambda m: adamw(m, lr=1e-3, weight_decay=0.01)  # noqa: E731
-    plain = _train(copy.deepcopy(base), make)
+    plain = _train(copy.deepcopy(base).to(device), make, device=device)
     sharded = fsdp2(copy.deepcopy(base), torch.float32, offload=True)
-    offloaded = _train(sharded, make)
+    optimizer = make(sharded)
+    _train(sharded, make, optimizer, range(len(SHAPES) - 1), device)
+    tensors, rest = full.split_optimizer(optimizer.state_dict())
+    saved = written(full.model_state(sharded), tmp_path), written(tensors, tmp_path), rest
+    offloaded = _train(sharded, make, optimizer, [len(SHAPES) - 1], device)
+    resumed = fsdp2(copy.deepcopy(base), torch.float32, offload=True)
+    resumed_optimizer = make(resumed)
+    allocate_state(resumed_optimizer)  # as the learner does before it restores
+    full.load_model_state(resumed, saved[0], world=1)
+    full.load_optimizer_state(resumed, resumed_optimizer, full.join_optimizer(*saved[1:]), 1)
+    resumed_weights = _train(resumed, make, resumed_optimizer, [len(SHAPES) - 1], device)
     state = sharded.state_dict()
     specs = param_specs(state.items())
     published = {}
-    for _, tensors in gathered_buckets(state, plan_buckets(specs, 1 << 20)):
+    for _, tensors in gathered_buckets(state, plan_buckets(specs, 1 << 20), device):
         published.update(tensors)
+    sent_from = sorted({t.device.type for t in published.values()})
     report = {
         "offloaded": sorted({p.to_local().device.type for p in sharded.parameters()}),
+        "sent_from": sent_from,
         "moved": _moved(plain, base),
         "max_abs_diff": max((plain[n] - offloaded[n]).abs().max().item() for n in plain),
+        "resumed_max_abs_diff": max(
+            (resumed_weights[n] - offloaded[n]).abs().max().item() for n in plain
+        ),
         "published_max_abs_diff": max(
-            (plain[n] - published[n]).abs().max().item() for n in plain if n in published
+            (plain[n] - published[n].cpu()).abs().max().item() for n in plain if n in published
         ),
     }
     out.write_text(json.dumps(report))
     leave_job()  # skips the group's teardown (learners/setup.py: leave_job)
 
 
+def written(tensors: dict[str, torch.Tensor], tmp_path: Path) -> dict[str, torch.Tensor]:
+    """``tensors`` through a safetensors file, as a checkpoint keeps them."""
+    from safetensors.torch import load_file, save_file
+
+    save_file(tensors, tmp_path / "tensors.safetensors")
+    return load_file(tmp_path / "tensors.safetensors")
+
+
 if __name__ == "__main__":
-    _offload_run(Path(sys.argv[1]), Path(sys.argv[2]))
+    _offload_run(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])
