@@ -209,16 +209,19 @@ class WeightSync:
 
 
 def gathered_buckets(
-    state: dict[str, torch.Tensor], buckets: list[Bucket]
+    state: dict[str, torch.Tensor], buckets: list[Bucket], device: torch.device | None = None
 ) -> Iterator[tuple[Bucket, dict[str, torch.Tensor]]]:
     """Each bucket's full tensors, one bucket at a time: under FSDP2 every rank must walk
     this (``full_tensor()`` is a collective), and only one bucket of unsharded tensors is
-    alive at once. ``state`` is the model's ``state_dict()`` (DTensors or plain)."""
+    alive at once. ``state`` is the model's ``state_dict()`` (DTensors or plain).
+    ``device``: where the tensors are sent from (a CUDA learner's shards offloaded to
+    host memory, learner.cpu_offload, are gathered there and sent from the GPU)."""
     for bucket in buckets:
         tensors = {}
         for spec in bucket.specs:
             tensor = state[spec.name]
             if hasattr(tensor, "full_tensor"):
                 tensor = tensor.full_tensor()
-            tensors[spec.name] = tensor.detach()
+            tensor = tensor.detach()
+            tensors[spec.name] = tensor if device is None else tensor.to(device)
         yield bucket, tensors

@@ -40,7 +40,9 @@ def run_learner(ctx: RunContext) -> None:
     # Parameters and optimizer state stay float32; a bf16/fp16 model.dtype is the compute
     # dtype (autocast), as the generators' weights are (published tensors are cast on load).
     mixed = {"float32": "no", "bfloat16": "bf16", "float16": "fp16"}[cfg.model.dtype]
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed)
+    accelerator = Accelerator(
+        cpu=on_cpu, mixed_precision=mixed, kwargs_handlers=process_group_kwargs(cfg.learner)
+    )
     main = accelerator.is_main_process
     if main:
         mark(ctx.path, "learner", "imported")
@@ -59,10 +61,15 @@ def run_learner(ctx: RunContext) -> None:
             log.info(
                 "LoRA rank %d: %.2fM trainable parameters", cfg.model.lora.rank, trainable / 1e6
             )
+    if cfg.learner.compile:  # after checkpointing and LoRA wrap the layers, before FSDP2
+        compile_layers(model)
+    offload = cfg.learner.cpu_offload
+    if offload and accelerator.num_processes == 1:
+        own_process_group()  # FSDP2 shards over a process group, here a group of one
     pad_id = AutoTokenizer.from_pretrained(ep.model_path).pad_token_id or 0
     model, optimizer = prepare(accelerator, model, lambda m: adamw(
         m, lr=cfg.learner.lr, weight_decay=cfg.learner.weight_decay
-    ), cfg.model.dtype)  # fmt: skip
+    ), cfg.model.dtype, offload)  # fmt: skip
     allocate_state(optimizer)  # now, not inside the first step (a checkpoint replaces it)
     warmup = cfg.learner.warmup_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -73,9 +80,11 @@ def run_learner(ctx: RunContext) -> None:
         critic = load_critic(cfg.critic.path or ep.model_path)
         if cfg.learner.gradient_checkpointing:
             critic.gradient_checkpointing_enable()
+        if cfg.learner.compile:
+            compile_layers(critic)
         critic, critic_optimizer = prepare(accelerator, critic, lambda m: adamw(
             m, lr=cfg.critic.lr, weight_decay=cfg.critic.weight_decay
-        ), cfg.model.dtype)  # fmt: skip
+        ), cfg.model.dtype, offload)  # fmt: skip
         allocate_state(critic_optimizer)
     if cfg.algo.uses_reference:  # frozen: the compute dtype on CUDA, float32 on CPU
         dtype = getattr(torch, cfg.model.dtype) if torch.cuda.is_available() else torch.float32
@@ -111,7 +120,7 @@ def run_learner(ctx: RunContext) -> None:
         learner.close()
         rank = accelerator.process_index
         mark_cpu(ctx.path, "learner" if rank == 0 else f"learner{rank}")
-    if accelerator.num_processes > 1:
+    if torch.distributed.is_initialized():  # several ranks, or one sharded (cpu_offload)
         leave_job()
 
 
@@ -188,37 +197,97 @@ def allocate_state(optimizer) -> None:
             state["step"] = 0
 
 
-def prepare(accelerator, model, make_optimizer, dtype: str):
+def prepare(accelerator, model, make_optimizer, dtype: str, offload: bool = False):
     """(model, optimizer) ready to train: Accelerate's prepare on one rank; FSDP2 over
-    several (Accelerate would wrap a CPU model in DDP, so the sharding is applied here)."""
-    if accelerator.num_processes == 1:
+    several (Accelerate would wrap a CPU model in DDP, so the sharding is applied here),
+    or over one with ``offload`` (learner.cpu_offload: FSDP2's offload is the way to it)."""
+    if accelerator.num_processes == 1 and not offload:
         return accelerator.prepare(model, make_optimizer(model))
     if accelerator.is_main_process:
         log.info(
-            "%s: FSDP2 over %d ranks (%s)", type(model).__name__, accelerator.num_processes,
-            torch.distributed.get_backend(),
+            "%s: FSDP2 over %d rank(s) (%s)%s", type(model).__name__, accelerator.num_processes,
+            torch.distributed.get_backend(), ", CPU offload" if offload else "",
         )  # fmt: skip
-    model = fsdp2(model.to(accelerator.device), getattr(torch, dtype))
+    if not offload:  # offloaded: the shards go to host memory, no need to visit the device
+        model = model.to(accelerator.device)
+    model = fsdp2(model, getattr(torch, dtype), offload)
     return model, make_optimizer(model)
 
 
-def fsdp2(model, compute_dtype: torch.dtype):
-    """``fully_shard`` each decoder layer (the model's ``_no_split_modules`` classes), then
-    the root. Parameters and optimizer state stay float32; a bf16/fp16 ``model.dtype`` is
-    the compute dtype (FSDP2's mixed precision, gradients reduced in float32)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The model's decoder layers (its ``_no_split_modules`` classes): the units FSDP2
+    shards and ``learner.compile`` compiles."""
+    layers = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in layers]
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} names no decoder layer class")
+    return blocks
+
+
+def fsdp2(model, compute_dtype: torch.dtype, offload: bool = False):
+    """``fully_shard`` each decoder layer, then the root. Parameters and optimizer state
+    stay float32; a bf16/fp16 ``model.dtype`` is the compute dtype (FSDP2's mixed
+    precision, gradients reduced in float32). ``offload``: shards, gradients and optimizer
+    state live in host memory (pinned on CUDA), each layer's parameters are copied to the
+    device for its forward and backward, and the optimizer steps on the CPU."""
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
 
     policy = MixedPrecisionPolicy()
     if compute_dtype != torch.float32:
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    layers = set(getattr(model, "_no_split_modules", None) or ())
-    blocks = [m for m in model.modules() if type(m).__name__ in layers]
-    if not blocks:
-        raise ValueError(f"{type(model).__name__} names no decoder layer class to shard")
-    for block in blocks:
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+    placement = OffloadPolicy()
+    if offload:
+        placement = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    for block in decoder_layers(model):
+        fully_shard(block, mp_policy=policy, offload_policy=placement)
+    fully_shard(model, mp_policy=policy, offload_policy=placement)
     return model
+
+
+def compile_layers(model) -> None:
+    """``torch.compile`` each decoder layer in place (``Module.compile``: parameter names
+    and state_dict keys stay, so publishing and checkpoints see no difference). The layers
+    hold the step's compute and most of its small kernels (norms, RoPE, SwiGLU, casts);
+    the head stays eager because learners/logprobs.py replaces its forward at call time.
+    Layers of one class share their compiled code once the forward keeps no KV cache
+    (``use_cache`` off: a learner never decodes, and a cache's state differs from the
+    first layer to the next, a recompile each). Shapes: automatic dynamic, so the first
+    shape compiles static and the first different one recompiles with the batch and
+    sequence sizes symbolic, which later shapes reuse (``dynamic=True`` would make the
+    hidden size symbolic too: a tiny model's steady step was 17x slower on CPU). Call it
+    after gradient checkpointing is enabled (the checkpoint then wraps the compiled
+    layer) and before FSDP2 (whose hooks stay outside the compiled graphs)."""
+    model.config.use_cache = False
+    for block in decoder_layers(model):
+        block.compile()
+
+
+def process_group_kwargs(learner) -> list:
+    """Accelerate's process-group settings: an offloading CUDA job needs gloo beside NCCL
+    (its shards and their collectives are in host memory)."""
+    from accelerate.utils import InitProcessGroupKwargs
+
+    if learner.cpu_offload and torch.cuda.is_available():
+        return [InitProcessGroupKwargs(backend=OFFLOAD_BACKEND)]
+    return []
+
+
+OFFLOAD_BACKEND = "cpu:gloo,cuda:nccl"
+
+
+def own_process_group() -> None:
+    """A default process group of this one process, for FSDP2 on a single learner rank
+    (learner.cpu_offload); the weight-sync group is separate (verl_async/weight_sync.py)."""
+    if torch.distributed.is_initialized():
+        return
+    backend = OFFLOAD_BACKEND if torch.cuda.is_available() else "gloo"
+    store = torch.distributed.HashStore()
+    torch.distributed.init_process_group(backend, store=store, rank=0, world_size=1)
 
 
 def stop_on_signals() -> None:

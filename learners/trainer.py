@@ -94,6 +94,7 @@ class Learner:
             loss_scale_factor=self.cfg.algo.loss_scale_factor or longest_response(self.cfg),
         )
         self.version = 0
+        self.graphs = 0  # torch.compile's graphs so far (learner.compile)
         self.publish_bytes = 0  # what the last weight update sent (the adapter alone with LoRA)
         self.steps_done = 0
         self.curve = client_credentials(self.cfg, ctx.run_dir, LEARNER)  # every buffer socket's
@@ -278,6 +279,7 @@ class Learner:
             temperature=cfg.generators.temperature,
             learner=cfg.learner,
         )
+        self.note_compiles()
         if self.scheduler is not None and stats.optimizer_steps:  # none: warming up or skipped
             self.scheduler.step()
         if self.skips is not None:
@@ -289,6 +291,20 @@ class Learner:
             stats.rollout_corr = dp.mean_metrics(corr, weight, names)
         return stats, critic_stats
 
+    def note_compiles(self) -> None:
+        """Log torch.compile's graph count when a step made new ones (learner.compile): a
+        count that keeps growing means shapes defeat the dynamic compile."""
+        if not self.cfg.learner.compile or not self.acc.is_main_process:
+            return
+        from torch._dynamo.utils import counters
+
+        graphs = int(counters["stats"]["unique_graphs"])  # this process's, recompiles included
+        if graphs != self.graphs:
+            log.info(
+                "torch.compile: %d graph(s) compiled so far (step %d)", graphs, self.steps_done
+            )
+            self.graphs = graphs
+
     def update_hooks(self, model, max_norm: float) -> UpdateHooks:
         """This setup's backward, gradient clipping (``model``'s, to ``max_norm``) and
         collectives, for ``policy_update``."""
@@ -297,9 +313,10 @@ class Learner:
 
     def clip_grad(self, model, max_norm: float) -> float:
         """Clip the gradient norm (over all ranks' shards under FSDP2); returns it."""
-        if self.dp.world == 1:
-            return float(self.acc.clip_grad_norm_(model.parameters(), max_norm))
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        if self.dp.world == 1:  # a DTensor too when one rank is sharded (cpu_offload)
+            norm = self.acc.clip_grad_norm_(model.parameters(), max_norm)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     def publish_weights(self, new_version: bool = True) -> float:
@@ -317,7 +334,7 @@ class Learner:
         self.version = version
         self.publish_bytes = sum(t.numel() * t.element_size() for t in state.values())
         bucket = self.cfg.weights.bucket_mb << 20
-        buckets = gathered_buckets(state, plan)
+        buckets = gathered_buckets(state, plan, self.acc.device)
         update = P.WeightUpdate(version=self.version, params=specs, bucket_bytes=bucket)
         if self.sync is None:  # other ranks: take part in the gathers
             for _ in buckets:

@@ -297,6 +297,16 @@ class LearnerConfig(_Section):
     """Linear learning-rate warm-up over this many steps, then constant (0: constant from the start)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, ~30 % more compute)."""
+    compile: bool = False
+    """torch.compile each decoder layer in place (the head stays eager; docs/gpu.md): the
+    first two step shapes each pay a compile (about a minute for a small model on 2 CPU
+    cores), later steps reuse it with dynamic batch and sequence sizes."""
+    cpu_offload: bool = False
+    """FSDP2 keeps parameters, gradients and AdamW state in host memory and moves each
+    decoder layer to the device for its forward and backward (CPUOffloadPolicy; the
+    optimizer steps on the CPU). A single learner rank is then sharded as a group of one
+    too. For a CUDA learner whose weights and optimizer state outgrow the GPU; on CPU
+    learners it runs but saves nothing (the tensors are in host memory already)."""
     share_prefix: bool = True
     """Rows of a pass that start with the same prompt (a group's samples) compute it once:
     they are packed into one sequence, the prompt first, each sample's own tokens after

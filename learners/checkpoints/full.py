@@ -109,7 +109,7 @@ def split_optimizer(optimizer: dict, prefix: str = "optim") -> tuple[dict[str, t
     for param, entries in optimizer["state"].items():
         for key, value in entries.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"{prefix}.{param}.{key}"] = value
+                tensors[f"{prefix}.{param}.{key}"] = whole(value)
             else:
                 scalars.setdefault(str(param), {})[key] = value
     return tensors, {"param_groups": optimizer["param_groups"], "scalars": scalars}
@@ -142,12 +142,23 @@ def _names(model: torch.nn.Module) -> list[str]:
 
 def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A one-rank model's tensors by name (several ranks write shards: shards.py)."""
-    return {name: t.detach() for name, t in model.state_dict().items()}
+    return {name: whole(t).detach() for name, t in model.state_dict().items()}
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A tensor as a plain one: a one-rank FSDP2 model's DTensors (learner.cpu_offload)
+    hold every element in their one shard."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def sharded(model: torch.nn.Module) -> bool:
+    """Whether FSDP2 shards ``model`` (on one rank too, with learner.cpu_offload)."""
+    return any(hasattr(p, "full_tensor") for p in model.parameters())
 
 
 def load_model_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor], world: int) -> None:
     """Load full tensors into a plain or FSDP2-sharded model (every rank passes them)."""
-    if world == 1:
+    if world == 1 and not sharded(model):
         model.load_state_dict(tensors)
         return
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
@@ -157,7 +168,7 @@ def load_model_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor], w
 
 def load_optimizer_state(model: torch.nn.Module, optimizer, state: dict, world: int) -> None:
     """Load a one-rank-form optimizer state (every rank passes it)."""
-    if world == 1:
+    if world == 1 and not sharded(model):
         optimizer.load_state_dict(state)
         return
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
