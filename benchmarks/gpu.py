@@ -76,7 +76,16 @@ def _kv_heads(hidden: int) -> int:
 def build_model(args, dev: torch.device, dtype: torch.dtype):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from learners.setup import fsdp2
+    from learners.setup import compile_layers, fsdp2
+
+    if args.liger:  # before the model is built: Liger replaces the Llama module classes
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        # RoPE, RMSNorm, SwiGLU; the head stays ours (learners/logprobs.py's chunked pass)
+        apply_liger_kernel_to_llama(
+            rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+            fused_linear_cross_entropy=False,
+        )  # fmt: skip
 
     config = LlamaConfig(
         vocab_size=args.vocab,
@@ -96,6 +105,10 @@ def build_model(args, dev: torch.device, dtype: torch.dtype):
         from verl_async.schema import LoraConfig
 
         model = lora.apply(model, LoraConfig(rank=args.lora_rank))
+    if args.checkpointing:
+        model.gradient_checkpointing_enable()
+    if args.compile:  # as learners/setup.py: after checkpointing, before FSDP2
+        compile_layers(model)
     return fsdp2(model, dtype)  # the learner's sharding; dtype is the compute dtype
 
 
@@ -107,20 +120,23 @@ def batch_message(args, rank: int):
     rng = np.random.default_rng(rank)
     n, resp = args.samples, args.response_len or args.seq_len // 2
     prompt = args.seq_len - resp
+    lengths = [resp] * n
+    if args.ragged:  # responses of 1/4 to all of --response-len tokens, as sampling gives
+        lengths = rng.integers(max(1, resp // 4), resp + 1, n).tolist()
     frames = P.Frames()
     body = P.Batch(
         step=0,
         group_ids=list(range(n // 8)),
         sample_group=[i // 8 for i in range(n)],
         prompt_lengths=[prompt] * n,
-        response_lengths=[resp] * n,
+        response_lengths=lengths,
         scores=rng.integers(0, 2, (n, 1)).astype(float).tolist(),
         failed=[0],
         data_sources=["default"] * (n // 8),
         prompt_ids=frames.add(rng.integers(0, args.vocab, n * prompt, dtype=np.int32)),
-        response_ids=frames.add(rng.integers(0, args.vocab, n * resp, dtype=np.int32)),
-        behav_logprobs=frames.add(np.full(n * resp, -np.log(args.vocab), np.float32)),
-        token_versions=frames.add(np.zeros(n * resp, np.int32)),
+        response_ids=frames.add(rng.integers(0, args.vocab, sum(lengths), dtype=np.int32)),
+        behav_logprobs=frames.add(np.full(sum(lengths), -np.log(args.vocab), np.float32)),
+        token_versions=frames.add(np.zeros(sum(lengths), np.int32)),
         dropped_stale=0,
         buffer_size=0,
     )
@@ -204,6 +220,17 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="train LoRA adapters of this rank on q/k/v/o (model.lora) and publish only them",
     )
+    ap.add_argument(
+        "--chunk-tokens", type=int, default=1024,
+        help="learner.logprob_chunk_tokens (0: the head over every kept position at once)",
+    )  # fmt: skip
+    ap.add_argument("--padding-free", action="store_true", help="learner.padding_free")
+    ap.add_argument(
+        "--ragged", action="store_true", help="response lengths drawn from 1/4 to all of it"
+    )
+    ap.add_argument("--compile", action="store_true", help="learner.compile")
+    ap.add_argument("--checkpointing", action="store_true", help="gradient checkpointing")
+    ap.add_argument("--liger", action="store_true", help="Liger's RoPE, RMSNorm, SwiGLU (CUDA)")
     ap.add_argument("--bucket-mb", type=int, default=64)
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="for MFU (default: known GPUs)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs/gpu")
@@ -220,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     from verl_async import lora
     from verl_async.algos import grpo_advantages
     from verl_async.runtime import free_port
-    from verl_async.schema import AlgoConfig
+    from verl_async.schema import AlgoConfig, LearnerConfig
     from verl_async.weight_sync import (
         join_group,
         pack_bucket,
@@ -234,6 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(args, dev, dtype)
     optimizer = adamw(model, lr=1e-6, weight_decay=0.0)  # the learner's
     algo = AlgoConfig(correction="decoupled", minibatches=2)
+    learner = LearnerConfig(
+        logprob_chunk_tokens=args.chunk_tokens, padding_free=args.padding_free,
+        gradient_checkpointing=args.checkpointing, compile=args.compile,
+    )  # fmt: skip
     body, frames = batch_message(args, rank)
 
     def clip_grad() -> float:
@@ -247,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         rewards = torch.from_numpy(batch.scores[:, 0])  # one source, weight 1
         adv = grpo_advantages(rewards, batch.group_index.cpu()).to(dev)
         model.train()
-        s = policy_update(model, optimizer, batch, adv, algo, hooks)
+        s = policy_update(model, optimizer, batch, adv, algo, hooks, learner=learner)
         parts.append({k: getattr(s, k, None) for k in PARTS})
 
     def timed_steps(overlap: bool) -> list[float]:
@@ -256,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         side = torch.cuda.Stream(dev) if overlap else None
         pending = copy_to_device(collate(body, frames, pad_id=0, pin=pin), dev, side)
         times = []
-        for i in range(2 + args.steps):
+        for i in range(2 + args.steps):  # two warm-up steps (with --compile: compiling)
             sync(dev)
             t0 = time.perf_counter()
             if overlap:
@@ -269,10 +300,12 @@ def main(argv: list[str] | None = None) -> int:
             if i >= 2:
                 times.append(time.perf_counter() - t0)
             else:
-                parts.pop()  # warm-up
+                parts.pop()
+                warmup.append(time.perf_counter() - t0)
         return times
 
     pin = dev.type == "cuda"
+    warmup: list[float] = []  # the warm-up steps' seconds: first shapes, compilation
     step_times = timed_steps(overlap=False)
     overlap_times = timed_steps(overlap=True) if dev.type == "cuda" else []
     tokens = sum(p + r for p, r in zip(body.prompt_lengths, body.response_lengths, strict=True))
@@ -330,12 +363,20 @@ def main(argv: list[str] | None = None) -> int:
         result = {
             "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
             "lora_rank": args.lora_rank,
+            "options": {
+                "chunk_tokens": args.chunk_tokens,
+                "padding_free": args.padding_free,
+                "compile": args.compile,
+                "checkpointing": args.checkpointing,
+                "liger": args.liger,
+            },  # fmt: skip
             "world_size": world,
             "params": params,
             "dtype": str(dtype),
             "tokens_per_step": tokens,
             "response_tokens_per_step": resp_tokens,
             "step_s": step_times,
+            "warmup_s": warmup,
             "publish_s": publish_times,
             "publish_bytes": nbytes,
             "finite_check_s": check_times,

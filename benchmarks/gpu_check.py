@@ -122,6 +122,12 @@ def plan(args) -> list[Part]:
             name = f"learner-{shape}-{variant}"
             argv = [*py, "benchmarks/gpu.py", *dims.split(), *flags.split(), "--steps", "3"]
             parts.append(Part(name, argv + ["--out", str(out / name)], 60, figures="gpu.json"))
+        for variant, flags in (("ragged", ""), ("ragged-padding-free", "--padding-free")):
+            # responses of unequal lengths, where padding-free packing has padding to save
+            name = f"learner-{shape}-{variant}"
+            argv = [*py, "benchmarks/gpu.py", *dims.split(), "--ragged", *flags.split()]
+            argv += ["--steps", "3", "--out", str(out / name)]
+            parts.append(Part(name, argv, 60, figures="gpu.json"))
     name = "profile"
     dims = TINY_LEARNER if dry else SMOLLM2
     argv = [*py, "benchmarks/gpu.py", *dims.split(), "--steps", "1", "--profile"]
@@ -166,7 +172,7 @@ def read_figures(path: Path) -> dict:
         data = json.loads(path.read_text())
         keep = (
             "device", "params", "mfu", "tflops_per_device", "peak_gib", "step_s",
-            "update_s", "bytes", "route", "identical", "options", "parts_s",
+            "update_s", "bytes", "route", "identical", "options", "warmup_s",
         )  # fmt: skip
         return {k: v for k, v in data.items() if k in keep}
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
