@@ -92,7 +92,9 @@ class PassOptions:
 
 @dataclass
 class TokenStats:
-    logp: torch.Tensor  # [N, T-1] float32: log pi(target t+1 | ids <= t), 0 where not masked
+    # [N, T-1] float32 (float64 for a float64 model): log pi(target t+1 | ids <= t), 0
+    # where not masked
+    logp: torch.Tensor
     entropy: torch.Tensor | None  # [N, T-1] float32 at the same positions, when asked
     # Positions the model computed (padding included) and the real tokens among them; with
     # a shared prefix both count it once. ``tokens``: the real tokens of the rows.
