@@ -84,7 +84,8 @@ def main() -> None:
 
 
 def kernels(args) -> None:
-    m = model()
+    """AdamW, sliced logits and shared prompts (the list above), on one model."""
+    m = model(args.layers)
     params = list(m.parameters())
     print(
         f"{sum(p.numel() for p in params) / 1e6:.0f}M parameters, {torch.get_num_threads()} threads"
@@ -186,6 +187,7 @@ def pass_arm(args, chunk: int, free: int) -> dict:
 
 
 def compare_passes(args) -> None:
+    """The arms, each ``--rounds`` times in fresh processes, interleaved; one line each."""
     arms = [(0, 0), (args.logprob_chunk_tokens, 0)]
     if args.padding_free:
         arms.append((args.logprob_chunk_tokens, 1))

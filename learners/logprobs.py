@@ -92,7 +92,9 @@ class PassOptions:
 
 @dataclass
 class TokenStats:
-    logp: torch.Tensor  # [N, T-1] float32: log pi(target t+1 | ids <= t), 0 where not masked
+    # [N, T-1] float32 (float64 for a float64 model): log pi(target t+1 | ids <= t), 0
+    # where not masked
+    logp: torch.Tensor
     entropy: torch.Tensor | None  # [N, T-1] float32 at the same positions, when asked
     # Positions the model computed (padding included) and the real tokens among them; with
     # a shared prefix both count it once. ``tokens``: the real tokens of the rows.
@@ -191,10 +193,10 @@ def token_stats(
         pack = _packing(model, input_ids, attention_mask, keep, options)
     if pack is not None:
         return _packed_stats(model, input_ids, keep, pack, temperature, entropy, options, tokens)
+    chunk = options.chunk_tokens
     logp, ent = _sliced(
-        model, input_ids, keep, temperature, entropy, options.chunk_tokens,
-        attention_mask=attention_mask,
-    )  # fmt: skip
+        model, input_ids, keep, temperature, entropy, chunk, attention_mask=attention_mask
+    )
     return TokenStats(logp, ent, computed=n * t, real=tokens, tokens=tokens)
 
 
@@ -358,10 +360,8 @@ def _pieces(families: dict[tuple, list[int]], rests: list[int], pack_tokens: int
     for prefix, rows in families.items():
         for i in rows:
             last = pieces[-1] if pieces else None
-            if (
-                not prefix or last is None or last.prefix is not prefix
-                or last.size + rests[i] > pack_tokens
-            ):  # fmt: skip
+            joins = bool(prefix) and last is not None and last.prefix is prefix
+            if not joins or last.size + rests[i] > pack_tokens:
                 last = _Piece(prefix, [], len(prefix))  # another copy of the prefix
                 pieces.append(last)
             last.rows.append(i)
@@ -417,12 +417,17 @@ def _build(packed, ids, cuts, lengths, attn_impl, varlen: bool, device) -> Packi
                 row_of[i], start_of[i] = r, at
                 at += rest
     attend = None if varlen else _attend(segment, piece_of, attn_impl)
-    cut, length = torch.tensor(cuts), torch.tensor(lengths)
+    cut = torch.tensor(cuts, device=device)
     return Packing(
-        out.to(device), positions.to(device), None if attend is None else attend.to(device),
-        torch.tensor(row_of, device=device), torch.tensor(start_of, device=device),
-        cut.to(device), (length - cut).to(device), real=sum(p.size for r in packed for p in r),
-    )  # fmt: skip
+        ids=out.to(device),
+        positions=positions.to(device),
+        attend=None if attend is None else attend.to(device),
+        row=torch.tensor(row_of, device=device),
+        start=torch.tensor(start_of, device=device),
+        cut=cut,
+        rest=torch.tensor(lengths, device=device) - cut,
+        real=sum(p.size for r in packed for p in r),
+    )
 
 
 def _attend(segment: torch.Tensor, piece_of: torch.Tensor, attn_impl: str) -> torch.Tensor:

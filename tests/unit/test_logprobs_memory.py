@@ -34,10 +34,15 @@ def _measure(chunk: int) -> int:
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
         tie_word_embeddings=True,
-    )  # fmt: skip
+    )
     model = LlamaForCausalLM(config)
     options = PassOptions(chunk_tokens=chunk)
 
@@ -58,10 +63,8 @@ def _measure(chunk: int) -> int:
 def _peak_growth(chunk: int) -> int:
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root)}
-    out = subprocess.run(
-        [sys.executable, __file__, str(chunk)], capture_output=True, text=True, env=env,
-        cwd=root, timeout=180, check=True,
-    )  # fmt: skip
+    cmd = [sys.executable, __file__, str(chunk)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])["peak_growth"]
 
 

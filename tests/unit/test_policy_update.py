@@ -255,11 +255,15 @@ def test_length_bucketed_micro_batches_take_the_full_width_step(tmp_path):
     assert cut.padding_fraction < whole.padding_fraction
 
 
-@pytest.mark.parametrize(
-    "keys",
-    [{"padding_free": True}, {"padding_free": True, "share_prefix": False},
-     {"logprob_chunk_tokens": 0}, {"logprob_chunk_tokens": 3}],
-)  # fmt: skip
+PASS_OPTIONS = [
+    {"padding_free": True},
+    {"padding_free": True, "share_prefix": False},
+    {"logprob_chunk_tokens": 0},
+    {"logprob_chunk_tokens": 3},
+]
+
+
+@pytest.mark.parametrize("keys", PASS_OPTIONS)
 def test_logprob_pass_options_train_as_the_padded_pass(tmp_path, keys):
     """learner.padding_free and learner.logprob_chunk_tokens change how the passes run,
     not the update: the weights after two minibatches (pi_prox from a separate pass for
