@@ -10,17 +10,24 @@ order of what matters most (a lease cut short still leaves the first ones):
   learner's process to a generator's process on the same GPU, through the weight-sync
   group's same-device channel (CUDA IPC; a memory file on the CPU): seconds per update,
   every byte compared with what was sent.
-- ``e2e-tiny`` and ``e2e-smollm2``: the whole loop on one GPU: ``verl-async train`` with
-  the buffer, a transformers-engine generator and the learner sharing ``cuda:0``
-  (``placement.colocate``), bf16, on the tiny task; the first with the tiny model's shape
-  (it learns the task within a few dozen steps on a CPU), the second with a model of
-  SmolLM2-135M's shape built at random. Reward first and last, step time, and the
-  log-prob gap between the generator's and the learner's (``rollout_logp_diff_max``).
-- ``learner-*``: ``benchmarks/gpu.py`` (the learner's own FSDP2 step) at SmolLM2-135M's
-  and Qwen2.5-0.5B's shapes: the plain step against full logits, then with each option
-  alone (chunked log-probs, compile, padding-free packing, Liger's kernels) and all of
-  them together: MFU, step time, peak memory; ``profile`` prints one step's operators by
-  device and by host time.
+- ``e2e-tiny``: the whole loop on one GPU: ``verl-async train`` with the buffer, a
+  transformers-engine generator and the learner sharing ``cuda:0``
+  (``placement.colocate``), bf16, the tiny model on the tiny task (which it learns
+  within a few dozen steps on a CPU): reward first and last, step time, weight-sync
+  time, the learner's peak GPU memory and the log-prob gap between the generator's and
+  the learner's (``rollout_logp_diff_max``).
+- ``learner-*``: ``benchmarks/gpu.py`` (the learner's own FSDP2 step) at Qwen2.5-0.5B's
+  and SmolLM2-135M's shapes: against full logits, then the default chunked log-probs,
+  then with each option (compile, padding-free packing, Liger's kernels) and all of them
+  together; then responses of unequal lengths without and with padding-free packing:
+  MFU, step time, warm-up (compile) seconds, peak memory.
+- ``e2e-smollm2``: the whole loop again with a random model of SmolLM2-135M's shape.
+- ``profile``: one SmolLM2-shaped step's operators by device and by host time.
+
+Liger's kernels need ``liger-kernel`` (a small pure-Python wheel, with Triton); where it
+is missing its two parts fail and the rest run. With a 15-minute lease: ``--budget-s
+480`` (the default) leaves time for the machine's start and a rerun of what failed
+(``--only PART,...``; a prefix such as ``learner`` selects a family).
 
 Writes ``OUT/results.json`` (every part: command, exit code, seconds, its figures) and
 ``OUT/summary.md`` (one table) after each part, and each part's own output under
@@ -97,41 +104,46 @@ def e2e_part(name: str, out: Path, dry: bool, steps: int, extra: list[str], time
     return Part(name, argv, timeout_s, figures="metrics.jsonl")
 
 
-def plan(args) -> list[Part]:
-    out, dry = args.out, args.dry_run
-    py = [sys.executable]
-    parts = [
-        Part(
-            "ipc",
-            [*py, "benchmarks/gpu_check.py", "--ipc", "--out", str(out / "ipc")]
-            + (["--dry-run"] if dry else []),
-            60 if dry else 90,
-            figures="ipc.json",
-        ),
-        e2e_part("e2e-tiny", out, dry, 8 if dry else 100, [], 150 if dry else 120),
+def learner_parts(out: Path, dry: bool) -> list[Part]:
+    """benchmarks/gpu.py with each option (``VARIANTS``), then ragged responses without
+    and with padding-free packing, at each shape (Qwen first: its target is the higher)."""
+    shapes = {"tiny": TINY_LEARNER} if dry else {"qwen0.5b": QWEN, "smollm2": SMOLLM2}
+    runs = [
+        *VARIANTS.items(),
+        ("ragged", "--ragged"),
+        ("ragged-padding-free", "--ragged --padding-free"),
     ]
-    if not dry:
-        parts.append(e2e_part("e2e-smollm2", out, dry, 30, [*SMOLLM2_TINY, "learner.lr=1e-4"], 120))
-    shapes = {"tiny": TINY_LEARNER} if dry else {"smollm2": SMOLLM2, "qwen0.5b": QWEN}
+    parts = []
     for shape, dims in shapes.items():
-        for variant, flags in VARIANTS.items():
-            if dry and variant in ("liger", "all"):  # Liger's kernels are Triton: CUDA only
-                flags = flags.replace("--liger", "").strip()
+        for variant, flags in runs:
+            if dry and "--liger" in flags:  # Liger's kernels are Triton's: CUDA only
                 if variant == "liger":
                     continue
+                flags = flags.replace("--liger", "")
             name = f"learner-{shape}-{variant}"
-            argv = [*py, "benchmarks/gpu.py", *dims.split(), *flags.split(), "--steps", "3"]
-            parts.append(Part(name, argv + ["--out", str(out / name)], 60, figures="gpu.json"))
-        for variant, flags in (("ragged", ""), ("ragged-padding-free", "--padding-free")):
-            # responses of unequal lengths, where padding-free packing has padding to save
-            name = f"learner-{shape}-{variant}"
-            argv = [*py, "benchmarks/gpu.py", *dims.split(), "--ragged", *flags.split()]
+            argv = [sys.executable, "benchmarks/gpu.py", *dims.split(), *flags.split()]
             argv += ["--steps", "3", "--out", str(out / name)]
-            parts.append(Part(name, argv, 60, figures="gpu.json"))
-    name = "profile"
+            compiles = "--compile" in flags  # the first two step shapes compile
+            limit = 240 if dry else (120 if compiles else 60)
+            parts.append(Part(name, argv, limit, figures="gpu.json"))
+    return parts
+
+
+def plan(args) -> list[Part]:
+    """The parts in the order they run: what matters most first."""
+    out, dry = args.out, args.dry_run
+    ipc = [sys.executable, "benchmarks/gpu_check.py", "--ipc", "--out", str(out / "ipc")]
+    parts = [
+        Part("ipc", ipc + (["--dry-run"] if dry else []), 60 if dry else 90, figures="ipc.json"),
+        e2e_part("e2e-tiny", out, dry, 8 if dry else 100, [], 150 if dry else 120),
+        *learner_parts(out, dry),
+    ]
+    if not dry:
+        smollm2 = [*SMOLLM2_TINY, "learner.lr=1e-4"]
+        parts.append(e2e_part("e2e-smollm2", out, dry, 30, smollm2, 120))
     dims = TINY_LEARNER if dry else SMOLLM2
-    argv = [*py, "benchmarks/gpu.py", *dims.split(), "--steps", "1", "--profile"]
-    parts.append(Part(name, argv + ["--out", str(out / name)], 60, figures="gpu.json"))
+    argv = [sys.executable, "benchmarks/gpu.py", *dims.split(), "--steps", "1", "--profile"]
+    parts.append(Part("profile", argv + ["--out", str(out / "profile")], 60, figures="gpu.json"))
     if args.only:
         wanted = set(args.only.split(","))
         parts = [p for p in parts if p.name in wanted or p.name.split("-")[0] in wanted]
