@@ -275,11 +275,13 @@ def compile_layers(model) -> None:
 
 
 def process_group_kwargs(learner) -> list:
-    """Accelerate's process-group settings: an offloading CUDA job needs gloo beside NCCL
-    (its shards and their collectives are in host memory)."""
+    """Accelerate's process-group settings: an offloading CUDA job of several ranks needs
+    gloo beside NCCL (its shards and their collectives are in host memory); one rank
+    makes its own group (``own_process_group``)."""
     from accelerate.utils import InitProcessGroupKwargs
 
-    if learner.cpu_offload and torch.cuda.is_available():
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    if learner.cpu_offload and torch.cuda.is_available() and ranks > 1:
         return [InitProcessGroupKwargs(backend=OFFLOAD_BACKEND)]
     return []
 
