@@ -8,13 +8,16 @@ fused AdamW step):
     python benchmarks/learner_options.py compile [--layers 30] [--rows 8] [--prompt 48]
                                                  [--response 16] [--steps 8] [--tiny]
 
-- ``memory``: one update per case (plain, ``gradient_checkpointing``, both with
-  ``compile``), each in a fresh interpreter; its peak resident memory (``ru_maxrss``)
-  against the memory held once the model and optimizer are built.
+- ``memory``: two updates per case (plain, ``gradient_checkpointing``, both with
+  ``compile``), each case in a fresh interpreter; the peak resident memory
+  (``ru_maxrss``) and its rise over what is held between steps (model, AdamW state), the
+  second update's time.
 - ``compile``: eager and compiled models (``learners.setup.compile_layers``) take the
   same steps in turn, in one process, over batches whose lengths vary by a few tokens
-  (as a run's do): each step's time, the compiled graphs so far. ``--tiny``: the tiny
-  model (configs' default) instead of SmolLM2's shape.
+  (as a run's do): each step's time, the compiled graphs so far; then the steady step
+  of each (median of the second half), the compile's cost (the compiled model's first
+  three steps less three steady ones) and the steps after which it has paid for itself.
+  ``--tiny``: the tiny model (configs' default) instead of SmolLM2's shape.
 
 Rows have prompts of their own (no shared prefix), so every case computes the same
 positions. Figures are printed as one JSON line per case.
@@ -77,7 +80,7 @@ def batch(seed: int, rows: int, prompt: int, response: int, vocab: int):
         response_ids=frames.add(rng.integers(3, vocab, responses.sum(), dtype=np.int32)),
         behav_logprobs=frames.add(rng.uniform(-3, -1, responses.sum()).astype(np.float32)),
         token_versions=frames.add(np.zeros(responses.sum(), np.int32)),
-        scores=[[0.0]] * rows, failed=[0] * rows, data_sources=["default"] * rows,
+        scores=[[0.0]] * rows, failed=[0], data_sources=["default"] * rows,
         dropped_stale=0, buffer_size=0,
     )  # fmt: skip
     return collate(body, [bytes(b) for b in frames.buffers], pad_id=0)
@@ -122,8 +125,9 @@ def one_pass(args) -> None:
     checkpointing, compiled = "checkpointing" in args.case, "compile" in args.case
     model, optimizer = prepare(smollm2_shaped(args.layers), checkpointing, compiled)
     b = batch(0, args.rows, args.prompt, args.response, 49152)
-    if compiled:  # compile first, on a batch of another shape, so the peak is the pass's
-        update(model, optimizer, batch(1, args.rows, args.prompt - 8, args.response, 49152))
+    # A first update on a batch of another shape (a compiled model compiles there): the
+    # figures below are a later step's, gradients and optimizer temporaries included.
+    update(model, optimizer, batch(1, args.rows, args.prompt - 8, args.response, 49152))
     held = rss_mib(peak=False)
     t0 = time.perf_counter()
     update(model, optimizer, b)
@@ -139,7 +143,9 @@ def memory(args) -> None:
         cmd = [sys.executable, __file__, "_pass", "--case", case] + [
             f"--{k}={getattr(args, k)}" for k in ("layers", "rows", "prompt", "response")
         ]
-        res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode:
+            sys.exit(f"{case}: failed\n{res.stderr[-3000:]}")
         print(res.stdout.strip().splitlines()[-1], flush=True)
 
 
@@ -153,15 +159,24 @@ def compile_times(args) -> None:
     vocab = base.config.vocab_size
     eager = prepare(copy.deepcopy(base), False, False)
     compiled = prepare(copy.deepcopy(base), False, True)
+    times = {"eager": [], "compiled": []}
     for step in range(args.steps):
         b = batch(step, args.rows, args.prompt, args.response, vocab)
         row = {"step": step, "tokens": int(b.attention_mask.sum())}
         for name, (model, optimizer) in (("eager", eager), ("compiled", compiled)):
             t0 = time.perf_counter()
             update(model, optimizer, b)
-            row[f"{name}_s"] = round(time.perf_counter() - t0, 3)
+            times[name].append(time.perf_counter() - t0)
+            row[f"{name}_s"] = round(times[name][-1], 3)
         row["graphs"] = int(counters["stats"]["unique_graphs"])
         print(json.dumps(row), flush=True)
+    steady = {k: float(np.median(v[len(v) // 2 :])) for k, v in times.items()}  # second half
+    first = sum(times["compiled"][:3]) - 3 * steady["compiled"]  # compiling, about
+    saved = steady["eager"] - steady["compiled"]
+    summary = {"steady_eager_s": steady["eager"], "steady_compiled_s": steady["compiled"]}
+    summary |= {"speedup": steady["eager"] / steady["compiled"], "compile_s": first}
+    summary["pays_after_steps"] = first / saved if saved > 0 else None
+    print(json.dumps({k: round(v, 3) if v is not None else v for k, v in summary.items()}))
 
 
 def main() -> None:
@@ -179,6 +194,10 @@ def main() -> None:
     args.prompt = args.prompt or (48 if small else 128)
     args.response = args.response or (16 if small else 128)
     print(f"{torch.get_num_threads()} threads", file=sys.stderr)
+    if small and not torch.cuda.is_available():  # timing as a CPU learner runs (keep_freed_memory)
+        from learners.setup import keep_freed_memory
+
+        keep_freed_memory()
     {"memory": memory, "compile": compile_times, "_pass": one_pass}[args.what](args)
 
 

@@ -49,20 +49,7 @@ def run_learner(ctx: RunContext) -> None:
     torch.manual_seed(cfg.learner.seed)
     ep = ctx.endpoints
     model = AutoModelForCausalLM.from_pretrained(ep.model_path, dtype=torch.float32)
-    if cfg.learner.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        model.config.use_cache = False
-        if lora.enabled(cfg):  # the frozen embeddings' output must carry a gradient
-            model.enable_input_require_grads()
-    if lora.enabled(cfg):  # before any sharding: FSDP2 then shards base and adapter alike
-        model = lora.apply(model, cfg.model.lora)
-        if main:
-            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            log.info(
-                "LoRA rank %d: %.2fM trainable parameters", cfg.model.lora.rank, trainable / 1e6
-            )
-    if cfg.learner.compile:  # after checkpointing and LoRA wrap the layers, before FSDP2
-        compile_layers(model)
+    model = actor_model(cfg, model, main)
     offload = cfg.learner.cpu_offload
     if offload and accelerator.num_processes == 1:
         own_process_group()  # FSDP2 shards over a process group, here a group of one
@@ -122,6 +109,27 @@ def run_learner(ctx: RunContext) -> None:
         mark_cpu(ctx.path, "learner" if rank == 0 else f"learner{rank}")
     if torch.distributed.is_initialized():  # several ranks, or one sharded (cpu_offload)
         leave_job()
+
+
+def actor_model(cfg, model, main: bool):
+    """The policy as the learner trains it, before sharding: activation checkpointing,
+    then LoRA (FSDP2 then shards base and adapter alike), then compiled layers (inside
+    the checkpoint, around the adapters)."""
+    if cfg.learner.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+        if lora.enabled(cfg):  # the frozen embeddings' output must carry a gradient
+            model.enable_input_require_grads()
+    if lora.enabled(cfg):
+        model = lora.apply(model, cfg.model.lora)
+        if main:
+            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            log.info(
+                "LoRA rank %d: %.2fM trainable parameters", cfg.model.lora.rank, trainable / 1e6
+            )
+    if cfg.learner.compile:
+        compile_layers(model)
+    return model
 
 
 def keep_freed_memory() -> bool:
@@ -268,11 +276,13 @@ def compile_layers(model) -> None:
 
 
 def process_group_kwargs(learner) -> list:
-    """Accelerate's process-group settings: an offloading CUDA job needs gloo beside NCCL
-    (its shards and their collectives are in host memory)."""
+    """Accelerate's process-group settings: an offloading CUDA job of several ranks needs
+    gloo beside NCCL (its shards and their collectives are in host memory); one rank
+    makes its own group (``own_process_group``)."""
     from accelerate.utils import InitProcessGroupKwargs
 
-    if learner.cpu_offload and torch.cuda.is_available():
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    if learner.cpu_offload and torch.cuda.is_available() and ranks > 1:
         return [InitProcessGroupKwargs(backend=OFFLOAD_BACKEND)]
     return []
 

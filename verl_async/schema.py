@@ -298,9 +298,10 @@ class LearnerConfig(_Section):
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, ~30 % more compute)."""
     compile: bool = False
-    """torch.compile each decoder layer in place (the head stays eager; docs/gpu.md): the
-    first two step shapes each pay a compile (about a minute for a small model on 2 CPU
-    cores), later steps reuse it with dynamic batch and sequence sizes."""
+    """torch.compile each decoder layer in place (the head stays eager; docs/gpu.md). The
+    first two steps compile a few graphs (static, then with the sizes that vary dynamic;
+    30-60 s each for a small model on 2 CPU cores), later steps reuse them. Pays where
+    the step is launch-bound (GPUs), not on CPUs."""
     cpu_offload: bool = False
     """FSDP2 keeps parameters, gradients and AdamW state in host memory and moves each
     decoder layer to the device for its forward and backward (CPUOffloadPolicy; the

@@ -62,6 +62,8 @@ CASES = {
     "lora": {"lora": True, "minibatches": 2},  # adapters on a frozen base, sharded alike
     # Every other case packs each group's rows behind its prompt (learner.share_prefix).
     "unpacked": {"share_prefix": False},
+    # learner.cpu_offload: the shards, their gradients and the SGD step in host memory
+    "cpu-offload": {"offload": True},
     # verl's rollout correction: token weights normalised over both ranks' tokens, and
     # rejection that recounts each minibatch's tokens over both ranks.
     "rollout-correction": {
@@ -182,7 +184,7 @@ def run_case(name: str, spec: dict, base, batch, dp: DataParallel) -> dict:
         one, batch, adv, algo, one_rank_plan(batch, algo, spec), sharded=False, share_prefix=share
     )
 
-    sharded = fsdp2(copy.deepcopy(base), torch.float32)
+    sharded = fsdp2(copy.deepcopy(base), torch.float32, offload=spec.get("offload", False))
     local = dp.local(batch)
     plan = plan_update(
         batch.loss_mask, batch.attention_mask, batch.shard_sizes, dp.rank, algo.minibatches,

@@ -38,6 +38,7 @@ def report(tmp_path_factory):
         "two-minibatches",
         "lora",
         "unpacked",
+        "cpu-offload",
         "rollout-correction",
     ],
 )

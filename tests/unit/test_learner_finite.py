@@ -243,7 +243,7 @@ def _learner(tmp_path, model, optimizer):
     )  # fmt: skip
     learner = SimpleNamespace(
         cfg=cfg, raw_model=model, dp=DataParallel(), version=3, steps_done=3, sync=_Sync(),
-        checkpoints=checkpoints,
+        checkpoints=checkpoints, acc=SimpleNamespace(device=torch.device("cpu")),
     )  # fmt: skip
     learner.published = lambda: Learner.published(learner)
     learner.checkpoint_info = lambda: {"wall_s": 0.0}

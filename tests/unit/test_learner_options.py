@@ -138,14 +138,24 @@ def test_compiled_layers_train_as_eager_with_and_without_checkpointing(tmp_path)
     assert 1 <= graphs <= 4, graphs
 
 
-def offload_report(tmp_path: Path, device: str) -> dict:
-    """``_offload_run`` in a fresh interpreter: it joins a process group of one
-    (learners/setup.py: own_process_group), which must not outlive the run."""
+@pytest.mark.slow  # compiles: about 100 s on 2 busy cores with a cold inductor cache
+def test_compiled_layers_under_fsdp2_train_as_eager(tmp_path):
+    """Bound as in the test above."""
+    report = offload_report(tmp_path, "cpu", "compile")
+    assert report["moved"] > 1e-3
+    assert report["max_abs_diff"] <= 1e-6 + 1e-5 * report["moved"], report
+    assert 1 <= report["graphs"] <= 4, report
+
+
+def offload_report(tmp_path: Path, device: str, run: str = "offload") -> dict:
+    """``_offload_run`` (or ``_compiled_fsdp2_run``) in a fresh interpreter: it joins a
+    process group of one (learners/setup.py: own_process_group), which must not outlive
+    the run."""
     out = tmp_path / "offload.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "tests.unit.test_learner_options", str(tmp_path), str(out)]
     res = subprocess.run(
-        [*cmd, device], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        [*cmd, device, run], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
     assert res.returncode == 0, res.stderr[-4000:]
     return json.loads(out.read_text())
@@ -217,5 +227,29 @@ def written(tensors: dict[str, torch.Tensor], tmp_path: Path) -> dict[str, torch
     return load_file(tmp_path / "tensors.safetensors")
 
 
+def _compiled_fsdp2_run(tmp_path: Path, out: Path, device: str) -> None:
+    """SGD steps of the plain model beside those of compiled layers under FSDP2 (one
+    rank): the compiled layers, their FSDP2 hooks and the eager head together."""
+    from torch._dynamo.utils import counters
+
+    from learners.setup import compile_layers, fsdp2, leave_job, own_process_group
+
+    own_process_group()
+    base = _tiny(tmp_path)
+    plain = _train(copy.deepcopy(base).to(device), _sgd, device=device)
+    model = copy.deepcopy(base)
+    compile_layers(model)
+    sharded = fsdp2(model.to(device), torch.float32)
+    weights = _train(sharded, _sgd, device=device)
+    report = {
+        "moved": _moved(plain, base),
+        "max_abs_diff": max((plain[n] - weights[n]).abs().max().item() for n in plain),
+        "graphs": int(counters["stats"]["unique_graphs"]),
+    }
+    out.write_text(json.dumps(report))
+    leave_job()
+
+
 if __name__ == "__main__":
-    _offload_run(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])
+    run = {"offload": _offload_run, "compile": _compiled_fsdp2_run}[sys.argv[4]]
+    run(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])
