@@ -225,6 +225,42 @@ def test_gpu_check_dry_run(tmp_path):
     assert (tmp_path / "summary.md").read_text().count("| learner-tiny-") == len(variants)
 
 
+def _json_lines(script: str, args: list[str], timeout: float = 600) -> list[dict]:
+    """Run a script that prints its figures as JSON lines; return those lines."""
+    res = subprocess.run(
+        [sys.executable, f"benchmarks/{script}", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    return [json.loads(x) for x in res.stdout.splitlines() if x.startswith("{")]
+
+
+@pytest.mark.bench
+def test_learner_kernels_before_and_after(tmp_path):
+    """The log-prob pass's arms (the model's own head, chunks, padding-free) at tiny
+    sizes: each reports its memory growth and the positions it computed."""
+    args = ["--layers", "1", "--rows", "4", "--response-len", "4", "--prompt-len", "8"]
+    args += ["--group-size", "1", "--steps", "1", "--rounds", "1"]
+    out = subprocess.run(
+        [sys.executable, "benchmarks/learner_kernels.py", *args,
+         "--logprob-chunk-tokens", "4", "--padding-free"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "padding-free" in out.stdout and "chunk" in out.stdout
+
+
+@pytest.mark.bench
+def test_learner_options_memory_and_compile():
+    cases = _json_lines("learner_options.py", ["memory", "--layers", "1", "--rows", "2"])
+    assert [c["case"] for c in cases] == [
+        "plain", "checkpointing", "compile", "compile+checkpointing"
+    ]  # fmt: skip
+    assert all(c["peak_mib"] >= c["held_mib"] > 0 for c in cases)
+    steady = _json_lines("learner_options.py", ["compile", "--tiny", "--steps", "4"])[-1]
+    assert steady["steady_eager_s"] > 0 and steady["steady_compiled_s"] > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(
     not __import__("torch").cuda.is_available(), reason="needs CUDA (benchmarks/gpu.py)"
