@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import resource
 from collections import Counter
 from collections.abc import Sequence
@@ -11,6 +12,8 @@ import torch
 from learners.batching import TrainBatch
 from learners.update import StepStats
 from verl_async import protocol as P
+
+log = logging.getLogger("verl_async.learner")
 
 
 def step_row(
@@ -202,3 +205,15 @@ class GeneratorTiming:
             "leases_renewed": stats.leases_renewed,
             "rollouts_dropped": stats.rollouts_dropped,
         }
+
+
+def note_new_graphs(seen: int, step: int) -> int:
+    """torch.compile's graph count in this process (recompiles included), logged when it
+    is not ``seen`` (learner.compile): a count that keeps growing means the batches'
+    shapes defeat the dynamic compile."""
+    from torch._dynamo.utils import counters
+
+    graphs = int(counters["stats"]["unique_graphs"])
+    if graphs != seen:
+        log.info("torch.compile: %d graph(s) compiled so far (step %d)", graphs, step)
+    return graphs

@@ -44,7 +44,13 @@ from learners.finite import SkipLog, require_finite
 from learners.logprobs import PassOptions
 from learners.plan import plan_update
 from learners.publish import WeightSync, gathered_buckets
-from learners.step_metrics import GeneratorTiming, algo_metrics, multiturn_metrics, step_row
+from learners.step_metrics import (
+    GeneratorTiming,
+    algo_metrics,
+    multiturn_metrics,
+    note_new_graphs,
+    step_row,
+)
 from learners.update import StepStats, UpdateHooks, policy_update, prox_pass
 from verl_async import lora
 from verl_async import protocol as P
@@ -279,7 +285,8 @@ class Learner:
             temperature=cfg.generators.temperature,
             learner=cfg.learner,
         )
-        self.note_compiles()
+        if cfg.learner.compile and self.acc.is_main_process:
+            self.graphs = note_new_graphs(self.graphs, self.steps_done)
         if self.scheduler is not None and stats.optimizer_steps:  # none: warming up or skipped
             self.scheduler.step()
         if self.skips is not None:
@@ -290,20 +297,6 @@ class Learner:
             names = metric_names(self.algo.rollout_correction.settings())
             stats.rollout_corr = dp.mean_metrics(corr, weight, names)
         return stats, critic_stats
-
-    def note_compiles(self) -> None:
-        """Log torch.compile's graph count when a step made new ones (learner.compile): a
-        count that keeps growing means shapes defeat the dynamic compile."""
-        if not self.cfg.learner.compile or not self.acc.is_main_process:
-            return
-        from torch._dynamo.utils import counters
-
-        graphs = int(counters["stats"]["unique_graphs"])  # this process's, recompiles included
-        if graphs != self.graphs:
-            log.info(
-                "torch.compile: %d graph(s) compiled so far (step %d)", graphs, self.steps_done
-            )
-            self.graphs = graphs
 
     def update_hooks(self, model, max_norm: float) -> UpdateHooks:
         """This setup's backward, gradient clipping (``model``'s, to ``max_norm``) and

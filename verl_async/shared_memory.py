@@ -21,6 +21,7 @@ from collections.abc import Iterable
 
 import torch
 
+from verl_async.device_memory import DeviceMemory
 from verl_async.protocol import MemoryOffer
 
 log = logging.getLogger("verl_async.weight_sync")
@@ -126,3 +127,19 @@ def _refuse(offer: MemoryOffer, why: str) -> None:
         offer.path[:80], why,
     )  # fmt: skip
     return None
+
+
+Memory = SharedMemory | DeviceMemory  # a gloo group's same-host channel
+
+
+def new_memory(device: torch.device | None, nbytes: int = 0) -> Memory | None:
+    """Rank 0's same-host channel of a gloo group: a device buffer on a CUDA ``device``
+    (offered once ``nbytes`` are reserved), else a memory file."""
+    if device is not None and torch.device(device).type == "cuda":
+        return DeviceMemory.create(torch.device(device), nbytes)
+    return SharedMemory.create()
+
+
+def accept_memory(offer: MemoryOffer) -> Memory | None:
+    """A member: the offered memory opened and checked, or None (logged)."""
+    return DeviceMemory.accept(offer) if offer.cuda is not None else SharedMemory.accept(offer)

@@ -68,14 +68,11 @@ from torch._C._distributed_c10d import (
 
 from verl_async.device_memory import DeviceMemory
 from verl_async.protocol import MemoryOffer, ParamSpec
-from verl_async.shared_memory import SharedMemory
+from verl_async.shared_memory import Memory, accept_memory, new_memory
 
 log = logging.getLogger("verl_async.weight_sync")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-Memory = SharedMemory | DeviceMemory
 
 
 def resolve_backend(backend: str, colocated: bool = False) -> str:
@@ -85,19 +82,6 @@ def resolve_backend(backend: str, colocated: bool = False) -> str:
     if backend == "auto":
         return "nccl" if torch.cuda.is_available() and not colocated else "gloo"
     return backend
-
-
-def new_memory(device: torch.device | None, nbytes: int = 0) -> Memory | None:
-    """Rank 0's same-host channel of a gloo group: a device buffer on a CUDA ``device``
-    (offered once ``nbytes`` are reserved), else a memory file."""
-    if device is not None and torch.device(device).type == "cuda":
-        return DeviceMemory.create(torch.device(device), nbytes)
-    return SharedMemory.create()
-
-
-def accept_memory(offer: MemoryOffer) -> Memory | None:
-    """A member: the offered memory opened and checked, or None (logged)."""
-    return DeviceMemory.accept(offer) if offer.cuda is not None else SharedMemory.accept(offer)
 
 
 @dataclass

@@ -10,8 +10,8 @@ import torch
 
 from verl_async.device_memory import DeviceMemory
 from verl_async.protocol import CudaIpc, MemoryOffer
-from verl_async.shared_memory import SharedMemory
-from verl_async.weight_sync import accept_memory, new_memory, resolve_backend
+from verl_async.shared_memory import SharedMemory, accept_memory, new_memory
+from verl_async.weight_sync import resolve_backend
 
 CUDA = torch.cuda.is_available()
 
