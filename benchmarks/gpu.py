@@ -76,16 +76,7 @@ def _kv_heads(hidden: int) -> int:
 def build_model(args, dev: torch.device, dtype: torch.dtype):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from learners.setup import compile_layers, fsdp2
-
-    if args.liger:  # before the model is built: Liger replaces the Llama module classes
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
-
-        # RoPE, RMSNorm, SwiGLU; the head stays ours (learners/logprobs.py's chunked pass)
-        apply_liger_kernel_to_llama(
-            rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-            fused_linear_cross_entropy=False,
-        )  # fmt: skip
+    from learners.setup import apply_liger, compile_layers, fsdp2
 
     config = LlamaConfig(
         vocab_size=args.vocab,
@@ -100,6 +91,8 @@ def build_model(args, dev: torch.device, dtype: torch.dtype):
     torch.manual_seed(0)
     with torch.device(dev):
         model = LlamaForCausalLM(config)  # float32 parameters, as the learner keeps them
+    if args.liger:  # as learners/setup.py's actor_model: first
+        apply_liger(model)
     if args.lora_rank:  # as the learner does: adapters before any sharding
         from verl_async import lora
         from verl_async.schema import LoraConfig
@@ -263,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     algo = AlgoConfig(correction="decoupled", minibatches=2)
     learner = LearnerConfig(
         logprob_chunk_tokens=args.chunk_tokens, padding_free=args.padding_free,
-        gradient_checkpointing=args.checkpointing, compile=args.compile,
+        gradient_checkpointing=args.checkpointing, compile=args.compile, liger=args.liger,
     )  # fmt: skip
     body, frames = batch_message(args, rank)
 

@@ -20,6 +20,7 @@ from learners.critic import load_critic, load_reference
 from learners.trainer import Learner
 from verl_async import lora
 from verl_async.algos import get_policy_loss
+from verl_async.config_base import ConfigError
 from verl_async.lifetime import interrupt_once
 from verl_async.placement import sync_world_size
 from verl_async.runtime import RunContext, mark, mark_cpu
@@ -112,9 +113,11 @@ def run_learner(ctx: RunContext) -> None:
 
 
 def actor_model(cfg, model, main: bool):
-    """The policy as the learner trains it, before sharding: activation checkpointing,
-    then LoRA (FSDP2 then shards base and adapter alike), then compiled layers (inside
+    """The policy as the learner trains it, before sharding: Liger's kernels, activation
+    checkpointing, then LoRA (FSDP2 then shards base and adapter alike), then compiled layers (inside
     the checkpoint, around the adapters)."""
+    if cfg.learner.liger:
+        apply_liger(model)
     if cfg.learner.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
@@ -130,6 +133,22 @@ def actor_model(cfg, model, main: bool):
     if cfg.learner.compile:
         compile_layers(model)
     return model
+
+
+def apply_liger(model) -> None:
+    """Liger's RoPE, RMSNorm and SwiGLU kernels in ``model`` (``learner.liger``), by its
+    model type; no fused cross-entropy (the learner's head is its chunked log-prob pass)."""
+    try:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    except ImportError as exc:
+        raise ConfigError(
+            "bad value for 'learner.liger': the liger-kernel package is not installed "
+            "(pip install liger-kernel, or the gpu extra)"
+        ) from exc
+    _apply_liger_kernel_to_instance(
+        model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+        fused_linear_cross_entropy=False,
+    )  # fmt: skip
 
 
 def keep_freed_memory() -> bool:

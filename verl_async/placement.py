@@ -154,6 +154,11 @@ def validate(cfg: RunConfig) -> None:
             f"(got {', '.join(p.learners)})"
         )
     _check_no_sharing(cfg)
+    if cfg.learner.liger and not is_cuda(p.learners[0]):
+        raise ConfigError(
+            "bad value for 'learner.liger': Liger's kernels are Triton's and need CUDA "
+            f"learners (placement.learners is {p.learners})"
+        )
     count, groups = cfg.generators.count, generator_count(cfg)
     if count is not None and count != groups:
         raise ConfigError(

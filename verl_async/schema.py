@@ -302,6 +302,11 @@ class LearnerConfig(_Section):
     first two steps compile a few graphs (static, then with the sizes that vary dynamic;
     30-60 s each for a small model on 2 CPU cores), later steps reuse them. Pays where
     the step is launch-bound (GPUs), not on CPUs."""
+    liger: bool = False
+    """Liger's Triton kernels for RoPE, RMSNorm and SwiGLU in the policy (CUDA learners
+    only; ``pip install liger-kernel``, part of the ``gpu`` extra). The log-probs stay on
+    the chunked head (``logprob_chunk_tokens``): Liger's fused cross-entropy returns a
+    loss, where the learner needs each token's log-prob."""
     cpu_offload: bool = False
     """FSDP2 keeps parameters, gradients and AdamW state in host memory and moves each
     decoder layer to the device for its forward and backward (CPUOffloadPolicy; the

@@ -88,3 +88,17 @@ def test_kept_memory_is_reused_without_page_faults():
     assert kept == "True"
     assert without > pages // 2, without  # given back, faulted in again
     assert with_keep < pages // 20, with_keep  # reused
+
+
+def test_liger_without_its_package_is_one_error_naming_the_key():
+    """``learner.liger`` on a machine without liger-kernel: the learner says what to
+    install instead of failing on an import deep in its setup."""
+    import importlib.util
+
+    from learners.setup import apply_liger
+    from verl_async.config_base import ConfigError
+
+    if importlib.util.find_spec("liger_kernel") is not None:
+        pytest.skip("liger-kernel is installed here")
+    with pytest.raises(ConfigError, match=r"^bad value for 'learner.liger': the liger-kernel"):
+        apply_liger(torch.nn.Linear(2, 2))

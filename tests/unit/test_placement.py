@@ -102,6 +102,11 @@ GPU_NODE = [
             "bad value for 'placement.colocate': generators share the GPU of a single CUDA "
             "learner rank (placement.learners is ['cpu:1'])",
         ),
+        (
+            ["learner.liger=true"],
+            "bad value for 'learner.liger': Liger's kernels are Triton's and need CUDA "
+            "learners (placement.learners is ['cpu:1'])",
+        ),
         (  # colocate shares the learner's GPU, not another one between generators
             [
                 "placement.colocate=true",
