@@ -199,7 +199,7 @@ def read_figures(path: Path) -> dict:
         "step_s_median": sorted(r["step_s"] for r in rows)[len(rows) // 2],
         "rollout_logp_diff_max": max(r.get("rollout_logp_diff_max", 0.0) for r in rows),
         "weight_sync_s_median": sorted(r["weight_sync_s"] for r in rows)[len(rows) // 2],
-        "learner_peak_gpu_mib": rows[-1].get("learner_peak_gpu_mib"),
+        "learner_peak_gpu_mib": rows[-1].get("learner_peak_gpu_mib"),  # CUDA runs only
     }
 
 

@@ -78,10 +78,6 @@ def step_row(
         "timing/optimizer_s": round(s.optimizer_s, 4),
         # Peak resident memory of the learner process so far (Linux reports KiB).
         "learner_peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-        # and of its GPU (torch's allocator, this process), 0 without CUDA
-        "learner_peak_gpu_mib": round(
-            torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_initialized() else 0
-        ),
     }
 
 
