@@ -231,8 +231,9 @@ def prepare(accelerator, model, make_optimizer, dtype: str, offload: bool = Fals
     if accelerator.num_processes == 1 and not offload:
         return accelerator.prepare(model, make_optimizer(model))
     if accelerator.is_main_process:
+        n = accelerator.num_processes
         log.info(
-            "%s: FSDP2 over %d rank(s) (%s)%s", type(model).__name__, accelerator.num_processes,
+            "%s: FSDP2 over %d rank%s (%s)%s", type(model).__name__, n, "s" if n > 1 else "",
             torch.distributed.get_backend(), ", CPU offload" if offload else "",
         )  # fmt: skip
     if not offload:  # offloaded: the shards go to host memory, no need to visit the device

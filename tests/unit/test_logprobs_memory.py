@@ -2,14 +2,13 @@
 chunked pass (learners/logprobs.py) stays far under the size of the full logits, and the
 full-logits pass (``chunk_tokens=0``) does not, so the bound can fail.
 
-Each measurement runs in a fresh process (peak resident memory only grows): a small
-warm-up pass, then ``ru_maxrss`` before and after one forward and backward of 2,048
-masked tokens. Float32; a tied head (as SmolLM2's) on a model of hidden size 32, so the
+Each measurement runs in a fresh process: a small warm-up pass, then the peak resident
+size is reset to the current one (``/proc/self/clear_refs``) and measured again after
+one forward and backward of 2,048 masked tokens. Float32; a tied head (as SmolLM2's) on a model of hidden size 32, so the
 head's [tokens x vocabulary] logits are almost all the memory a pass needs."""
 
 import json
 import os
-import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -54,10 +53,20 @@ def _measure(chunk: int) -> int:
         (stats.logp * mask).sum().backward()
 
     step(1, 4)  # kernels and thread pools set up, the gradients allocated
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # The process's peak so far (imports, the model's initialisation) may be above what
+    # the pass needs: reset it to the current resident size first (Linux: clear_refs 5).
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _status_kib("VmRSS")
     step(ROWS, RESPONSE)
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return (after - before) * 1024  # ru_maxrss is in KiB on Linux
+    return (_status_kib("VmHWM") - before) * 1024
+
+
+def _status_kib(field: str) -> int:
+    """A size in KiB from /proc/self/status (VmRSS: resident now; VmHWM: its peak)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise KeyError(field)
 
 
 def _peak_growth(chunk: int) -> int:
