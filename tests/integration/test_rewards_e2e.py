@@ -152,7 +152,10 @@ def test_a_dead_reward_model_is_restarted_and_the_run_goes_on(tmp_path, reward_m
     rows = _rows(run_dir / "metrics.jsonl")
     assert len(rows) == STEPS
     assert sum(r["reward_failed/rm"] for r in rows) > 0, "no request failed while it was down"
-    assert rows[-1]["reward_failed/rm"] == 0, "scoring did not recover after the restart"
+    # Recovered: a whole step of the last ones scored by the new process. Not necessarily
+    # the very last: under load a request can still outlast rewards.timeout_s (2 s here).
+    last = [r["reward_failed/rm"] for r in rows[-STEPS // 3 :]]
+    assert min(last) == 0, f"scoring did not recover after the restart: {last}"
     assert all(r["reward_failed/correct"] == 0 for r in rows)  # other sources unaffected
     assert rm_log.read_text().count("loaded ") == 2
     assert "reward source 'rm' failed" in (run_dir / "logs/generator0.log").read_text()
