@@ -55,12 +55,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def write_endpoints(run_dir: Path, endpoints: Endpoints) -> None:
-    """``endpoints.json``, and the run's role tokens beside it (verl_async/auth.py): the
-    roles that read one can read the other, and prove their role with it."""
+    """The run's role tokens (verl_async/auth.py), then ``endpoints.json`` beside them,
+    whole (written aside, then renamed): whoever finds the endpoints can read the tokens
+    too, and prove their role with them."""
     from verl_async.auth import write_role_tokens
 
-    (run_dir / "endpoints.json").write_bytes(msgspec.json.encode(endpoints))
     write_role_tokens(run_dir)
+    tmp = run_dir / f".endpoints.json.{os.getpid()}"
+    tmp.write_bytes(msgspec.json.encode(endpoints))
+    os.replace(tmp, run_dir / "endpoints.json")
 
 
 def load_context(run_dir: str | Path) -> RunContext:
