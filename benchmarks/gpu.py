@@ -73,10 +73,13 @@ def _kv_heads(hidden: int) -> int:
     return max(d for d in range(1, want + 1) if heads % d == 0)
 
 
-def build_model(args, dev: torch.device, dtype: torch.dtype):
+def build_model(args, cfg, dev: torch.device, dtype: torch.dtype):
+    """A random Llama of the arguments' shape, made what the learner trains (``cfg``'s
+    Liger kernels, checkpointing, LoRA, compiled layers: learners/setup.py's
+    ``actor_model``), then sharded as the learner shards it."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from learners.setup import apply_liger, compile_layers, fsdp2
+    from learners.setup import actor_model, fsdp2
 
     config = LlamaConfig(
         vocab_size=args.vocab,
@@ -91,17 +94,7 @@ def build_model(args, dev: torch.device, dtype: torch.dtype):
     torch.manual_seed(0)
     with torch.device(dev):
         model = LlamaForCausalLM(config)  # float32 parameters, as the learner keeps them
-    if args.liger:  # as learners/setup.py's actor_model: first
-        apply_liger(model)
-    if args.lora_rank:  # as the learner does: adapters before any sharding
-        from verl_async import lora
-        from verl_async.schema import LoraConfig
-
-        model = lora.apply(model, LoraConfig(rank=args.lora_rank))
-    if args.checkpointing:
-        model.gradient_checkpointing_enable()
-    if args.compile:  # as learners/setup.py: after checkpointing, before FSDP2
-        compile_layers(model)
+    model = actor_model(cfg, model, main=False)
     return fsdp2(model, dtype)  # the learner's sharding; dtype is the compute dtype
 
 
@@ -240,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     from verl_async import lora
     from verl_async.algos import grpo_advantages
     from verl_async.runtime import free_port
-    from verl_async.schema import AlgoConfig, LearnerConfig
+    from verl_async.schema import AlgoConfig, LearnerConfig, LoraConfig, ModelConfig, RunConfig
     from verl_async.weight_sync import (
         join_group,
         pack_bucket,
@@ -251,13 +244,14 @@ def main(argv: list[str] | None = None) -> int:
 
     rank, world, dev = init_distributed(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    model = build_model(args, dev, dtype)
-    optimizer = adamw(model, lr=1e-6, weight_decay=0.0)  # the learner's
-    algo = AlgoConfig(correction="decoupled", minibatches=2)
     learner = LearnerConfig(
         logprob_chunk_tokens=args.chunk_tokens, padding_free=args.padding_free,
         gradient_checkpointing=args.checkpointing, compile=args.compile, liger=args.liger,
     )  # fmt: skip
+    lora_cfg = ModelConfig(lora=LoraConfig(rank=args.lora_rank))
+    model = build_model(args, RunConfig(model=lora_cfg, learner=learner), dev, dtype)
+    optimizer = adamw(model, lr=1e-6, weight_decay=0.0)  # the learner's
+    algo = AlgoConfig(correction="decoupled", minibatches=2)
     body, frames = batch_message(args, rank)
 
     def clip_grad() -> float:

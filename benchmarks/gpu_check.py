@@ -45,7 +45,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -86,7 +86,6 @@ class Part:
     argv: list[str]  # run from the repository root
     timeout_s: float
     figures: str = ""  # file under the part's directory holding its figures (JSON)
-    env: dict[str, str] = field(default_factory=dict)
 
 
 def e2e_part(name: str, out: Path, dry: bool, steps: int, extra: list[str], timeout_s: float):
@@ -159,7 +158,7 @@ def run_part(part: Part, out: Path, budget_left: float) -> dict:
     with open(where / "output.log", "w") as log:
         proc = subprocess.Popen(
             part.argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **part.env},
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )  # fmt: skip
         try:
             rc = proc.wait(timeout=limit)
