@@ -16,11 +16,14 @@ ahead it runs.
 
 Prints one table row per (eta, correction), averaged over seeds: final reward (mean of the
 last 10 steps), train time and time to ``--target`` (the first step whose trailing 20-step
-mean reward reaches it), each also as a ratio to eta = 0 of the same correction, and, for a
-multi-turn config, turns and weights versions spanned per episode; the last column is the
-machine's 1-minute load average during each run (a run alone adds about 2–3). Writes
-``OUT/sweep.json`` after every cell, draws reward curves against steps and against train
-time to ``--plot``, and ends with one summary line.
+mean reward reaches it), each also as a ratio to eta = 0 of the same correction; for a
+multi-turn config, turns and weights versions spanned per episode; for a config that
+evaluates (``eval.every_steps``), the held-out reward at the first, best and last rounds;
+with dynamic sampling, the groups it dropped and those it kept past its bound. The last
+column is the machine's 1-minute load average during each run (a run alone adds about
+2–3). Writes ``OUT/sweep.json`` after every cell, draws reward curves against steps and
+against train time (and the held-out rounds) to ``--plot``, and ends with one summary
+line.
 
 ``--variant`` (repeatable) sweeps named override sets instead of ``--corrections``: e.g.
 ``--variant 'gspo=algo.loss_mode=gspo' --variant 'cispo=algo.loss_mode=cispo'`` gives the
@@ -84,6 +87,13 @@ class Cell:
     # Median seconds of the learner's update (pi_prox pass, forwards, backwards, optimizer)
     # per step: what a loss mode costs, without the waits for batches.
     update_s_median: float | None = None
+    # Held-out evaluation rounds (eval.jsonl, when the config evaluates): the step of each
+    # round and its mean reward; the fair comparison where dynamic sampling leaves groups
+    # out of the training reward.
+    eval_steps: list[int] | None = None
+    eval_rewards: list[float] | None = None
+    filtered_groups: int | None = None  # groups dynamic sampling dropped (filter_groups)
+    past_bound_groups: int | None = None  # ... and kept past filter_groups.max_in_a_row
 
     def reach(self, target: float) -> tuple[int | None, float | None]:
         """(steps done, seconds from the learner's start) at the first step whose trailing
@@ -113,7 +123,7 @@ def run_cell(eta: int, correction: str, seed: int, args) -> Cell:
         *args.override,
     ]
     with sampled_load() as load:
-        rows, wall = run_train(args.config, args.out / f"eta{eta}-{correction}-s{seed}", overrides)
+        rows, wall = run_train(args.config, run_dir(args.out, eta, correction, seed), overrides)
     rewards = [r["reward_mean"] for r in rows]
     train_s = rows[-1]["wall_s"]
     # A single-turn run's rows have no multiturn/ metrics.
@@ -148,7 +158,49 @@ def run_cell(eta: int, correction: str, seed: int, args) -> Cell:
         update_s_median=median(
             sum(r.get(f"timing/{part}_s", 0.0) for part in UPDATE_PARTS) for r in rows
         ),
+        **filtered(rows),
+        **held_out(run_dir(args.out, eta, correction, seed)),
     )
+
+
+def backfill(cell: Cell, path: Path) -> None:
+    """The held-out and filtering fields of a cell read from a sweep.json written before
+    they existed, from its run directory if it is still there."""
+    metrics = path / "metrics.jsonl"
+    if cell.eval_rewards is None:
+        for key, value in held_out(path).items():
+            setattr(cell, key, value)
+    if cell.filtered_groups is None and metrics.exists():
+        rows = [json.loads(x) for x in metrics.read_text().splitlines() if x]
+        for key, value in filtered(rows).items():
+            setattr(cell, key, value)
+
+
+def run_dir(out: Path, eta: int, correction: str, seed: int) -> Path:
+    return out / f"eta{eta}-{correction}-s{seed}"
+
+
+def held_out(path: Path) -> dict:
+    """``eval_steps`` and ``eval_rewards`` of the run at ``path`` (none: it did not
+    evaluate)."""
+    rounds = path / "eval.jsonl"
+    if not rounds.exists():
+        return {}
+    rows = [json.loads(x) for x in rounds.read_text().splitlines() if x]
+    return {
+        "eval_steps": [r["step"] for r in rows],
+        "eval_rewards": [r["eval/reward_mean"] for r in rows],
+    }
+
+
+def filtered(rows: list[dict]) -> dict:
+    """What dynamic sampling dropped and kept past its bound (none: it was off)."""
+    if "filter_groups/dropped" not in rows[-1]:
+        return {}
+    return {
+        "filtered_groups": sum(r["filter_groups/dropped"] for r in rows),
+        "past_bound_groups": sum(r["filter_groups/admitted_past_bound"] for r in rows),
+    }
 
 
 def median(values) -> float:
@@ -186,12 +238,16 @@ def table(cells: list[Cell], target: float) -> str:
     by = groups(cells)
     base = {corr: cs for (eta, corr), cs in by.items() if eta == 0}
     multiturn = any(c.turns_mean is not None for c in cells)
+    evals = any(c.eval_rewards for c in cells)
+    filtering = any(c.filtered_groups is not None for c in cells)
     header = [
         "η", "correction", "seeds", "reward first→final (± sd over seeds)", "Δ final vs η=0",
+        *(["held-out first→best→last"] if evals else []),
         "train s", "train ÷ η=0", "update s (median)", f"time to {target} (trailing {WINDOW}), s (steps)", "÷ η=0",
         "staleness mean/max",
         *(["turns", "versions spanned mean/max"] if multiturn else []),
-        "dropped", "in-flight steps", "IS limited", "gen idle", "learner wait", "load",
+        "dropped", *(["groups filtered / past bound"] if filtering else []),
+        "in-flight steps", "IS limited", "gen idle", "learner wait", "load",
     ]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for (eta, corr), cs in by.items():
@@ -208,6 +264,7 @@ def table(cells: list[Cell], target: float) -> str:
             str(len(cs)),
             f"{mean(c.reward_first for c in cs):.3f}→{mean(final):.3f}{spread}",
             f"{mean(final) - mean(c.reward_final for c in b):+.3f}" if b else "—",
+            *([_held_out(cs)] if evals else []),
             f"{train_s:.1f}",
             ratio(train_s, mean(c.train_s for c in b)) if b else "—",
             _update_s(cs),
@@ -231,6 +288,7 @@ def table(cells: list[Cell], target: float) -> str:
             )
         row += [
             str(sum(c.dropped_stale for c in cs)),
+            *([_filtered(cs)] if filtering else []),
             f"{sum(c.inflight_steps for c in cs)}/{sum(c.steps for c in cs)}",
             f"{mean(c.is_clipped_fraction for c in cs):.3f}",
             f"{mean(c.gen_idle_share for c in cs):.0%}",
@@ -239,6 +297,24 @@ def table(cells: list[Cell], target: float) -> str:
         ]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+def _held_out(cells: list[Cell]) -> str:
+    """The seeds' mean held-out reward at the first round, the best round and the last."""
+    curves = [c.eval_rewards for c in cells if c.eval_rewards]
+    if not curves:
+        return "—"
+    n = min(len(curve) for curve in curves)
+    means = [mean(curve[i] for curve in curves) for i in range(n)]
+    return f"{means[0]:.2f}→{max(means):.2f}→{means[-1]:.2f}"
+
+
+def _filtered(cells: list[Cell]) -> str:
+    """Groups dropped by dynamic sampling, and kept past its bound, summed over seeds."""
+    known = [c for c in cells if c.filtered_groups is not None]
+    if not known:
+        return "—"
+    return f"{sum(c.filtered_groups for c in known)} / {sum(c.past_bound_groups for c in known)}"
 
 
 def _update_s(cells: list[Cell]) -> str:
@@ -250,8 +326,9 @@ def _update_s(cells: list[Cell]) -> str:
 
 def plot(cells: list[Cell], path: Path, target: float) -> None:
     """Reward curves (trailing WINDOW-step mean, seeds averaged): one column per
-    correction, against learner steps (top) and against train time (bottom, each step at
-    its seeds' mean time)."""
+    correction, against learner steps (top) and against train time (each step at its
+    seeds' mean time), and the held-out evaluation rounds (bottom) when the runs had
+    them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -259,7 +336,8 @@ def plot(cells: list[Cell], path: Path, target: float) -> None:
 
     corrections = list(dict.fromkeys(c.correction for c in cells))
     timed = all(c.step_wall_s is not None for c in cells)
-    rows = 2 if timed else 1
+    evals = all(c.eval_rewards for c in cells)
+    rows = 1 + timed + evals
     fig, axes = plt.subplots(
         rows, len(corrections), figsize=(5 * len(corrections), 3.8 * rows), sharey=True,
         squeeze=False,
@@ -276,15 +354,23 @@ def plot(cells: list[Cell], path: Path, target: float) -> None:
             if timed:
                 seconds = [mean(step) for step in zip(*(c.step_wall_s for c in cs), strict=True)]
                 axes[1][col].plot(seconds, curve, label=label)
+            if evals:
+                n = min(len(c.eval_rewards) for c in cs)
+                held = [mean(c.eval_rewards[i] for c in cs) for i in range(n)]
+                axes[-1][col].plot(cs[0].eval_steps[:n], held, marker="o", ms=3, label=label)
         axes[0][col].set_title(f"correction = {corr}" if corr in CORRECTIONS else corr)
         axes[0][col].set_xlabel("learner step (equal samples per step)")
         if timed:
             axes[1][col].set_xlabel("train time, s (learner start → step)")
+        if evals:
+            axes[-1][col].set_xlabel("learner step: held-out evaluation (greedy)")
         for ax in axes[:, col]:
             ax.axhline(target, color="grey", ls=":", lw=1)
             ax.grid(alpha=0.3)
-    for ax in axes[:, 0]:
+    for ax in axes[: 1 + timed, 0]:
         ax.set_ylabel(f"reward (trailing mean of {WINDOW} steps)")
+    if evals:
+        axes[-1][0].set_ylabel("held-out reward")
     axes[0][-1].legend(loc="lower right")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -327,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
             for path in args.from_json.split(",")
             for c in json.loads(Path(path).read_text())
         ]
+        for c in cells:  # cells from before the held-out fields: read their runs if kept
+            backfill(c, run_dir(args.out, c.eta, c.correction, c.seed))
         return report(cells, args)
 
     seeds = [int(x) for x in args.seeds.split(",")]

@@ -4,6 +4,7 @@ columns) and benchmarks/latency_env.py's environment, without a training run."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 import time
 from pathlib import Path
@@ -168,3 +169,34 @@ def test_variants_are_named_override_sets_and_update_time_is_a_column():
     column = header.index("update s (median)")
     assert _row(table, 0, "gspo")[column] == "0.0300"
     assert _row(table, 4, "gspo")[column] == "—"
+
+
+def test_held_out_and_filtered_columns_read_the_runs_files(tmp_path):
+    run = sweep.run_dir(tmp_path, 0, "dapo", 0)
+    run.mkdir()
+    rounds = [(0, 0.25), (5, 0.75), (10, 0.5)]
+    (run / "eval.jsonl").write_text(
+        "".join(f'{{"step": {s}, "eval/reward_mean": {r}}}\n' for s, r in rounds)
+    )
+    rows = [{"filter_groups/dropped": d, "filter_groups/admitted_past_bound": p} for d, p in
+            [(3, 0), (40, 1), (33, 2)]]  # fmt: skip
+    (run / "metrics.jsonl").write_text("".join(f"{json.dumps(r)}\n" for r in rows))
+    dapo = _cell(0, "dapo", [0.5] * 30, step_s=1.0)
+    sweep.backfill(dapo, run)  # a sweep.json cell from before these fields
+    assert (dapo.eval_steps, dapo.eval_rewards) == ([0, 5, 10], [0.25, 0.75, 0.5])
+    assert (dapo.filtered_groups, dapo.past_bound_groups) == (76, 3)
+    plain = _cell(0, "vanilla", [0.5] * 30, step_s=1.0)
+    sweep.backfill(plain, tmp_path / "gone")  # no run directory: nothing read
+    assert plain.eval_rewards is None and plain.filtered_groups is None
+    table = sweep.table([plain, dapo], target=0.5)
+    header = [x.strip() for x in table.splitlines()[0].strip("|").split("|")]
+    held, filtered = (
+        header.index("held-out first→best→last"),
+        header.index("groups filtered / past bound"),
+    )
+    assert _row(table, 0, "dapo")[held] == "0.25→0.75→0.50"
+    assert _row(table, 0, "dapo")[filtered] == "76 / 3"
+    assert _row(table, 0, "vanilla")[held] == _row(table, 0, "vanilla")[filtered] == "—"
+    # Without any cell that evaluated or filtered, neither column is there.
+    bare = sweep.table([plain], target=0.5).splitlines()[0]
+    assert "held-out" not in bare and "filtered" not in bare
