@@ -1,11 +1,12 @@
 """A step's batch as the learner receives it: one ``Batch`` message for every rank.
 
-The step's groups were consumed in issue order, filtered for staleness and split over the
-ranks by buffer/ledger.py (``StepBatch``, ``shard_samples``); here its samples are laid
-out rank by rank (``shard_sizes``) in sample-major arrays, concatenated over tokens.
-Encoded once per step: every rank is sent the same message. It names the groups dynamic
-sampling dropped between the step's groups (buffer/filtering.py), for the audit trail. The multi-turn fields (loss
-mask, turn rewards, episode stats) travel only in a step that holds a multi-turn sample.
+The step's groups are consumed from the ledger in issue order (buffer/ledger.py), checked
+for staleness (``filter_stale``) and split over the ranks by tokens (``shard_samples``);
+its samples are laid out rank by rank (``shard_sizes``) in sample-major arrays,
+concatenated over tokens. Encoded once per step: every rank is sent the same message. It
+names the groups dynamic sampling dropped between the step's groups (buffer/filtering.py),
+for the audit trail. The multi-turn fields (loss mask, turn rewards, episode stats) travel
+only in a step that holds a multi-turn sample.
 """
 
 from __future__ import annotations
@@ -14,15 +15,9 @@ import logging
 
 import numpy as np
 
-from buffer.ledger import (
-    LedgerError,
-    PromptLedger,
-    StepBatch,
-    StoredGroup,
-    filter_stale,
-    shard_samples,
-)
+from buffer.ledger import LedgerError, PromptLedger, StepBatch, StoredGroup
 from verl_async import protocol as P
+from verl_async.staleness import check_sample
 
 log = logging.getLogger("verl_async.buffer")
 
@@ -83,6 +78,18 @@ class StepBatches:
         for old in [s for s in self.steps if s < req.step - self.KEEP_STEPS_BEHIND]:
             del self.steps[old]
         return step
+
+    @staticmethod
+    def message(step: StepBatch, rank: int, num_sources: int, **counts: int):
+        """The whole step for ``rank``, samples ordered rank by rank (``shard_sizes``);
+        encoded once, so every rank receives the same message."""
+        if len(step.shards) <= rank:
+            raise ValueError(
+                f"rank {rank} asked for step {step.step} cut for {len(step.shards)} ranks"
+            )
+        if step.encoded is None:
+            step.encoded = encode_step(step, num_sources, **counts)
+        return step.encoded
 
 
 def encode_step(step: StepBatch, num_sources: int, **counts: int) -> tuple[P.Batch, P.Frames]:
@@ -145,3 +152,51 @@ def _multiturn_fields(samples: list[tuple[StoredGroup, int]], frames: P.Frames) 
         if multiturn
         else [],
     }
+
+
+# ----------------------------------------------------------------------------- staleness, shards
+
+
+def filter_stale(
+    groups: list[StoredGroup], learner_version: int, max_staleness: int
+) -> tuple[list[StoredGroup], int]:
+    """Safety net: drop samples older than eta; returns (kept groups, samples dropped)."""
+    kept: list[StoredGroup] = []
+    dropped = 0
+    for g in groups:
+        keep = [
+            i
+            for i in range(len(g.responses))
+            if check_sample(
+                learner_version,
+                int(g.sampled_versions(i).min(initial=learner_version)),
+                max_staleness,
+            )
+        ]
+        dropped += len(g.responses) - len(keep)
+        if keep:
+            kept.append(g.select(keep))
+    return kept, dropped
+
+
+def shard_samples(groups: list[StoredGroup], world_size: int) -> list[list[tuple[int, int]]]:
+    """Token-balanced split of the step's samples over ``world_size`` ranks.
+
+    Longest-processing-time greedy over samples (prompt + response tokens): the heaviest
+    sample first onto the lightest rank (ties: fewer samples, then lower rank). The token
+    loads of any two ranks then differ by at most one sample's tokens. Groups may span
+    ranks: advantages are computed over the whole step on every rank. Each shard lists
+    (position in ``groups``, sample index) in batch order.
+    """
+    sizes = [
+        ((gi, i), len(g.prompt_ids) + len(r))
+        for gi, g in enumerate(groups)
+        for i, r in enumerate(g.responses)
+    ]
+    shards: list[list[tuple[int, int]]] = [[] for _ in range(world_size)]
+    load = [0] * world_size
+    for key, tokens in sorted(sizes, key=lambda s: s[1], reverse=True):
+        r = min(range(world_size), key=lambda k: (load[k], len(shards[k]), k))
+        shards[r].append(key)
+        load[r] += tokens
+    return [sorted(shard) for shard in shards]

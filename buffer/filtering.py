@@ -23,11 +23,13 @@ raises after ``max_num_gen_batches`` instead.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from enum import Enum
 
 from buffer.ledger import StoredGroup
+from verl_async.ratelimit import RateLimitedLog
 from verl_async.schema import RunConfig
 
 
@@ -93,9 +95,29 @@ def uniform(group: StoredGroup, source: int | None) -> bool:
 class GroupFilter:
     """The filtering decision for each arriving group, and the count of drops in a row."""
 
-    def __init__(self, rule: FilterRule, in_a_row: int = 0) -> None:
+    def __init__(self, rule: FilterRule, log: logging.Logger | None = None) -> None:
         self.rule = rule
-        self.in_a_row = in_a_row  # groups dropped since the last one kept (arrival order)
+        self.in_a_row = 0  # groups dropped since the last one kept (arrival order)
+        # A converged policy keeps a group past the bound every step: one line a window.
+        self.past_bound_log = RateLimitedLog(
+            log or logging.getLogger("verl_async.buffer"),
+            what="groups kept past filter_groups.max_in_a_row",
+        )
+
+    def verdict(self, group: StoredGroup) -> Verdict:
+        """``decide``, and a warning (rate-limited) when the group is kept only because too
+        many were dropped in a row."""
+        verdict = self.decide(group)
+        if verdict is Verdict.PAST_BOUND:
+            self.past_bound_log.log(
+                "past_bound",
+                "group %d scored alike, but %d groups in a row were dropped "
+                "(algo.filter_groups.max_in_a_row): it is kept and trains with zero advantage",
+                group.group_id,
+                self.rule.max_in_a_row,
+                once_a_window=True,
+            )
+        return verdict
 
     def decide(self, group: StoredGroup) -> Verdict:
         if not uniform(group, self.rule.source):

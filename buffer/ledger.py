@@ -1,5 +1,5 @@
-"""The buffer's prompt-accounting state, free of sockets: prompt ledger, rollout store,
-batch assembly.
+"""The buffer's prompt-accounting state, free of sockets: prompt ledger and rollout store
+(a step's batch is assembled from it by buffer/batches.py).
 
 It reads no clock of its own: lease deadlines are kept by buffer/leases.py (whose clock
 is injected), and what the buffer measures about the generators (rates, admission time)
@@ -27,7 +27,7 @@ import numpy as np
 from buffer.leases import Leases
 from verl_async.data import PromptRecord, epoch_order
 from verl_async.protocol import EpisodeStats, PromptGroup, RolloutGroup
-from verl_async.staleness import Admission, check_sample
+from verl_async.staleness import Admission
 
 
 class LedgerError(ValueError):
@@ -478,51 +478,3 @@ def prompt_group(
         extra_info=rec.extra_info,
         lease=lease,
     )
-
-
-# ----------------------------------------------------------------------------- batches
-
-
-def filter_stale(
-    groups: list[StoredGroup], learner_version: int, max_staleness: int
-) -> tuple[list[StoredGroup], int]:
-    """Safety net: drop samples older than eta; returns (kept groups, samples dropped)."""
-    kept: list[StoredGroup] = []
-    dropped = 0
-    for g in groups:
-        keep = [
-            i
-            for i in range(len(g.responses))
-            if check_sample(
-                learner_version,
-                int(g.sampled_versions(i).min(initial=learner_version)),
-                max_staleness,
-            )
-        ]
-        dropped += len(g.responses) - len(keep)
-        if keep:
-            kept.append(g.select(keep))
-    return kept, dropped
-
-
-def shard_samples(groups: list[StoredGroup], world_size: int) -> list[list[tuple[int, int]]]:
-    """Token-balanced split of the step's samples over ``world_size`` ranks.
-
-    Longest-processing-time greedy over samples (prompt + response tokens): the heaviest
-    sample first onto the lightest rank (ties: fewer samples, then lower rank). The token
-    loads of any two ranks then differ by at most one sample's tokens. Groups may span
-    ranks: advantages are computed over the whole step on every rank. Each shard lists
-    (position in ``groups``, sample index) in batch order.
-    """
-    sizes = [
-        ((gi, i), len(g.prompt_ids) + len(r))
-        for gi, g in enumerate(groups)
-        for i, r in enumerate(g.responses)
-    ]
-    shards: list[list[tuple[int, int]]] = [[] for _ in range(world_size)]
-    load = [0] * world_size
-    for key, tokens in sorted(sizes, key=lambda s: s[1], reverse=True):
-        r = min(range(world_size), key=lambda k: (load[k], len(shards[k]), k))
-        shards[r].append(key)
-        load[r] += tokens
-    return [sorted(shard) for shard in shards]

@@ -10,9 +10,27 @@ import math
 from dataclasses import dataclass
 
 from verl_async import protocol as P
+from verl_async.auth import GENERATOR, LEARNER
 
 MAX_WAIT_S = 300.0  # the longest long poll (clients poll for 1-30 s; see learners/batching.py)
 MAX_WORLD_SIZE = 4096  # learner ranks a GetBatch may name (shards are allocated per rank)
+
+
+LEARNER_ONLY = (
+    P.GetBatch, P.AnnounceWeights, P.SyncStatus, P.SnapshotBuffer, P.FetchSnapshot,
+    P.StartEval, P.GetEval, P.Shutdown,
+)  # fmt: skip
+GENERATOR_ONLY = (
+    P.GetPrompts,
+    P.PushRollouts,
+    P.RenewLeases,
+    P.PollVersion,
+    P.JoinSync,
+    P.PushEval,
+)
+ROLES = {t: (LEARNER,) for t in LEARNER_ONLY} | {t: (GENERATOR,) for t in GENERATOR_ONLY}
+"""Who may send what (``RouterSocket`` answers the rest ``Error("forbidden")``); any
+admitted client, a ``guest`` included, may ask ``GetStats`` and ``GetRun``."""
 
 
 @dataclass(frozen=True)

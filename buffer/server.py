@@ -49,12 +49,13 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
-from buffer.batches import StepBatches, encode_step
+from buffer.batches import StepBatches
 from buffer.evaluation import EvalRounds
 from buffer.filtering import FilterRule, GroupFilter, Verdict
-from buffer.ledger import LedgerError, PromptLedger, StepBatch, StoredGroup, check_issued
+from buffer.ledger import LedgerError, PromptLedger, check_issued
 from buffer.polls import MAX_PARKED, Parked, ParkedPolls
 from buffer.requests import (
+    ROLES,
     Peers,
     check_announce,
     check_eval_results,
@@ -69,27 +70,10 @@ from buffer.snapshot import Cuts, restore_ledger
 from buffer.sync_epochs import SyncEpochs
 from buffer.telemetry import AdmissionClock, TokenRate
 from verl_async import protocol as P
-from verl_async.auth import GENERATOR, LEARNER
 from verl_async.ratelimit import RateLimitedLog, short
 from verl_async.transport.server import Request, RouterSocket, ServerOptions
 
 log = logging.getLogger("verl_async.buffer")
-
-LEARNER_ONLY = (
-    P.GetBatch, P.AnnounceWeights, P.SyncStatus, P.SnapshotBuffer, P.FetchSnapshot,
-    P.StartEval, P.GetEval, P.Shutdown,
-)  # fmt: skip
-GENERATOR_ONLY = (
-    P.GetPrompts,
-    P.PushRollouts,
-    P.RenewLeases,
-    P.PollVersion,
-    P.JoinSync,
-    P.PushEval,
-)
-ROLES = {t: (LEARNER,) for t in LEARNER_ONLY} | {t: (GENERATOR,) for t in GENERATOR_ONLY}
-"""Who may send what (``RouterSocket`` answers the rest ``Error("forbidden")``); any
-admitted client, a ``guest`` included, may ask ``GetStats`` and ``GetRun``."""
 
 
 class BufferServer:
@@ -111,8 +95,7 @@ class BufferServer:
     ) -> None:
         self.ledger = ledger
         # DAPO's dynamic sampling (buffer/filtering.py); None: every group is kept.
-        self.filter = None if filter_rule is None else GroupFilter(filter_rule)
-        self.filter_log = RateLimitedLog(log, what="groups kept past filter_groups.max_in_a_row")
+        self.filter = None if filter_rule is None else GroupFilter(filter_rule, log)
         self.run_info = run_info  # answers GetRun (roles started on their own)
         # Started by ``verl-async buffer``: leave the loop this long after Shutdown (the
         # generators have then been told to stop); under ``train`` the launcher ends it.
@@ -381,27 +364,11 @@ class BufferServer:
             for g in groups
         ]
         for g in stored:
-            lg.record_return(g, self._verdict(g).value)
+            verdict = Verdict.KEEP if self.filter is None else self.filter.verdict(g)
+            lg.record_return(g, verdict.value)
             self.rate.add(sum(len(r) for r in g.responses))
         self.rollouts_dropped += len(lapsed)
         return lapsed
-
-    def _verdict(self, group: StoredGroup) -> Verdict:
-        """Dynamic sampling's decision on a returned group; a warning when it is kept only
-        because too many were dropped in a row."""
-        if self.filter is None:
-            return Verdict.KEEP
-        verdict = self.filter.decide(group)
-        if verdict is Verdict.PAST_BOUND:
-            self.filter_log.log(
-                "past_bound",
-                "group %d scored alike, but %d groups in a row were dropped "
-                "(algo.filter_groups.max_in_a_row): it is kept and trains with zero advantage",
-                group.group_id,
-                self.filter.rule.max_in_a_row,
-                once_a_window=True,  # a converged policy does this every step: one line a window
-            )
-        return verdict
 
     def _expire_leases(self) -> None:
         """Issue again the groups whose lease ran out; a log line per holder (rate-limited)."""
@@ -436,23 +403,13 @@ class BufferServer:
             return None
         step.served.add(req.rank)
         self.first_batch_out = True
-        return self._encode_shard(step, req.rank)
-
-    def _encode_shard(self, step: StepBatch, rank: int):
-        """The whole step, samples ordered rank by rank (``shard_sizes``); encoded once, so
-        every rank receives the same message."""
-        if len(step.shards) <= rank:
-            raise ValueError(
-                f"rank {rank} asked for step {step.step} cut for {len(step.shards)} ranks"
-            )
-        if step.encoded is None:
-            step.encoded = encode_step(
-                step,
-                self.num_sources,
-                buffer_size=len(self.ledger.returned),
-                prompts_skipped=self.prompts_skipped,
-            )
-        return step.encoded
+        return self.batches.message(
+            step,
+            req.rank,
+            self.num_sources,
+            buffer_size=len(self.ledger.returned),
+            prompts_skipped=self.prompts_skipped,
+        )
 
     # ------------------------------------------------------------------ long polls
 
@@ -482,7 +439,8 @@ class BufferServer:
             await asyncio.sleep(0.05)
             self.rejections.flush()
             self.lease_log.flush()
-            self.filter_log.flush()
+            if self.filter is not None:
+                self.filter.past_bound_log.flush()
             self._expire_leases()
             if self.stopping:
                 expired = self.parked.take_all()

@@ -25,8 +25,10 @@ from learners.batching import TrainBatch
 from learners.finite import guarded_step
 from learners.logprobs import PassOptions, token_stats
 from learners.plan import Minibatch, micro_rows, plan_update
+from learners.update import UpdateHooks
 from verl_async.algos.losses import explained_variance, value_loss
 from verl_async.algos.masked import masked_mean
+from verl_async.schema import AlgoConfig
 
 
 @dataclass
@@ -107,18 +109,19 @@ def critic_update(
     batch: TrainBatch,
     old_values: torch.Tensor,
     returns: torch.Tensor,
-    algo,
+    algo: AlgoConfig,
+    hooks: UpdateHooks,
+    *,
     cliprange_value: float,
-    backward,
-    clip_grad,
     plan: list[Minibatch] | None = None,
-    any_rank=None,
 ) -> CriticStats:
     """One AdamW step per minibatch of ``plan`` (learners/plan.py; by default
     ``algo.minibatches`` chunks of this batch) on the clipped value loss (verl's
     semantics: 0.5 * max((V - R)^2, (clip(V, V_old +- c) - R)^2), aggregated by
-    ``loss_agg_mode``). ``old_values`` and ``returns`` are this batch's rows. A minibatch
-    whose loss or gradient norm is not finite takes no step (``guarded_step``)."""
+    ``loss_agg_mode``). ``old_values`` and ``returns`` are this batch's rows; ``hooks``
+    backpropagate, clip and agree over ranks as for the actor (``policy_update``; its
+    ``reduce`` is not used). A minibatch whose loss or gradient norm is not finite takes
+    no step (``guarded_step``)."""
     mask = batch.loss_mask
     if plan is None:
         plan = plan_update(mask, batch.attention_mask, [len(mask)], 0, algo.minibatches)
@@ -134,11 +137,11 @@ def critic_update(
             loss, clipfrac = value_loss(
                 values, old, ret, rows_mask, cliprange_value, algo.loss_agg_mode, agg
             )
-            backward(loss)
+            hooks.backward(loss)
             if not rows.placeholder:
                 mb_loss += float(loss.detach())
                 clips.append((float(clipfrac), float(rows_mask.sum())))
-        grad, skip = guarded_step(optimizer, clip_grad, mb_loss, any_rank)
+        grad, skip = guarded_step(optimizer, hooks.clip_grad, mb_loss, hooks.any_rank)
         grads.append(grad)
         skips.append(skip)
         losses.append(mb_loss)

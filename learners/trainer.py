@@ -95,6 +95,9 @@ class Learner:
         self.reference = reference  # algo.kl.in_reward or algo.kl.loss_coef > 0
         self.kl_ctrl = kl_controller(self.cfg.algo.kl)  # checkpointed
         self.actor_hooks = self.update_hooks(model, self.cfg.learner.grad_clip)
+        self.critic_hooks = (
+            None if critic is None else self.update_hooks(critic, self.cfg.critic.grad_clip)
+        )
         self.algo = msgspec.structs.replace(  # the divisor of seq-mean-token-sum-norm resolved
             self.cfg.algo,
             loss_scale_factor=self.cfg.algo.loss_scale_factor or longest_response(self.cfg),
@@ -261,12 +264,16 @@ class Learner:
         if self.critic is not None:
             self.critic.train()
             critic_stats = critic_update(
-                self.critic, self.critic_optimizer, local, local.values,
-                dp.local_part(adv.returns, batch, local), self.algo, cfg.critic.cliprange_value,
-                backward=self.acc.backward,
-                clip_grad=lambda: self.clip_grad(self.critic, cfg.critic.grad_clip),
-                plan=plan, any_rank=dp.any_rank,
-            )  # fmt: skip
+                self.critic,
+                self.critic_optimizer,
+                local,
+                local.values,
+                dp.local_part(adv.returns, batch, local),
+                self.algo,
+                self.critic_hooks,
+                cliprange_value=cfg.critic.cliprange_value,
+                plan=plan,
+            )
             critic_stats = dp.mean_stats(critic_stats, weight, sums=("vf_loss",))
             # Over the whole step, not averaged over ranks:
             critic_stats = value_fit(critic_stats, batch.values, adv.returns, batch.loss_mask)
@@ -300,7 +307,7 @@ class Learner:
 
     def update_hooks(self, model, max_norm: float) -> UpdateHooks:
         """This setup's backward, gradient clipping (``model``'s, to ``max_norm``) and
-        collectives, for ``policy_update``."""
+        collectives, for ``policy_update`` and ``critic_update``."""
         clip = lambda: self.clip_grad(model, max_norm)  # noqa: E731
         return UpdateHooks(self.acc.backward, clip, self.dp.any_rank, self.dp.all_sum)
 

@@ -26,7 +26,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from buffer.ledger import StoredGroup, shard_samples
+from buffer.batches import shard_samples
+from buffer.ledger import StoredGroup
 from learners.batching import collate
 from learners.checkpoints.manager import Checkpoints
 from learners.checkpoints.state import LearnerState

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from buffer.batches import encode_step
-from buffer.ledger import StepBatch, StoredGroup, shard_samples
+from buffer.batches import encode_step, shard_samples
+from buffer.ledger import StepBatch, StoredGroup
 from buffer.rollouts import EPISODE_BUDGETS, RolloutLimits, max_response_tokens
 from tests.unit.test_buffer_validation import (
     VERSIONS,

@@ -40,9 +40,10 @@ def test_critic_values_align_with_targets_and_fit_returns(tmp_path):
     for _ in range(15):
         with torch.no_grad():
             old = critic_values(critic, batch.input_ids, batch.attention_mask)
+        hooks = UpdateHooks(lambda loss: loss.backward(), lambda: 0.0)
         stats = critic_update(
-            critic, opt, batch, old, returns, cfg.algo, cfg.critic.cliprange_value,
-            lambda loss: loss.backward(), lambda: 0.0,
+            critic, opt, batch, old, returns, cfg.algo, hooks,
+            cliprange_value=cfg.critic.cliprange_value,
         )  # fmt: skip
         losses.append(stats.vf_loss)
     assert losses[-1] < 0.2 * losses[0], losses

@@ -130,11 +130,11 @@ def test_the_critic_skips_a_step_whose_value_loss_is_not_finite(model_dir):
         old = critic_values(critic, batch.input_ids, batch.attention_mask)
 
     def update(returns):
+        clip = lambda: torch.nn.utils.clip_grad_norm_(critic.parameters(), 1.0)  # noqa: E731
+        hooks = UpdateHooks(lambda loss: loss.backward(), clip)
         return critic_update(
-            critic, opt, batch, old, returns * batch.loss_mask, ALGO, 0.5,
-            lambda loss: loss.backward(),
-            lambda: torch.nn.utils.clip_grad_norm_(critic.parameters(), 1.0),
-        )  # fmt: skip
+            critic, opt, batch, old, returns * batch.loss_mask, ALGO, hooks, cliprange_value=0.5
+        )
 
     assert update(torch.ones(4, 1)).skipped_nonfinite_loss == 0
     before = _snapshot(critic, opt)

@@ -3,7 +3,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from buffer.ledger import LedgerError, PromptLedger, StoredGroup, filter_stale, shard_samples
+from buffer.batches import filter_stale, shard_samples
+from buffer.ledger import LedgerError, PromptLedger, StoredGroup
 from buffer.telemetry import AdmissionClock, TokenRate
 from verl_async.data import PromptRecord
 from verl_async.protocol import EpisodeStats
