@@ -4,6 +4,7 @@
                                          [--seeds 0] [--steps 400] [--out runs/sweep]
                                          [--config configs/tiny.yaml] [--target 0.6]
                                          [--plot FILE.png] [--from-json A.json,B.json]
+                                         [--from-runs]
                                          [--variant 'LABEL=key=value key=value' ...]
                                          [dotted.key=value ...]
 
@@ -24,6 +25,10 @@ column is the machine's 1-minute load average during each run (a run alone adds 
 2–3). Writes ``OUT/sweep.json`` after every cell, draws reward curves against steps and
 against train time (and the held-out rounds) to ``--plot``, and ends with one summary
 line.
+
+``--from-runs`` reports the run directories already under ``--out`` instead, each cut to
+its first ``--steps`` steps (a sweep stopped in the middle of a cell, or runs compared
+over a common horizon).
 
 ``--variant`` (repeatable) sweeps named override sets instead of ``--corrections``: e.g.
 ``--variant 'gspo=algo.loss_mode=gspo' --variant 'cispo=algo.loss_mode=cispo'`` gives the
@@ -68,7 +73,7 @@ class Cell:
     samples: int
     reward_first: float
     reward_final: float
-    wall_s: float  # the whole command: model build, engine start, training
+    wall_s: float | None  # the whole command: model build, engine start, training
     train_s: float  # learner start -> last step
     staleness_mean: float
     staleness_max: int
@@ -122,12 +127,32 @@ def run_cell(eta: int, correction: str, seed: int, args) -> Cell:
         f"learner.groups_per_step={args.groups_per_step}",
         *args.override,
     ]
+    path = run_dir(args.out, eta, correction, seed)
     with sampled_load() as load:
-        rows, wall = run_train(args.config, run_dir(args.out, eta, correction, seed), overrides)
+        rows, wall = run_train(args.config, path, overrides)
+    return cell_of(rows, path, eta, correction, seed, wall=wall, load=mean(load))
+
+
+def cell_of(
+    rows: list[dict],
+    path: Path,
+    eta: int,
+    correction: str,
+    seed: int,
+    wall: float | None = None,
+    load: float | None = None,
+) -> Cell:
+    """The cell of a run: its metrics ``rows`` and the held-out rounds in ``path`` up to
+    its last row's step."""
     rewards = [r["reward_mean"] for r in rows]
     train_s = rows[-1]["wall_s"]
     # A single-turn run's rows have no multiturn/ metrics.
     multiturn = [r for r in rows if "multiturn/turns_mean" in r]
+    evals = held_out(path)
+    if evals:  # a run cut short (--from-runs --steps): its rounds up to its last step
+        last = rows[-1]["step"] + 1
+        kept = [i for i, step in enumerate(evals["eval_steps"]) if step <= last]
+        evals = {key: [values[i] for i in kept] for key, values in evals.items()}
     return Cell(
         eta=eta,
         correction=correction,
@@ -154,13 +179,28 @@ def run_cell(eta: int, correction: str, seed: int, args) -> Cell:
         versions_spanned_max=(
             max(r["multiturn/versions_spanned_max"] for r in multiturn) if multiturn else None
         ),
-        load_mean=mean(load),
+        load_mean=load,
         update_s_median=median(
             sum(r.get(f"timing/{part}_s", 0.0) for part in UPDATE_PARTS) for r in rows
         ),
         **filtered(rows),
-        **held_out(run_dir(args.out, eta, correction, seed)),
+        **evals,
     )
+
+
+def from_runs(args) -> list[Cell]:
+    """The cells of the run directories under ``args.out`` (``eta{E}-{LABEL}-s{SEED}``),
+    each cut to its first ``args.steps`` steps: a sweep stopped in the middle of a cell,
+    or runs compared over a common horizon. No command time or load: not measured."""
+    cells = []
+    for path in sorted(args.out.glob("eta*-*-s*")):
+        eta, _, rest = path.name[3:].partition("-")
+        label, _, seed = rest.rpartition("-s")
+        lines = (path / "metrics.jsonl").read_text().splitlines()
+        rows = [json.loads(x) for x in lines if x][: args.steps]
+        if rows:
+            cells.append(cell_of(rows, path, int(eta), label, int(seed)))
+    return cells
 
 
 def backfill(cell: Cell, path: Path) -> None:
@@ -398,6 +438,10 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated sweep.json files: merge and report them instead of running",
     )
     ap.add_argument(
+        "--from-runs", action="store_true",
+        help="report the run directories under --out, each cut to its first --steps steps",
+    )  # fmt: skip
+    ap.add_argument(
         "--variant", action="append", default=[], metavar="LABEL=OVERRIDES",
         help="a named set of space-separated overrides, swept instead of --corrections",
     )  # fmt: skip
@@ -407,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     etas = [int(x) for x in args.etas.split(",")]
     args.variants = dict(_variant(v) for v in args.variant)
     corrections = list(args.variants) or args.corrections.split(",")
+    if args.from_runs:
+        return report(from_runs(args), args)
     if args.from_json:
         cells = [
             Cell(**{"seed": 0, **c})

@@ -3,6 +3,7 @@ columns) and benchmarks/latency_env.py's environment, without a training run."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import sys
@@ -200,3 +201,31 @@ def test_held_out_and_filtered_columns_read_the_runs_files(tmp_path):
     # Without any cell that evaluated or filtered, neither column is there.
     bare = sweep.table([plain], target=0.5).splitlines()[0]
     assert "held-out" not in bare and "filtered" not in bare
+
+
+def test_from_runs_rebuilds_cells_cut_to_a_common_horizon(tmp_path):
+    def write_run(eta: int, label: str, steps: int) -> None:
+        run = sweep.run_dir(tmp_path, eta, label, 0)
+        run.mkdir()
+        rows = [
+            {"step": i, "wall_s": 2.0 * (i + 1), "reward_mean": i / steps, "samples": 32,
+             "staleness_mean": 0.0, "staleness_max": eta, "dropped_stale": 0,
+             "inflight_update_samples": 0, "is_clipped_fraction": 0.0, "gen_idle_s": 0.5,
+             "learner_wait_s": 1.0}
+            for i in range(steps)
+        ]  # fmt: skip
+        (run / "metrics.jsonl").write_text("".join(f"{json.dumps(r)}\n" for r in rows))
+        evals = "".join(
+            f'{{"step": {s}, "eval/reward_mean": {s / 100}}}\n' for s in range(0, steps + 1, 5)
+        )
+        (run / "eval.jsonl").write_text(evals)
+
+    write_run(0, "dapo", 28)  # stopped at step 28
+    write_run(4, "dapo", 20)
+    args = argparse.Namespace(out=tmp_path, steps=20)
+    cells = {(c.eta, c.correction): c for c in sweep.from_runs(args)}
+    assert set(cells) == {(0, "dapo"), (4, "dapo")}
+    cut = cells[(0, "dapo")]
+    assert (cut.steps, cut.train_s, cut.wall_s, cut.load_mean) == (20, 40.0, None, None)
+    assert cut.eval_steps == [0, 5, 10, 15, 20]  # the round after step 20, not those past it
+    assert cells[(4, "dapo")].staleness_max == 4
