@@ -11,8 +11,8 @@ import pytest
 
 from buffer.evaluation import EvalRounds
 from buffer.ledger import PromptLedger
-from buffer.requests import Peers
-from buffer.server import GENERATOR_ONLY, LEARNER_ONLY, BufferServer
+from buffer.requests import GENERATOR_ONLY, LEARNER_ONLY, Peers
+from buffer.server import BufferServer
 from verl_async import protocol as P
 from verl_async.auth import (
     GENERATOR,
