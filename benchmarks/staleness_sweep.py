@@ -50,6 +50,7 @@ from common import (  # noqa: E402
     ROOT,
     machine,
     mean,
+    read_jsonl,
     rolling,
     run_train,
     sampled_load,
@@ -148,11 +149,8 @@ def cell_of(
     train_s = rows[-1]["wall_s"]
     # A single-turn run's rows have no multiturn/ metrics.
     multiturn = [r for r in rows if "multiturn/turns_mean" in r]
-    evals = held_out(path)
-    if evals:  # a run cut short (--from-runs --steps): its rounds up to its last step
-        last = rows[-1]["step"] + 1
-        kept = [i for i, step in enumerate(evals["eval_steps"]) if step <= last]
-        evals = {key: [values[i] for i in kept] for key, values in evals.items()}
+    # A run cut short (--from-runs --steps): its rounds up to its last step.
+    evals = held_out(path, up_to=rows[-1]["step"] + 1)
     return Cell(
         eta=eta,
         correction=correction,
@@ -196,8 +194,7 @@ def from_runs(args) -> list[Cell]:
     for path in sorted(args.out.glob("eta*-*-s*")):
         eta, _, rest = path.name[3:].partition("-")
         label, _, seed = rest.rpartition("-s")
-        lines = (path / "metrics.jsonl").read_text().splitlines()
-        rows = [json.loads(x) for x in lines if x][: args.steps]
+        rows = read_jsonl(path / "metrics.jsonl")[: args.steps]
         if rows:
             cells.append(cell_of(rows, path, int(eta), label, int(seed)))
     return cells
@@ -206,12 +203,11 @@ def from_runs(args) -> list[Cell]:
 def backfill(cell: Cell, path: Path) -> None:
     """The held-out and filtering fields of a cell read from a sweep.json written before
     they existed, from its run directory if it is still there."""
-    metrics = path / "metrics.jsonl"
     if cell.eval_rewards is None:
         for key, value in held_out(path).items():
             setattr(cell, key, value)
-    if cell.filtered_groups is None and metrics.exists():
-        rows = [json.loads(x) for x in metrics.read_text().splitlines() if x]
+    rows = read_jsonl(path / "metrics.jsonl")
+    if cell.filtered_groups is None and rows:
         for key, value in filtered(rows).items():
             setattr(cell, key, value)
 
@@ -220,13 +216,12 @@ def run_dir(out: Path, eta: int, correction: str, seed: int) -> Path:
     return out / f"eta{eta}-{correction}-s{seed}"
 
 
-def held_out(path: Path) -> dict:
-    """``eval_steps`` and ``eval_rewards`` of the run at ``path`` (none: it did not
-    evaluate)."""
-    rounds = path / "eval.jsonl"
-    if not rounds.exists():
+def held_out(path: Path, up_to: int | None = None) -> dict:
+    """``eval_steps`` and ``eval_rewards`` of the run at ``path``, the rounds after at most
+    ``up_to`` steps (none: it did not evaluate)."""
+    rows = [r for r in read_jsonl(path / "eval.jsonl") if up_to is None or r["step"] <= up_to]
+    if not rows:
         return {}
-    rows = [json.loads(x) for x in rounds.read_text().splitlines() if x]
     return {
         "eval_steps": [r["step"] for r in rows],
         "eval_rewards": [r["eval/reward_mean"] for r in rows],

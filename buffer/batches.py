@@ -79,17 +79,15 @@ class StepBatches:
             del self.steps[old]
         return step
 
-    @staticmethod
-    def message(step: StepBatch, rank: int, num_sources: int, **counts: int):
-        """The whole step for ``rank``, samples ordered rank by rank (``shard_sizes``);
-        encoded once, so every rank receives the same message."""
-        if len(step.shards) <= rank:
-            raise ValueError(
-                f"rank {rank} asked for step {step.step} cut for {len(step.shards)} ranks"
-            )
-        if step.encoded is None:
-            step.encoded = encode_step(step, num_sources, **counts)
-        return step.encoded
+
+def step_message(step: StepBatch, rank: int, num_sources: int, **counts: int):
+    """The whole step for ``rank``, samples ordered rank by rank (``shard_sizes``); encoded
+    once, so every rank receives the same message."""
+    if len(step.shards) <= rank:
+        raise ValueError(f"rank {rank} asked for step {step.step} cut for {len(step.shards)} ranks")
+    if step.encoded is None:
+        step.encoded = encode_step(step, num_sources, **counts)
+    return step.encoded
 
 
 def encode_step(step: StepBatch, num_sources: int, **counts: int) -> tuple[P.Batch, P.Frames]:

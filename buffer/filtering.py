@@ -32,6 +32,8 @@ from buffer.ledger import StoredGroup
 from verl_async.ratelimit import RateLimitedLog
 from verl_async.schema import RunConfig
 
+log = logging.getLogger("verl_async.buffer")
+
 
 class Verdict(Enum):
     KEEP = "keep"
@@ -95,13 +97,12 @@ def uniform(group: StoredGroup, source: int | None) -> bool:
 class GroupFilter:
     """The filtering decision for each arriving group, and the count of drops in a row."""
 
-    def __init__(self, rule: FilterRule, log: logging.Logger | None = None) -> None:
+    def __init__(self, rule: FilterRule) -> None:
         self.rule = rule
         self.in_a_row = 0  # groups dropped since the last one kept (arrival order)
         # A converged policy keeps a group past the bound every step: one line a window.
         self.past_bound_log = RateLimitedLog(
-            log or logging.getLogger("verl_async.buffer"),
-            what="groups kept past filter_groups.max_in_a_row",
+            log, what="groups kept past filter_groups.max_in_a_row"
         )
 
     def verdict(self, group: StoredGroup) -> Verdict:

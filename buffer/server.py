@@ -49,7 +49,7 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
-from buffer.batches import StepBatches
+from buffer.batches import StepBatches, step_message
 from buffer.evaluation import EvalRounds
 from buffer.filtering import FilterRule, GroupFilter, Verdict
 from buffer.ledger import LedgerError, PromptLedger, check_issued
@@ -95,7 +95,7 @@ class BufferServer:
     ) -> None:
         self.ledger = ledger
         # DAPO's dynamic sampling (buffer/filtering.py); None: every group is kept.
-        self.filter = None if filter_rule is None else GroupFilter(filter_rule, log)
+        self.filter = None if filter_rule is None else GroupFilter(filter_rule)
         self.run_info = run_info  # answers GetRun (roles started on their own)
         # Started by ``verl-async buffer``: leave the loop this long after Shutdown (the
         # generators have then been told to stop); under ``train`` the launcher ends it.
@@ -403,7 +403,7 @@ class BufferServer:
             return None
         step.served.add(req.rank)
         self.first_batch_out = True
-        return self.batches.message(
+        return step_message(
             step,
             req.rank,
             self.num_sources,
