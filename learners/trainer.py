@@ -30,7 +30,6 @@ from learners.advantages import (
 from learners.batching import Prefetcher, TrainBatch
 from learners.checkpoints.manager import Checkpoints, buffer_fetch
 from learners.checkpoints.state import LearnerState
-from learners.correction import metric_names
 from learners.critic import (
     CriticStats,
     critic_update,
@@ -52,6 +51,7 @@ from learners.step_metrics import (
     step_row,
 )
 from learners.update import StepStats, UpdateHooks, policy_update, prox_pass
+from learners.whole_step_correction import metric_names
 from verl_async import lora
 from verl_async import protocol as P
 from verl_async.auth import LEARNER, client_credentials

@@ -13,7 +13,10 @@ from dataclasses import dataclass
 import torch
 
 from learners.batching import TrainBatch
-from learners.correction import (
+from learners.finite import guarded_step
+from learners.logprobs import PassOptions, token_stats
+from learners.plan import Minibatch, micro_rows, plan_update
+from learners.whole_step_correction import (
     WholeStep,
     combine,
     needs_every_prox,
@@ -21,9 +24,6 @@ from learners.correction import (
     rollout_settings,
     whole_step,
 )
-from learners.finite import guarded_step
-from learners.logprobs import PassOptions, token_stats
-from learners.plan import Minibatch, micro_rows, plan_update
 from verl_async.algos import (
     GlobalBatch,
     LossInputs,
@@ -71,7 +71,7 @@ class StepStats:
     optimizer_steps: int = 0
     skipped_nonfinite_loss: int = 0
     skipped_nonfinite_grad: int = 0
-    # verl's rollout_corr/* metrics (algo.correction: rollout; learners/correction.py)
+    # verl's rollout_corr/* metrics (algo.correction: rollout; learners/whole_step_correction.py)
     rollout_corr: dict[str, float] | None = None
 
 
@@ -94,7 +94,7 @@ class UpdateHooks:
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
     """A tensor summed over the data-parallel ranks (a collective:
     ``DataParallel.all_sum``), for the rollout correction's step-wide statistics
-    (learners/correction.py). None: this rank's rows are the whole step."""
+    (learners/whole_step_correction.py). None: this rank's rows are the whole step."""
 
 
 def policy_update(
@@ -133,7 +133,7 @@ def policy_update(
     minibatch no separate forward at all (a quarter of the step's compute on a real
     model), with k of them (k - 1)/k of one. When the rollout correction needs every row's
     pi_prox before the first loss, one no-grad pass computes them all
-    (learners/correction.py). Log-probs and entropies are computed at the loss mask's
+    (learners/whole_step_correction.py). Log-probs and entropies are computed at the loss mask's
     positions only (learners/logprobs.py). A minibatch whose loss or gradient norm is not
     finite takes no step (``guarded_step``).
 

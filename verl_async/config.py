@@ -21,8 +21,8 @@ import msgspec
 import yaml
 
 from verl_async import placement
+from verl_async.algos.correction.settings import SettingError
 from verl_async.config_base import IMPORT_SPEC, ConfigError
-from verl_async.correction_config import SettingError
 from verl_async.envs.base import check_environments
 from verl_async.loggers import check_loggers
 from verl_async.reward_config import check_rewards
@@ -214,7 +214,7 @@ def check_filter_groups(cfg: RunConfig) -> None:
 
 def check_rollout_correction(algo: AlgoConfig) -> None:
     """``algo.rollout_correction`` is read with ``algo.correction: rollout`` only, and its
-    keys must resolve (verl_async/correction_config.py)."""
+    keys must resolve (verl_async/algos/correction/settings.py)."""
     section = algo.rollout_correction
     if algo.correction != "rollout":
         if section.is_set:

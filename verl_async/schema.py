@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from verl_async.algos.correction.settings import PRESETS, RolloutCorrection, resolve
 from verl_async.config_base import (
     Fraction,
     NonNegInt,
@@ -21,7 +22,6 @@ from verl_async.config_base import (
     PosInt,
     _Section,
 )
-from verl_async.correction_config import PRESETS, RolloutCorrection, resolve
 from verl_async.reward_config import RewardsConfig
 
 

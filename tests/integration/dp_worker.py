@@ -31,13 +31,13 @@ from buffer.ledger import StoredGroup
 from learners.batching import collate
 from learners.checkpoints.manager import Checkpoints
 from learners.checkpoints.state import LearnerState
-from learners.correction import metric_names
 from learners.distributed import DataParallel
 from learners.finite import NonFiniteWeights, require_finite
 from learners.logprobs import logits_of
 from learners.plan import Minibatch, plan_update
 from learners.setup import fsdp2, leave_job
 from learners.update import UpdateHooks, policy_update
+from learners.whole_step_correction import metric_names
 from verl_async import lora
 from verl_async import protocol as P
 from verl_async.algos import token_logprobs

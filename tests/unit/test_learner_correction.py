@@ -1,12 +1,12 @@
-"""learners/correction.py: what the update needs before its first minibatch under
+"""learners/whole_step_correction.py: what the update needs before its first minibatch under
 ``algo.correction: rollout``, and how its metrics combine."""
 
 import pytest
 import torch
 
-from learners.correction import combine, needs_every_prox, recount, whole_step
 from learners.plan import Minibatch
-from verl_async.correction_config import RolloutCorrection, preset_settings
+from learners.whole_step_correction import combine, needs_every_prox, recount, whole_step
+from verl_async.algos.correction.settings import RolloutCorrection, preset_settings
 
 
 def test_every_row_first_only_for_decoupled_normalisation_or_rejection():

@@ -383,8 +383,8 @@ def test_rollout_batch_normalisation_divides_a_token_mean_loss_by_the_mean_weigh
 def test_rollout_bypass_reinforce_weighs_minus_a_logp_by_the_sequence_weight(tiny_path):
     from transformers import AutoModelForCausalLM
 
-    from verl_async.algos.rollout_correction import rollout_correction
-    from verl_async.correction_config import preset_settings
+    from verl_async.algos.correction.rollout import rollout_correction
+    from verl_async.algos.correction.settings import preset_settings
 
     batch = _batch()
     algo = _rollout_algo("bypass_pg_is", minibatches=1, loss_mode="reinforce")

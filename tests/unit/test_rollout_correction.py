@@ -1,4 +1,4 @@
-"""Rollout correction (verl_async/algos/rollout_correction.py, verl_async/correction_config.py)
+"""Rollout correction (verl_async/algos/correction/rollout.py and settings.py)
 pinned on hand-worked numbers, then the config section.
 
 The running example: three tokens of row 0 and one of row 1 are kept, with token ratios
@@ -16,15 +16,13 @@ import pytest
 import torch
 
 from verl_async.algos import GlobalBatch, actor_inputs, policy_loss
-from verl_async.algos.rollout_correction import (
+from verl_async.algos.correction.rollout import (
     importance_weights,
     offpolicy_metrics,
     rejection_mask,
     rollout_correction,
 )
-from verl_async.config import load_config
-from verl_async.config_base import ConfigError
-from verl_async.correction_config import (
+from verl_async.algos.correction.settings import (
     PRESETS,
     RolloutCorrection,
     SettingError,
@@ -33,6 +31,8 @@ from verl_async.correction_config import (
     preset_settings,
     resolve,
 )
+from verl_async.config import load_config
+from verl_async.config_base import ConfigError
 from verl_async.schema import AlgoConfig, RolloutCorrectionConfig
 
 D = torch.float64

@@ -17,7 +17,7 @@ reads are ``pg_clipfrac``, ``pg_clipfrac_lower`` and ``ppo_kl``, or verl's names
 
 ``register_policy_loss(name)`` registers one under a name (a name taken twice raises);
 ``get_policy_loss(name)`` finds it, or imports ``module:function``. The built-in modes
-live in ``loss_modes.py``, registered when ``verl_async.algos`` is imported.
+live in ``loss_modes.py``, registered when this module is imported.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verl_async.algos.corrections import Correction, off_policy_correction
+from verl_async.algos.correction.off_policy import Correction, off_policy_correction
 from verl_async.algos.losses import GlobalBatch
 from verl_async.config_base import IMPORT_SPEC, ConfigError, import_named
 
@@ -136,7 +136,7 @@ def actor_inputs(
     given: tuple[torch.Tensor | None, torch.Tensor] | None = None,
 ) -> tuple[LossInputs, Correction]:
     """A loss's inputs from the three policies' log-probs [N, T]: ``algo.correction``
-    chooses the ratio's denominator, the weights and the mask (``corrections.py``;
+    chooses the ratio's denominator, the weights and the mask (``correction/off_policy.py``;
     ``given``: the rollout correction's weights and mask for these rows, computed over
     the whole step)."""
     corr = off_policy_correction(logp_prox, logp_behav, mask, algo, logp=logp, given=given)
@@ -150,3 +150,7 @@ def actor_inputs(
         seed=seed,
     )
     return inputs, corr
+
+
+# Registers the built-in loss modes (after the registry and LossInputs exist).
+from verl_async.algos import loss_modes  # noqa: E402, F401  isort: skip

@@ -11,7 +11,7 @@ Three policies meet in the actor loss:
   decoupled  ratio against pi_prox,  w = pi_prox / pi_behav, or 0 where that exceeds
              is_cap (AReaL's decoupled PPO drops those tokens; they stay in the denominator)
   rollout    verl's rollout correction (``algo.rollout_correction``,
-             verl_async/algos/rollout_correction.py): importance weights and rejection
+             ``correction/rollout.py``): importance weights and rejection
              sampling from log pi_train - log pi_behav. Decoupled: ratio against pi_prox,
              pi_train = pi_prox; the learner may pass the weights and mask it computed over
              the whole step (``given``: batch normalisation and rejection need every row).
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verl_async.algos.rollout_correction import rollout_correction
+from verl_async.algos.correction.rollout import rollout_correction
 
 CORRECTIONS = ("none", "tis", "decoupled", "rollout")
 

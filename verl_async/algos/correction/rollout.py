@@ -7,7 +7,7 @@ importance weights, rejection sampling and their metrics, from two log-probs per
 ``logp_train`` is pi_prox in decoupled use (verl's old_log_prob: the ratio of the loss is
 then pi_theta / pi_prox and the weights correct pi_prox against pi_behav), or pi_theta,
 detached, in bypass use (the ratio is pi_theta / pi_behav). Settings and their grammar:
-``verl_async/correction_config.py``. Every exp takes its argument clamped to [-20, 20].
+``settings.py`` beside this module. Every exp takes its argument clamped to [-20, 20].
 
 Importance weights (``rollout_is``):
   token     raw = exp(clamp(rho))
@@ -47,14 +47,14 @@ from collections.abc import Callable
 
 import torch
 
-from verl_async.algos.masked import masked_mean, masked_sum
-from verl_async.correction_config import (
+from verl_async.algos.correction.settings import (
     PRESETS,
     RolloutCorrection,
     parse_is_threshold,
     parse_rs_options,
     parse_rs_thresholds,
 )
+from verl_async.algos.masked import masked_mean, masked_sum
 
 SAFETY_BOUND = 20.0
 PREFIX = "rollout_corr/"
@@ -62,6 +62,7 @@ Reduce = Callable[[torch.Tensor], torch.Tensor]  # sum over the data-parallel gr
 
 __all__ = [
     "PRESETS",
+    "Reduce",
     "RolloutCorrection",
     "importance_weights",
     "offpolicy_metrics",

@@ -2,7 +2,7 @@
 ``algorithm.rollout_correction``): the grammar of its options and thresholds, verl's named
 presets, and how a preset and keys set by hand combine. No torch: the config schema
 imports this, and ``verl-async --help`` stays instant. The tensor side is
-``verl_async/algos/rollout_correction.py``.
+``rollout.py`` beside this module.
 
 Grammar (verl 1dda039's, errors included):
 

@@ -1,6 +1,7 @@
-"""The learner's part of verl's rollout correction (``algo.correction: rollout``; the
-tensors in verl_async/algos/rollout_correction.py, the per-pass hook in
-verl_async/algos/corrections.py): what it needs before the update, and its metrics.
+"""The whole-step part of verl's rollout correction (``algo.correction: rollout``): what the
+learner's update needs over every row of a step before its first minibatch, and the
+step's metrics. The rest of the correction is shared (verl_async/algos/correction/: the
+settings, ``rollout.py``'s tensors, ``off_policy.py``'s per-pass hook).
 
 Decoupled mode (``bypass_mode: false``) compares pi_prox with pi_behav, so its weights and
 mask are fixed for the step. Batch normalisation needs every row's weight, and rejection
@@ -26,14 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 
 import torch
 
 from learners.plan import Minibatch
-from verl_async.algos.rollout_correction import RolloutCorrection, rollout_correction
-
-Reduce = Callable[[torch.Tensor], torch.Tensor]
+from verl_async.algos.correction.rollout import Reduce, RolloutCorrection, rollout_correction
 
 
 @dataclasses.dataclass
