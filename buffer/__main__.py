@@ -19,7 +19,7 @@ from verl_async import protocol as P
 from verl_async.checkpoint import in_run, require_valid
 from verl_async.config import ConfigError
 from verl_async.data import PromptRecord, load_prompts, max_prompt_tokens, render_prompts
-from verl_async.runtime import load_context, mark, mark_cpu, start_role
+from verl_async.runtime import load_context, mark, mark_cpu, report_exit, start_role
 from verl_async.schema import RunConfig
 from verl_async.staleness import Admission
 from verl_async.transport.server import ServerOptions
@@ -115,9 +115,12 @@ async def serve(run_dir: str, exit_after_stop_s: float | None = None) -> None:
         server.restore(ckpt / "buffer")
     mark(run_dir, "buffer", "serving")
 
-    asyncio.get_running_loop().add_signal_handler(
-        signal.SIGTERM, lambda: setattr(server, "terminated", True)
-    )
+    # SIGTERM (the launcher stopping the run) and SIGINT (Ctrl-C on `verl-async buffer`)
+    # end the serving loop; its return is a clean end.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(
+            sig, lambda: setattr(server, "terminated", True)
+        )
     try:
         await server.serve()
     finally:
@@ -135,7 +138,8 @@ def exit_option(parser) -> None:
 
 def main() -> None:
     args = start_role("buffer", "verl-async rollout buffer", more=exit_option)
-    uvloop.run(serve(args.run_dir, args.exit_after_stop_s))
+    with report_exit(log):
+        uvloop.run(serve(args.run_dir, args.exit_after_stop_s))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import signal
 
 from verl_async.config import ConfigError
 from verl_async.reward_config import ModelReward
-from verl_async.runtime import RunContext, load_context, start_role
+from verl_async.runtime import RunContext, load_context, report_exit, start_role
 from verl_async.schema import RunConfig
 from verl_async.transport.server import ServerOptions
 
@@ -36,14 +36,20 @@ def endpoint_of(ctx: RunContext, name: str) -> str:
 
 def main() -> None:
     args = start_role("reward_model", "verl-async reward-model process", with_name=True)
+    with report_exit(log):
+        serve(args.run_dir, args.name)
+
+
+def serve(run_dir: str, name: str) -> None:
+    """Load the model of reward source ``name`` and answer scoring requests until SIGTERM."""
     import torch
 
     from reward_model.scoring import load_reward_model
     from reward_model.server import RewardModelServer
 
-    ctx = load_context(args.run_dir)
-    source = find_source(ctx.cfg, args.name)
-    endpoint = endpoint_of(ctx, args.name)
+    ctx = load_context(run_dir)
+    source = find_source(ctx.cfg, name)
+    endpoint = endpoint_of(ctx, name)
     # float32 on CPU (half precision there is slow and imprecise); the run's dtype on CUDA.
     device, dtype = (
         ("cuda", ctx.cfg.model.dtype) if torch.cuda.is_available() else ("cpu", "float32")
@@ -57,7 +63,7 @@ def main() -> None:
         source.batch_size,
         source.max_length,
         source.share_prefix,
-        options=ServerOptions.for_run(ctx.cfg, args.run_dir),
+        options=ServerOptions.for_run(ctx.cfg, run_dir),
     )
     signal.signal(signal.SIGTERM, lambda signum, frame: setattr(server, "terminated", True))
     server.serve()

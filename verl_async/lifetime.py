@@ -89,19 +89,37 @@ def die_with_parent(grace_s: float = ORPHAN_GRACE_S) -> None:
     watcher.start()
 
 
+class Interrupted(KeyboardInterrupt):
+    """What ``interrupt_once`` raises: a stop asked for by signal ``signum``, told apart
+    from a KeyboardInterrupt that code of the role raised itself."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class Stopped(SystemExit):
+    """A role's end after a stop it was asked for (a signal, a stop message): exit
+    ``code``, logged as one INFO line saying ``why`` (``runtime.report_exit``)."""
+
+    def __init__(self, code: int, why: str) -> None:
+        super().__init__(code)
+        self.why = why
+
+
 def interrupt_once(*signals: int) -> None:
-    """The first of ``signals`` to come raises KeyboardInterrupt in the main thread (a
-    role's loop unwinds, cleaning up on the way, as after Ctrl-C); every later one is
-    ignored. A stop often comes twice: a launcher signals the learner again once its
-    checkpoint write has committed, a Ctrl-C in a terminal reaches torchrun and each of its
-    ranks and torchrun passes it on, and a rank's parent-death signal follows torchrun's
-    exit. Raised again, it would cut the clean-up short or, once the role's main function
-    has returned, come out of an exit handler as a traceback."""
+    """The first of ``signals`` to come raises ``Interrupted`` (a KeyboardInterrupt) in
+    the main thread (a role's loop unwinds, cleaning up on the way, as after Ctrl-C);
+    every later one is ignored. A stop often comes twice: a launcher signals the learner
+    again once its checkpoint write has committed, a Ctrl-C in a terminal reaches torchrun
+    and each of its ranks and torchrun passes it on, and a rank's parent-death signal
+    follows torchrun's exit. Raised again, it would cut the clean-up short or, once the
+    role's main function has returned, come out of an exit handler as a traceback."""
 
     def interrupt(signum, frame) -> None:
         for sig in signals:
             signal.signal(sig, signal.SIG_IGN)
-        raise KeyboardInterrupt
+        raise Interrupted(signum)
 
     for sig in signals:
         signal.signal(sig, interrupt)

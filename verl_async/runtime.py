@@ -8,19 +8,21 @@ config field is ever filled in after validation.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import json
 import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgspec
 
 from verl_async.config import load_config
-from verl_async.lifetime import die_with_parent, hold_run_dir
+from verl_async.config_base import ConfigError
+from verl_async.lifetime import Stopped, die_with_parent, hold_run_dir
 from verl_async.placement import device_index, is_cuda
 from verl_async.schema import RunConfig
 
@@ -90,12 +92,19 @@ def role_args(
     return parser.parse_args()
 
 
+QUIET_LOGGERS = ("httpx", "httpcore", "openai", "aiohttp.access", "urllib3", "filelock")
+"""Libraries that log a line per request (an agent's every call through the ``openai``
+client, thousands a minute) or per lock at INFO: in a role's log from WARNING up only."""
+
+
 def setup_logging(role: str) -> logging.Logger:
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
     return logging.getLogger(f"verl_async.{role}")
 
 
@@ -205,6 +214,62 @@ def start_role(
     setup_logging(name + suffix)
     apply_cpu_pinning()
     return args
+
+
+@contextlib.contextmanager
+def report_exit(log: logging.Logger) -> Iterator[None]:
+    """Around a role's work: an end other than a return (or an exit with code 0) is the
+    last line of the role's log, naming what ended it, and exits non-zero.
+
+    ``Stopped`` (a stop the role was asked for): one INFO line, its code (128 + the
+    signal). ``ConfigError``: one ERROR line (a mistake in the run's config, no
+    traceback), code 1. Anything else, ``BaseException`` included (a ``SystemExit`` that
+    code deep in the role raised, a KeyboardInterrupt no signal handler of ours raised, an
+    exception raised in a ``finally`` on the way out): the traceback, then one ERROR line
+    with the exception's type, message and innermost frame; code: the SystemExit's
+    number, 130 for a KeyboardInterrupt (as Python's own), else 1. The role leaves by a
+    ``SystemExit`` with a number, on which Python prints nothing more."""
+    try:
+        yield
+    except BaseException as exc:
+        code = exit_code(exc)
+        if code == 0:
+            raise
+        if isinstance(exc, Stopped):
+            log.info("stopped: %s (exit code %d)", exc.why, code)
+        else:
+            if not isinstance(exc, ConfigError):
+                log.error("what ended this process:", exc_info=exc)
+            log.error("ended by %s (exit code %d)", describe_exception(exc), code)
+        raise SystemExit(code) from None
+
+
+def exit_code(exc: BaseException) -> int:
+    """The exit code a role ended by ``exc`` leaves with (0: a normal end)."""
+    if isinstance(exc, SystemExit):
+        if exc.code is None or exc.code is False:
+            return 0
+        return exc.code if isinstance(exc.code, int) else 1
+    return 130 if isinstance(exc, KeyboardInterrupt) else 1
+
+
+def describe_exception(exc: BaseException) -> str:
+    """``Type: message, raised at file:line in function`` (the traceback's innermost
+    frame), on one line."""
+    try:
+        message = " ".join(str(exc).split())[:1000]
+    except Exception:  # a user's exception whose __str__ fails
+        message = "<message unreadable>"
+    text = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+    tb = exc.__traceback__
+    if tb is None:
+        return text
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    path = tb.tb_frame.f_code.co_filename
+    with contextlib.suppress(ValueError):
+        path = os.path.relpath(path) if not os.path.relpath(path).startswith("..") else path
+    return f"{text}, raised at {path}:{tb.tb_lineno} in {tb.tb_frame.f_code.co_name}"
 
 
 STARTUP_FILE = "startup.jsonl"
