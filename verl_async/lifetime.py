@@ -30,6 +30,15 @@ still running after its launcher died, makes it refuse with one sentence naming 
 directory. The locks go with the processes (the kernel drops a lock when its last
 descriptor closes), so a run killed by any means leaves nothing to clean up; locks are
 advisory and local to what the file system supports (network file systems may not).
+
+A run that is ending is waited for, up to ``EXIT_WAIT_S``, before the claim is refused:
+``--resume`` typed right after the run was killed finds its processes still on their way
+out for a few seconds (a large process takes time to free its memory, a role whose
+launcher died gets SIGTERM and unwinds). Ending means: ``launcher.lock`` held only by
+processes in exit (a zombie, the kernel's exit flag set, SIGKILL pending), or
+``run.lock`` held with no launcher left (``launcher.lock`` free: the run's roles die with
+their launcher, each within ``ORPHAN_GRACE_S``). A live launcher is refused at once; roles
+that outlast the wait are refused after it, with the same sentence.
 """
 
 from __future__ import annotations
@@ -210,23 +219,83 @@ class RunLock:
         self.fds = []
 
 
-def claim_run_dir(run_dir: Path) -> RunLock:
+EXIT_WAIT_S = 10.0  # how long a claim waits for the processes of a run that is ending
+POLL_S = 0.2
+
+
+def claim_run_dir(
+    run_dir: Path, wait_s: float = EXIT_WAIT_S, say: Callable[[str], None] = log.info
+) -> RunLock:
     """Make ``run_dir`` if needed and claim it for this launcher: ``RunDirInUse`` when a
-    live launcher or any process of an earlier run still holds it."""
+    live launcher or any process of an earlier run still holds it. Processes of a run
+    that is ending (the module docstring) are waited for, up to ``wait_s``; ``say`` gets
+    one line when the wait begins."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + wait_s
+    waiting = False
+    while True:
+        claimed = _try_claim(run_dir)
+        if isinstance(claimed, RunLock):
+            return claimed
+        pids = holders(claimed)
+        if time.monotonic() >= deadline or not _ending(claimed, pids):
+            raise _in_use(run_dir, claimed)
+        if not waiting:
+            waiting = True
+            say(
+                f"run directory '{run_dir}': waiting up to {wait_s:g} s for the processes "
+                f"of the run that is ending there ({', '.join(map(str, pids)) or 'unknown'}) "
+                "to exit"
+            )
+        time.sleep(POLL_S)
+
+
+def _try_claim(run_dir: Path) -> RunLock | Path:
+    """Both locks (the claim), or the path of the lock another process holds."""
     held: list[int] = []
     try:
         for name, mode in ((LAUNCHER_LOCK, fcntl.LOCK_EX), (RUN_LOCK, fcntl.LOCK_EX)):
             fd = _open(run_dir / name)
             held.append(fd)
             if not _lock(fd, mode | fcntl.LOCK_NB):
-                raise _in_use(run_dir, run_dir / name)
+                RunLock(held).release()
+                return run_dir / name
         # Roles share run.lock from now on; launcher.lock keeps other launchers out.
         fcntl.flock(held[1], fcntl.LOCK_SH)
     except BaseException:
         RunLock(held).release()
         raise
     return RunLock(held)
+
+
+def _ending(lock: Path, pids: list[int]) -> bool:
+    """Whether the holders ``pids`` of ``lock`` belong to a run that is ending: the
+    launcher's lock held by processes in exit only, or the roles' lock held with no
+    launcher left (``_try_claim`` got ``launcher.lock``)."""
+    if lock.name == RUN_LOCK:
+        return True
+    return bool(pids) and all(exiting(pid) for pid in pids)
+
+
+PF_EXITING = 0x4  # include/linux/sched.h: the process is in exit
+SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
+
+
+def exiting(pid: int) -> bool:
+    """Whether process ``pid`` is gone or on its way out: a zombie, in exit (the kernel's
+    flag, set while it frees its memory and files), or with SIGKILL pending."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
+    if stat[0] in ("Z", "X") or int(stat[6]) & PF_EXITING:
+        return True
+    pending = 0
+    for line in status.splitlines():
+        if line.startswith(("SigPnd:", "ShdPnd:")):
+            pending |= int(line.split()[1], 16)
+    return bool(pending & SIGKILL_BIT)
 
 
 def hold_run_dir(run_dir: str | Path) -> None:

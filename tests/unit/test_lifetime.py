@@ -1,6 +1,7 @@
 """A run's processes die with whoever started them, and a run directory holds one live run
 (verl_async/lifetime.py), with real processes: a few small Python children each."""
 
+import logging
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ from verl_async.lifetime import (
     TETHER_PID,
     RunDirInUse,
     claim_run_dir,
+    exiting,
     tethered,
 )
 
@@ -151,11 +153,89 @@ def test_a_role_left_of_a_dead_launcher_keeps_the_run_dir_taken(tmp_path):
         with pytest.raises(
             RunDirInUse, match=f"a process of it still runs \\(process {role.pid}\\)"
         ):
-            claim_run_dir(run_dir)
+            claim_run_dir(run_dir, wait_s=0.5)  # the role lives on past the wait
     finally:
         role.send_signal(signal.SIGKILL)
         role.wait()
     claim_run_dir(run_dir).release()  # it died: the directory is free again
+
+
+def _role_holding(run_dir: Path, then: str) -> subprocess.Popen:
+    """A process holding ``run_dir`` the way a role does (``hold_run_dir``), which prints
+    "holding" and then runs ``then``."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return _python(f"""
+        import time
+        from verl_async.lifetime import hold_run_dir
+        hold_run_dir({str(run_dir)!r})
+        print("holding", flush=True)
+        {then}
+    """)
+
+
+def test_a_claim_waits_for_the_roles_of_a_run_whose_launcher_is_gone(tmp_path, caplog):
+    """``--resume`` right after a run was killed: its roles are still on their way out
+    (here one that takes a second). The claim waits for them, says so, and succeeds."""
+    run_dir = tmp_path / "run"
+    role = _role_holding(run_dir, "time.sleep(1.0)")
+    try:
+        assert role.stdout.readline() == "holding\n"
+        with caplog.at_level(logging.INFO, logger="verl_async.lifetime"):
+            lock = claim_run_dir(run_dir)  # the default wait, 10 s
+    finally:
+        role.kill()
+        role.wait()
+    lock.release()
+    said = [r.getMessage() for r in caplog.records if r.name == "verl_async.lifetime"]
+    assert len(said) == 1 and "waiting up to 10 s" in said[0] and str(role.pid) in said[0]
+
+
+def test_a_role_that_outlives_the_wait_is_refused_with_the_same_sentence(tmp_path):
+    run_dir = tmp_path / "run"
+    role = _role_holding(run_dir, "time.sleep(600)")
+    try:
+        assert role.stdout.readline() == "holding\n"
+        t0 = time.monotonic()
+        with pytest.raises(
+            RunDirInUse,
+            match=f"in use by a live run: a process of it still runs \\(process {role.pid}\\)",
+        ):
+            claim_run_dir(run_dir, wait_s=1.0, say=lambda line: None)
+        assert time.monotonic() - t0 >= 1.0
+    finally:
+        role.kill()
+        role.wait()
+
+
+def test_a_live_launcher_is_refused_at_once_without_waiting(tmp_path):
+    run_dir = tmp_path / "run"
+    launcher = _python(f"""
+        import time
+        from pathlib import Path
+        from verl_async.lifetime import claim_run_dir
+        lock = claim_run_dir(Path({str(run_dir)!r}))
+        print("claimed", flush=True)
+        time.sleep(600)
+    """)
+    said: list[str] = []
+    try:
+        assert launcher.stdout.readline() == "claimed\n"
+        t0 = time.monotonic()
+        with pytest.raises(RunDirInUse, match="its launcher still runs"):
+            claim_run_dir(run_dir, wait_s=60.0, say=said.append)
+        assert time.monotonic() - t0 < 30.0 and not said  # no wait for a live launcher
+    finally:
+        launcher.kill()
+        launcher.wait()
+
+
+def test_exiting_tells_a_zombie_and_a_gone_process_from_a_live_one():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    assert _gone(child.pid, 60)  # a zombie until waited for
+    assert exiting(child.pid)
+    child.wait()
+    assert exiting(child.pid)  # gone
+    assert not exiting(os.getpid())
 
 
 def test_a_stopped_role_ignores_a_second_stop_signal_even_in_its_exit_handlers():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from datetime import datetime
 from pathlib import Path
 
@@ -38,12 +39,13 @@ class RoleFailed(RuntimeError):
 def claim(cfg: RunConfig, run_dir_arg: str | None, resume: bool) -> tuple[str, RunLock]:
     """Claim the directory a command names (a new run's default one when none) for this
     launcher, before anything in it changes: (its path, the lock to hold for the run's
-    life). ``RoleFailed`` when a live run, or a process left of one, holds it."""
+    life). ``RoleFailed`` when a live run, or a process left of one, holds it (a run that
+    is ending is waited for a few seconds first, saying so on stderr)."""
     path = Path(run_dir_arg or default_run_dir(cfg)).resolve()
     if resume and not path.is_dir():
         raise RoleFailed(f"cannot resume: '{path}' is not a directory")
     try:
-        return str(path), claim_run_dir(path)
+        return str(path), claim_run_dir(path, say=lambda line: print(line, file=sys.stderr))
     except RunDirInUse as exc:
         raise RoleFailed(str(exc)) from None
 
