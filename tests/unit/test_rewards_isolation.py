@@ -8,6 +8,7 @@ import asyncio
 import logging
 import math
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -119,6 +120,85 @@ def test_killed_process_is_detected_and_replaced(tmp_path):
     assert waited < 2.0  # noticed by the exit status, not the 5 s deadline
     assert after.scores == [1.0, 0.0]
     assert starts == 2
+
+
+HOSTILE = "tests.unit.hostile_reward_fns"
+# What a user function may do besides raising an Exception, each costing its item alone.
+MISCHIEF = {
+    "exits": "SystemExit(2)",
+    "interrupts": "KeyboardInterrupt()",
+    "recurses": "RecursionError(",
+    "out_of_memory": "MemoryError('no room for the reward')",
+    "returns_bad_float": "SystemExit('not a number after all')",
+    "raises_unprintable": "_Unprintable (its repr raised)",
+    "returns_none": "returned NoneType, not a number",
+}
+
+
+def test_any_base_exception_of_a_function_costs_its_item_only(tmp_path):
+    """SystemExit, KeyboardInterrupt, RecursionError, MemoryError, a result whose float()
+    exits, an exception whose repr raises, a module that exits at import: each item gets
+    its source's default and an error naming what happened; the items beside it are
+    scored and the scoring process lives on (one start)."""
+    sources = [FunctionReward(name="ok", function=f"{FNS}:ok")]
+    sources += [
+        FunctionReward(name=name, function=f"{HOSTILE}:{name}", default_score=-1.0 - i)
+        for i, name in enumerate(MISCHIEF)
+    ]
+    script = "tests.unit.exiting_reward_module:score"
+    sources.append(FunctionReward(name="script", function=script, default_score=-9.0))
+    items = [item(0)] + [item(s) for s in range(1, len(sources))] + [item(0, "no")]
+
+    async def main():
+        scorer = RuleScorer(tmp_path, sources, timeout_s=30.0)
+        try:
+            return await scorer.score(items), await scorer.score([item(0)]), scorer.starts
+        finally:
+            scorer.close()
+
+    reply, again, starts = asyncio.run(main())
+    defaults = [-1.0 - i for i in range(len(MISCHIEF))] + [-9.0]
+    assert reply.scores == [1.0, *defaults, 0.0]
+    assert reply.errors[0] == "" and reply.errors[-1] == ""
+    expected_errors = [*MISCHIEF.values(), "SystemExit("]
+    for error, expected in zip(reply.errors[1:-1], expected_errors, strict=True):
+        assert expected in error, (expected, error)
+    assert "this module is a script" in reply.errors[-2]
+    assert again.scores == [1.0] and again.errors == [""]
+    assert starts == 1  # no item cost the process
+
+
+def test_a_process_killed_between_requests_is_replaced_before_the_next_is_sent(tmp_path):
+    """A scoring process that died while idle (the OOM killer, a stray kill) is noticed
+    when the next request comes: that request goes to a fresh process and is scored."""
+
+    async def body(scorer: RuleScorer):
+        await scorer.score([item(OK)])
+        os.kill(scorer.proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while scorer.proc.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return await scorer.score([item(OK), item(OK, "no")]), scorer.starts
+
+    after, starts = run_with_scorer(tmp_path, body, timeout_s=10.0)
+    assert after.scores == [1.0, 0.0] and after.errors == ["", ""]
+    assert starts == 2
+
+
+def test_sigterm_ends_the_scoring_process_even_inside_a_user_function(tmp_path):
+    """The one BaseException an item does not keep: SIGTERM (``Terminated``) ends the
+    process, with exit code 0, while a function hangs in it."""
+
+    async def body(scorer: RuleScorer):
+        await scorer.score([item(OK)])
+        hung = asyncio.ensure_future(scorer.score([item(HANGS)]))
+        await asyncio.sleep(0.5)  # the request is sent; the function may have started
+        scorer.proc.send_signal(signal.SIGTERM)
+        code = await asyncio.wait_for(scorer._exit_code(), 30)
+        await hung
+        return code
+
+    assert run_with_scorer(tmp_path, body, timeout_s=60.0) == 0
 
 
 def test_concurrent_requests_each_get_their_own_reply(tmp_path):

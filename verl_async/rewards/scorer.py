@@ -103,7 +103,9 @@ class RuleScorer:
     a fresh process also waits for its start (an interpreter and the user's imports, up to
     ``STARTUP_S`` more): a start slowed by a busy machine is not a failure of the source.
     While a request waits, the process's exit status is looked at every ``POLL_S``: a
-    crash fails the request at once, not at its deadline.
+    crash fails the request at once, not at its deadline. A process found dead before a
+    request is sent (killed between requests) is replaced first, so the request is scored.
+    Every restart is logged with its cause.
     """
 
     def __init__(
@@ -172,6 +174,15 @@ class RuleScorer:
         self._stop()
         self._start()
 
+    def _replace(self, cause: str) -> None:
+        log.warning(
+            "%s; starting a fresh scoring process (start %d; its log: logs/%s.log)",
+            cause,
+            self.starts + 1,
+            self.log_name,
+        )
+        self.restart()
+
     def close(self) -> None:
         self._stop()
         if self.log_file is not None:
@@ -210,10 +221,12 @@ class RuleScorer:
         if not items:
             return P.Scores(scores=[], errors=[])
         async with self.lock:
+            if self.proc is not None and (code := self.proc.poll()) is not None:
+                self._replace(f"the scoring process died between requests (exit code {code})")
             try:
                 reply = await self._exchange(P.ScoreRules(items=items))
             except ScoringFailed as exc:  # bad replies included (_WorkerClient.bad_reply)
-                self.restart()  # a hung or dead process is replaced before the next request
+                self._replace(f"a rule-scoring request failed: {exc}")  # hung or dead
                 return self.defaults(items, str(exc))
         if isinstance(reply, P.Error):
             return self.defaults(items, f"scoring process refused ({reply.code}): {reply.message}")

@@ -5,13 +5,17 @@
 Socket pattern. A ROUTER bound on ENDPOINT (``verl_async.transport.server.RouterSocket``:
 bounded queues, frames up to ``--max-message-bytes``, decoding, ``Error`` replies); the
 one client is the parent's ``scorer.RuleScorer``, a DEALER. Each ``ScoreRules`` gets one
-``Scores`` reply with the same request id. An item that raises gets its source's
-``default_score`` and ``errors[i] = repr(exc)``; the other items are unaffected. A message
+``Scores`` reply with the same request id. An item whose function raises anything,
+``BaseException`` included (``SystemExit``, ``KeyboardInterrupt``, ``RecursionError``,
+``MemoryError``), or returns what is not a finite float32, gets its source's
+``default_score`` and ``errors[i] = repr(exc)``; the other items and the process are
+unaffected. A message
 that does not decode (``Error("protocol")``) or is not a ``ScoreRules``
 (``Error("unexpected")``) is answered by the router and the process keeps serving; a frame
 over the limit costs its sender the connection. No handshake and no credentials: ENDPOINT
 is an ipc path in a directory only the generator's user can enter, so the file system
-decides who connects. Shutdown: SIGTERM, or the parent's death; linger 0.
+decides who connects. Shutdown: SIGTERM (``Terminated``, which no item's ``except``
+keeps), or the parent's death; linger 0.
 
 The sources are ``rewards.sources`` of ``DIR/config.yaml``, or, when the parent sets it,
 the JSON ``RewardsConfig`` in ``$VERL_ASYNC_REWARDS_JSON`` (so the parent's list and the
@@ -39,13 +43,18 @@ from verl_async import protocol as P
 from verl_async.config import load_config
 from verl_async.reward_config import FunctionReward, MathReward, ModelReward, RewardsConfig
 from verl_async.rewards.rules import RuleScorerState
-from verl_async.runtime import die_with_parent
+from verl_async.runtime import die_with_parent, report_exit
 from verl_async.transport.limits import MAX_MESSAGE_BYTES
 from verl_async.transport.server import RouterSocket, ServerOptions
 
 ENV_REWARDS = "VERL_ASYNC_REWARDS_JSON"
 POLL_MS = 500  # how often the loop looks at its parent while idle
 log = logging.getLogger("verl_async.rewards")
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised wherever the main thread is (a user function included): the one
+    BaseException that ends the process instead of costing an item its score."""
 
 
 def load_rewards(run_dir: str) -> RewardsConfig:
@@ -77,10 +86,20 @@ def score_items(
         try:
             scores.append(state.score(source, item))
             errors.append("")
-        except Exception as exc:  # a user function may raise anything; the run goes on
+        except Terminated:
+            raise
+        except BaseException as exc:  # a user function may raise anything; the run goes on
             scores.append(source.default_score)
-            errors.append(repr(exc)[:2000])
+            errors.append(describe(exc))
     return P.Scores(scores=scores, errors=errors)
+
+
+def describe(exc: BaseException) -> str:
+    """``repr(exc)``, at most 2000 characters; the type's name when even that raises."""
+    try:
+        return repr(exc)[:2000]
+    except Exception:
+        return f"{type(exc).__name__} (its repr raised)"
 
 
 def warm_up(rewards: RewardsConfig, state: RuleScorerState) -> None:
@@ -91,8 +110,10 @@ def warm_up(rewards: RewardsConfig, state: RuleScorerState) -> None:
                 state.math.module()
             elif isinstance(source, FunctionReward):
                 state.function(source.function)
-        except Exception as exc:  # the request will report it per item
-            log.warning("reward source '%s' failed to load: %r", source.name, exc)
+        except Terminated:
+            raise
+        except BaseException as exc:  # the request will report it per item
+            log.warning("reward source '%s' failed to load: %s", source.name, describe(exc))
 
 
 def serve(
@@ -107,8 +128,8 @@ def serve(
     )
     rule_sources = [s.name for s in rewards.sources if not isinstance(s, ModelReward)]
     log.info("scoring process up on %s; rule sources %s", endpoint, rule_sources)
-    warm_up(rewards, state)
     try:
+        warm_up(rewards, state)
         while os.getppid() == parent:  # belt and braces beside PR_SET_PDEATHSIG
             router.rejections.flush()  # the summary of a flood, when its window ends
             if not router.sock.poll(POLL_MS):
@@ -116,14 +137,16 @@ def serve(
             for request in router.drain():  # what does not decode is answered there
                 scores = score_items(request.envelope.body.items, rewards, state)
                 router.reply(request.identity, request.envelope.request_id, scores)
+    except Terminated:
+        log.info("stopped: SIGTERM")
     finally:
         router.close()
 
 
 def _on_sigterm(signum: int, frame: object) -> None:
-    # SystemExit unwinds through a user function that is running (unless it swallows
-    # BaseException; the parent's SIGKILL covers that).
-    raise SystemExit(0)
+    # Unwinds through a user function that is running (unless it swallows BaseException;
+    # the parent's SIGKILL covers that).
+    raise Terminated
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         datefmt="%H:%M:%S",
         stream=sys.stderr,
     )
-    serve(args.endpoint, load_rewards(args.run_dir), args.max_message_bytes)
+    with report_exit(log):
+        serve(args.endpoint, load_rewards(args.run_dir), args.max_message_bytes)
     return 0
 
 
