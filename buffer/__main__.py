@@ -12,7 +12,7 @@ from buffer.filtering import FilterRule
 from buffer.leases import Leases
 from buffer.ledger import PromptLedger
 from buffer.requests import Peers
-from buffer.rollouts import RolloutLimits, max_response_tokens
+from buffer.rollouts import RolloutLimits, max_response_tokens, max_samples_per_episode
 from buffer.server import BufferServer
 from verl_async import placement
 from verl_async import protocol as P
@@ -67,6 +67,7 @@ def rollout_limits(cfg: RunConfig, model_path: str) -> RolloutLimits:
         group_size=cfg.generators.group_size,
         vocab_size=AutoConfig.from_pretrained(model_path).vocab_size,
         max_response_tokens=max_response_tokens(cfg),
+        max_samples_per_episode=max_samples_per_episode(cfg),
     )
 
 

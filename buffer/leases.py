@@ -167,12 +167,13 @@ class Leases:
             self.expired_total += 1
         return due
 
-    def revoke(self, group_ids: list[int]) -> None:
+    def revoke(self, group_ids: list[int], why: str = "revoked") -> None:
         """End these leases now, as if they had run out: their holder is known to be gone
-        (its generator was restarted). A rollout under them is dropped."""
+        (its generator was restarted), or (``why`` = "refused") its rollout was refused and
+        the group is taken back. A rollout under them is dropped."""
         now = self.clock()
         for k in group_ids:
-            self._lapse(k, now, "revoked")
+            self._lapse(k, now, why)
 
     def _lapse(self, group_id: int, now: float, why: str) -> bytes:
         """End ``group_id``'s lease, remembering it as lapsed; returns its holder."""
@@ -221,6 +222,7 @@ class Leases:
             "expired": "ran out",
             "capped": "ran out at buffer.lease_max_s",
             "revoked": "was revoked (its generator restarted)",
+            "refused": "ended when its rollout was refused",
         }[lapsed.why]
         return (
             f"group {group_id}: lease {number} of this connection {how} "

@@ -14,7 +14,10 @@ stored: it is done (consumed, never issued again), and step s consumes the next 
 drops it is its id, and admission is decided on it.
 Each issue of a group is a lease of its connection's (buffer/leases.py); when the lease
 runs out the group goes back to the front of the issue queue, and a rollout under the old
-lease never counts, whoever the group went to next.
+lease never counts, whoever the group went to next. A rollout refused for what it holds
+takes its group back the same way (``refuse``); refused ``MAX_REFUSALS`` times, the group
+is dropped as dynamic sampling drops one, so a group no generator can sample acceptably
+ends instead of going round forever, and every step still gets B groups.
 """
 
 from __future__ import annotations
@@ -32,6 +35,12 @@ from verl_async.staleness import Admission
 
 class LedgerError(ValueError):
     """A message that contradicts the ledger (unknown or duplicate group)."""
+
+
+MAX_REFUSALS = 3
+"""Refusals of a group's rollouts (by any generators, counted from the buffer process's
+start) after which the group is done without training: a refusal is a bug of the sampling
+side or a bound of the run its episodes pass, which a fourth try rarely mends."""
 
 
 @dataclass
@@ -173,6 +182,7 @@ class PromptLedger:
         self.reissue: deque[int] = deque()
         self.min_version = 0  # after a restore: the restored version (no older weights)
         self.in_flight: dict[int, Issued] = {}
+        self.refusals: dict[int, int] = {}  # group id -> its rollouts refused so far
         self.leases = Leases() if leases is None else leases  # default: never expire
         self.returned: dict[int, StoredGroup] = {}
         self.consumed_steps = 0
@@ -264,6 +274,7 @@ class PromptLedger:
         whether it is stored (``keep``, ``past_bound``) or done without training (``drop``)."""
         self.check_returnable([group.group_id])
         del self.in_flight[group.group_id]
+        self.refusals.pop(group.group_id, None)
         self.leases.end(group.group_id)
         if verdict == "drop":
             self.dropped.add(group.group_id)
@@ -271,6 +282,22 @@ class PromptLedger:
         if verdict == "past_bound":
             self.past_bound.add(group.group_id)
         self.returned[group.group_id] = group
+
+    def refuse(self, group_id: int) -> bool:
+        """Take back ``group_id``, in flight, whose rollout was refused for what it held:
+        first in line to be issued again, under a new lease; at its ``MAX_REFUSALS``-th
+        refusal done without training instead (dropped: consumed, never issued again).
+        Returns whether it ended."""
+        self.check_returnable([group_id])
+        del self.in_flight[group_id]
+        self.leases.revoke([group_id], why="refused")
+        count = self.refusals[group_id] = self.refusals.get(group_id, 0) + 1
+        if count >= MAX_REFUSALS:
+            del self.refusals[group_id]
+            self.dropped.add(group_id)
+            return True
+        self.reissue = deque(sorted([*self.reissue, group_id]))
+        return False
 
     def expire_leases(self) -> list[Expired]:
         """Take back the groups whose lease ran out; each is first in line to be issued
@@ -423,6 +450,7 @@ class PromptLedger:
         self.returned = {g.group_id: g for g in stored}
         self.reissue = deque(sorted(reissue))
         self.in_flight = {}
+        self.refusals = {}
         self.leases.clear()
         self.min_version = version
 

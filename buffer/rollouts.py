@@ -1,9 +1,10 @@
 """Checks of a returned rollout group, and the group as the buffer stores it.
 
 Pure, and every rejection raises ``ProtocolError`` naming the group and the field: nothing
-is recorded from a group that fails here, and the learner never sees a batch it cannot
-train on. Whether the sender may return the group at all is the ledger's question
-(``check_issued``, leases), asked before any of this.
+is recorded from a group that fails here (the buffer refuses it alone and issues it again,
+buffer/intake.py), and the learner never sees a batch it cannot train on. Whether the
+sender may return the group at all is the ledger's question (``check_issued``, leases),
+asked before any of this.
 
 Multi-turn samples (verl_async/protocol.py, ``RolloutGroup``) add a loss mask, per-turn
 rewards and episode stats; their observation tokens carry placeholder versions and
@@ -35,6 +36,7 @@ class RolloutLimits:
     group_size: int | None = None  # samples per group (generators.group_size)
     vocab_size: int | None = None  # token ids are in [0, vocab_size)
     max_response_tokens: int | None = None  # see ``max_response_tokens``
+    max_samples_per_episode: int | None = None  # see ``max_samples_per_episode``
 
 
 def max_response_tokens(cfg: RunConfig) -> int:
@@ -49,6 +51,17 @@ def max_response_tokens(cfg: RunConfig) -> int:
     if not cfg.multiturn.has_episodes:
         return single
     return max(single, cfg.multiturn.max_episode_tokens)
+
+
+def max_samples_per_episode(cfg: RunConfig) -> int:
+    """The most samples one episode of run ``cfg`` may give.
+
+    Only an agent's episode gives several (a chat-completions call that rewrote the
+    conversation starts a new sample), and each call gives at most one: the largest
+    ``multiturn.agents[i].max_calls`` bounds them. Without agents every episode is one
+    sample.
+    """
+    return max((agent.max_calls for agent in cfg.multiturn.agents), default=1)
 
 
 def unpack_rollout(
@@ -166,7 +179,7 @@ def _check_lengths(
     several samples), token budget and the three tensors."""
     if not lengths:
         raise ProtocolError(f"{where}: no samples")
-    count = _episode_count(where, episodes, len(lengths))
+    count = _episode_count(where, episodes, len(lengths), limits.max_samples_per_episode)
     if count is not None:
         if limits.group_size is not None and count != limits.group_size:
             raise ProtocolError(
@@ -236,13 +249,10 @@ def _turn_rewards(
     return rewards
 
 
-MAX_SAMPLES_PER_EPISODE = 16  # an agent's episode may give this many samples at most
-
-
-def _episode_count(where: str, episodes: list[EpisodeStats], n: int) -> int | None:
+def _episode_count(where: str, episodes: list[EpisodeStats], n: int, cap: int | None) -> int | None:
     """The episodes of a group whose samples name theirs (``EpisodeStats.episode``): each
-    index 0, 1, ... in order, an episode's samples consecutive, at most
-    ``MAX_SAMPLES_PER_EPISODE`` each; None when no sample names one (one per episode)."""
+    index 0, 1, ... in order, an episode's samples consecutive, at most ``cap`` each (None:
+    not checked); None when no sample names one (one per episode)."""
     if len(episodes) != n or all(e.episode == -1 for e in episodes):
         return None
     indices = [e.episode for e in episodes]
@@ -252,9 +262,10 @@ def _episode_count(where: str, episodes: list[EpisodeStats], n: int) -> int | No
             "episode's samples together"
         )
     longest = max(Counter(indices).values())
-    if longest > MAX_SAMPLES_PER_EPISODE:
+    if cap is not None and longest > cap:
         raise ProtocolError(
-            f"{where}: an episode of {longest} samples, at most {MAX_SAMPLES_PER_EPISODE}"
+            f"{where}: an episode of {longest} samples, the run allows {cap} "
+            "(the largest multiturn.agents[i].max_calls)"
         )
     return indices[-1] + 1
 

@@ -16,6 +16,9 @@ return rollouts (answered ``Error("forbidden")`` by the socket). The socket chor
 (set-up, limits, admission, roles, decode-or-``Error``, replies to vanished peers, close)
 are ``verl_async.transport.server.RouterSocket``'s; the loop and the handlers are here.
 
+Dispatch. Each request type the buffer serves has one handler (``_handler_table``) that
+checks every field of the request, then acts; other types get ``Error("unexpected")``.
+
 Hostile input. Every field a peer sends is checked before any state changes (pure
 functions in buffer/requests.py, buffer/ledger.py and buffer/rollouts.py): a wrong
 message gets ``Error(code, message)`` naming what was wrong, and nothing it carried is
@@ -23,7 +26,10 @@ recorded. A rollout is taken only on the connection its group was issued to, und
 lease it was issued with, while that lease lasts (buffer/leases.py: a group neither
 returned nor renewed for ``buffer.lease_timeout_s`` is issued again, and one connection
 holds a bounded number); a rollout under a lease that ended is answered ``Dropped``,
-never ``Error``: its generator was slow, not wrong. No message can raise out of
+never ``Error``: its generator was slow, not wrong. The groups of one push are judged
+one by one (buffer/intake.py): one whose content is refused is named in ``Dropped`` and
+issued again, the others are recorded; only the checks about the sender still make the
+whole message an ``Error`` (that module says which, and why). No message can raise out of
 the loop (an unexpected exception is a bug: it is logged with its traceback and answered
 ``Error("internal")``), and rejections and expired leases are logged through
 ``RateLimitedLog`` (verl_async/ratelimit.py), so a flood costs a few lines.
@@ -44,15 +50,18 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from buffer.batches import StepBatches, step_message
 from buffer.evaluation import EvalRounds
-from buffer.filtering import FilterRule, GroupFilter, Verdict
-from buffer.ledger import LedgerError, PromptLedger, check_issued
+from buffer.filtering import FilterRule, GroupFilter
+from buffer.intake import Intake
+from buffer.ledger import LedgerError, PromptLedger
 from buffer.polls import MAX_PARKED, Parked, ParkedPolls
 from buffer.requests import (
     ROLES,
@@ -65,7 +74,7 @@ from buffer.requests import (
     check_non_negative,
     check_wait,
 )
-from buffer.rollouts import RolloutLimits, unpack_rollout
+from buffer.rollouts import RolloutLimits
 from buffer.snapshot import Cuts, restore_ledger
 from buffer.sync_epochs import SyncEpochs
 from buffer.telemetry import AdmissionClock, TokenRate
@@ -74,6 +83,9 @@ from verl_async.ratelimit import RateLimitedLog, short
 from verl_async.transport.server import Request, RouterSocket, ServerOptions
 
 log = logging.getLogger("verl_async.buffer")
+
+Reply = tuple[P.Body | None, P.Frames | None]
+"""A handler's reply and its tensor frames; (None, None): parked, answered later."""
 
 
 class BufferServer:
@@ -102,8 +114,6 @@ class BufferServer:
         self.exit_after_stop_s = exit_after_stop_s
         self.stopped_at: float | None = None
         self.num_sources = num_sources  # reward sources: the width of every group's scores
-        # What a returned group must look like; fields left None are not checked.
-        self.limits = dataclasses.replace(limits or RolloutLimits(), num_sources=num_sources)
         self.rejections = RateLimitedLog(log)
         self.lease_log = RateLimitedLog(log, what="expired leases")  # a line per holder, bounded
         self.evals = evals or EvalRounds([])
@@ -122,7 +132,9 @@ class BufferServer:
         self.versions_changed = False  # parked version polls may be answerable now
         self.rate = TokenRate()
         self.admission_blocked = 0
-        self.rollouts_dropped = 0  # rollouts under a lease that had ended (Dropped)
+        # What a returned group must look like; fields left None are not checked.
+        limits = dataclasses.replace(limits or RolloutLimits(), num_sources=num_sources)
+        self.intake = Intake(ledger, limits, self.filter, self.rate, self.rejections)
         self.clock = AdmissionClock()
         self.cuts = Cuts(ledger)  # checkpoint cuts waiting for their files to be fetched
         self.stopping = False  # Shutdown received: answer everyone with stop
@@ -132,6 +144,7 @@ class BufferServer:
         self.router = RouterSocket(
             zmq.asyncio.Context(), endpoint, options or ServerOptions(), log, ROLES, self.rejections
         )
+        self.handlers = self._handler_table()
 
     # ------------------------------------------------------------------ main loop
 
@@ -139,10 +152,9 @@ class BufferServer:
         """Wait for input with asyncio; then drain every ready message without awaiting.
 
         The asyncio socket is only used to sleep until the socket is readable. Receives
-        and sends (both non-blocking) go through a plain shadow of
-        the same socket (``RouterSocket.raw``), so a burst of small messages costs no
-        event-loop round trip each.
-        """
+        and sends (both non-blocking) go through a plain shadow of the same socket
+        (``RouterSocket.raw``), so a burst of small messages costs no event-loop round trip
+        each."""
         ticker = asyncio.create_task(self._tick())
         try:
             while not self.terminated:
@@ -172,7 +184,7 @@ class BufferServer:
         an ``Error`` reply and costs the log at most one (rate-limited) line."""
         identity, env = request.identity, request.envelope
         try:
-            reply, frames_out = self.handle(identity, env.request_id, env.body, request.frames)
+            reply, frames_out = self.handle(request)
         except Exception as exc:  # noqa: BLE001 (the loop outlives any one message)
             reply, frames_out = self._error_reply(identity, env.body, exc), None
         if reply is not None:
@@ -186,114 +198,54 @@ class BufferServer:
             self.rejections.log(name, "rejected %s from %s: %s", name, identity.hex(), str(exc))
             return P.Error(code="rejected", message=short(str(exc)))
         self.rejections.log(
-            "internal",
-            "%s from %s failed",
-            name,
-            identity.hex(),
-            level=logging.ERROR,
-            exc_info=exc,
+            "internal", "%s from %s failed", name, identity.hex(), level=logging.ERROR, exc_info=exc
         )
         return P.Error(code="internal", message=short(f"{type(exc).__name__}: {exc}"))
 
     # ------------------------------------------------------------------ handlers
 
-    def handle(self, identity: bytes, request_id: int, body: P.Body, frames: list):
-        """Returns (reply, frames) or (None, None) when the request was parked.
-
-        ``check`` has accepted every field before anything here changes state; leases
-        that ran out are taken back first, so none counts against the connection asking."""
+    def handle(self, request: Request) -> Reply:
+        """The reply to one request, by its type's handler (``_handler_table``). Leases that
+        ran out are taken back first, so none counts against the connection asking."""
         self._expire_leases()
-        self.check(identity, body)
-        match body:
-            case P.GetPrompts():
-                return self._get_prompts(identity, body), None
-            case P.PushRollouts():
-                dropped = self._push_rollouts(identity, body.groups, frames)
-                if dropped:
-                    return P.Dropped(group_ids=dropped, reason="lease expired"), None
-                return P.Ack(), None
-            case P.RenewLeases():
-                return P.Renewed(lost=self.ledger.leases.renew(identity, body.leases)), None
-            case P.PollVersion() | P.GetBatch():
-                ready = self._try_answer(body)
-                if ready is not None:
-                    return ready
-                now = time.monotonic()
-                self.parked.add(Parked(identity, request_id, body, now + body.wait_s))
-                return None, None
-            case P.AnnounceWeights():
-                self.update = body.update
-                self.target_version = body.update.version
-                self.sync.announced(body.update.epoch)
-                self.versions_changed = True
-                return P.Ack(), None
-            case P.JoinSync():
-                return self._join_sync(body.generator_id), None
-            case P.SyncStatus():
-                self.sync.status(body.formed, body.regroup)
-                return P.SyncEpoch(current=self.sync.current, wanted=self.sync.wanted), None
-            case P.GetStats():
-                return self.stats(), None
-            case P.StartEval():
-                self.evals.start(body)
-                return P.Ack(), None
-            case P.PushEval():
-                self.evals.record(body, identity)
-                return P.Ack(), None
-            case P.GetEval():
-                return self.evals.report(body.round), None
-            case P.SnapshotBuffer():
-                self.take_cut(body.step, body.version)
-                return P.Ack(), None
-            case P.FetchSnapshot():
-                return self.cuts.files(body.step)
-            case P.Shutdown():
-                self.stopping = self.versions_changed = True
-                self.stopped_at = self.stopped_at or time.monotonic()
-                return P.Ack(), None
-            case P.GetRun() if self.run_info is not None:
-                return self.run_info, None
-            case _:
-                return P.Error(
-                    code="unexpected",
-                    message=f"{type(body).__name__} is not a request the buffer serves",
-                ), None
+        body = request.envelope.body
+        handler = self.handlers.get(type(body))
+        if handler is None:
+            what = f"{type(body).__name__} is not a request the buffer serves"
+            return P.Error(code="unexpected", message=what), None
+        return handler(body, request)
 
-    def check(self, identity: bytes, body: P.Body) -> None:
-        """Raise ProtocolError (or LedgerError) unless ``body`` is a request this buffer can
-        carry out as it stands; rollouts are checked whole in ``_push_rollouts``."""
-        match body:
-            case P.GetPrompts():
-                check_non_negative(body, "generator_id", "loaded_version", "max_groups")
-                check_generator_id(body.generator_id, self.peers)
-                check_loaded(body.loaded_version, self.target_version)
-                self.ledger.leases.check_request(identity, body.max_groups)
-            case P.RenewLeases():
-                self.ledger.leases.check_renewal(body.leases)
-            case P.PollVersion():
-                check_non_negative(body, "generator_id", "loaded_version")
-                check_generator_id(body.generator_id, self.peers)
-                check_loaded(body.loaded_version, self.target_version)
-                check_wait(body.wait_s)
-            case P.GetBatch():
-                cut = self.batches.steps.get(body.step)
-                total = self.ledger.total_groups // self.ledger.admission.groups_per_step
-                cut_for = None if cut is None else len(cut.shards)
-                check_get_batch(body, total, cut_for, self.peers.learner_ranks)
-            case P.AnnounceWeights():
-                check_announce(body.update, self.target_version)
-                self.sync.check_announced(body.update.epoch)
-            case P.JoinSync():
-                check_non_negative(body, "generator_id")
-                check_generator_id(body.generator_id, self.peers)
-            case P.PushEval():
-                check_eval_results(body, self.num_sources, self.target_version)
-            case P.StartEval() | P.GetEval() | P.SnapshotBuffer() | P.FetchSnapshot():
-                check_non_negative(body, *body.__struct_fields__)  # rounds, steps, versions
-        if isinstance(body, P.PollVersion | P.GetBatch):
-            self.parked.check(identity, body)
+    def _handler_table(self) -> dict[type, Callable[[Any, Request], Reply]]:
+        """Each request the buffer serves, and the one method that checks and carries it out."""
+        table: dict[type, Callable[[Any, Request], Reply]] = {
+            P.GetPrompts: self._get_prompts,
+            P.PushRollouts: self._push_rollouts,
+            P.RenewLeases: self._renew_leases,
+            P.PollVersion: self._poll_version,
+            P.GetBatch: self._get_batch,
+            P.AnnounceWeights: self._announce_weights,
+            P.JoinSync: self._join_sync,
+            P.SyncStatus: self._sync_status,
+            P.GetStats: lambda body, request: (self.stats(), None),
+            P.StartEval: self._start_eval,
+            P.PushEval: self._push_eval,
+            P.GetEval: self._get_eval,
+            P.SnapshotBuffer: self._snapshot_buffer,
+            P.FetchSnapshot: self._fetch_snapshot,
+            P.Shutdown: self._shutdown,
+        }
+        if self.run_info is not None:  # a buffer that knows its run directory
+            table[P.GetRun] = lambda body, request: (self.run_info, None)
+        return table
 
-    def _get_prompts(self, identity: bytes, req: P.GetPrompts) -> P.Prompts:
+    def _get_prompts(self, body: P.GetPrompts, request: Request) -> Reply:
+        check_non_negative(body, "generator_id", "loaded_version", "max_groups")
+        check_generator_id(body.generator_id, self.peers)
+        check_loaded(body.loaded_version, self.target_version)
+        self.ledger.leases.check_request(request.identity, body.max_groups)
+        return self._issue(request.identity, body), None
+
+    def _issue(self, identity: bytes, req: P.GetPrompts) -> P.Prompts:
         if self.stopping:
             return P.Prompts(groups=[], blocked_by_admission=False, exhausted=True)
         if req.defer_to_learner and self.learner_on_first_step():
@@ -338,37 +290,96 @@ class BufferServer:
         until then (so never waits on this), and a resumed one announces before its first."""
         return self.first_batch_out and self.update is None
 
-    def _push_rollouts(
-        self, identity: bytes, groups: list[P.RolloutGroup], frames: list
-    ) -> list[int]:
-        """Validate every group first, then record them all (a bad message records nothing);
-        return the ids of groups left out because the lease they name ended (``late``).
+    def _push_rollouts(self, body: P.PushRollouts, request: Request) -> Reply:
+        """Each group taken, dropped or refused on its own (buffer/intake.py)."""
+        reply = self.intake.push(request.identity, body.groups, request.frames, self.target_version)
+        return reply, None
 
-        Ledger checks come first: they are cheap and reject a stranger's message (a group
-        not in flight on this connection) before its tensors are looked at."""
-        lg = self.ledger
-        late = [lg.late(g, identity) is not None for g in groups]
-        lapsed = [g.group_id for g, out in zip(groups, late, strict=True) if out]
-        groups = [g for g, out in zip(groups, late, strict=True) if not out]
-        lg.check_returnable([g.group_id for g in groups])
-        for g in groups:
-            check_issued(g, lg.in_flight.get(g.group_id), identity)
-        stored = [
-            unpack_rollout(
-                g,
-                frames,
-                self.limits,
-                (lg.in_flight[g.group_id].loaded_version, self.target_version),
-                lg.issued_prompt(g.group_id),
-            )
-            for g in groups
-        ]
-        for g in stored:
-            verdict = Verdict.KEEP if self.filter is None else self.filter.verdict(g)
-            lg.record_return(g, verdict.value)
-            self.rate.add(sum(len(r) for r in g.responses))
-        self.rollouts_dropped += len(lapsed)
-        return lapsed
+    def _renew_leases(self, body: P.RenewLeases, request: Request) -> Reply:
+        leases = self.ledger.leases
+        leases.check_renewal(body.leases)
+        return P.Renewed(lost=leases.renew(request.identity, body.leases)), None
+
+    def _poll_version(self, body: P.PollVersion, request: Request) -> Reply:
+        check_non_negative(body, "generator_id", "loaded_version")
+        check_generator_id(body.generator_id, self.peers)
+        check_loaded(body.loaded_version, self.target_version)
+        check_wait(body.wait_s)
+        return self._answer_or_park(body, request)
+
+    def _get_batch(self, body: P.GetBatch, request: Request) -> Reply:
+        cut = self.batches.steps.get(body.step)
+        total = self.ledger.total_groups // self.ledger.admission.groups_per_step
+        cut_for = None if cut is None else len(cut.shards)
+        check_get_batch(body, total, cut_for, self.peers.learner_ranks)
+        return self._answer_or_park(body, request)
+
+    def _answer_or_park(self, body: P.PollVersion | P.GetBatch, request: Request) -> Reply:
+        """A long poll: answered now if it can be, else parked until it can be
+        (``_serve_parked``) or its deadline comes (``_tick``)."""
+        self.parked.check(request.identity, body)
+        ready = self._try_answer(body)
+        if ready is not None:
+            return ready
+        deadline = time.monotonic() + body.wait_s
+        self.parked.add(Parked(request.identity, request.envelope.request_id, body, deadline))
+        return None, None
+
+    def _announce_weights(self, body: P.AnnounceWeights, request: Request) -> Reply:
+        check_announce(body.update, self.target_version)
+        self.sync.check_announced(body.update.epoch)
+        self.update = body.update
+        self.target_version = body.update.version
+        self.sync.announced(body.update.epoch)
+        self.versions_changed = True
+        return P.Ack(), None
+
+    def _join_sync(self, body: P.JoinSync, request: Request) -> Reply:
+        """A generator's engine is up: the epoch to join; if the id was seen before, its
+        old process is gone and what it held is issued again now."""
+        check_non_negative(body, "generator_id")
+        check_generator_id(body.generator_id, self.peers)
+        epoch, restart = self.sync.join(body.generator_id)
+        if restart:
+            ids = self.ledger.take_back(body.generator_id)
+            log.warning(
+                "generator %d started again: it joins weight-sync epoch %d; the %d groups "
+                "its previous process held go to the next generator that asks: %s",
+                body.generator_id, epoch, len(ids), ids,
+            )  # fmt: skip
+        return P.SyncEpoch(current=self.sync.current, wanted=epoch), None
+
+    def _sync_status(self, body: P.SyncStatus, request: Request) -> Reply:
+        self.sync.status(body.formed, body.regroup)
+        return P.SyncEpoch(current=self.sync.current, wanted=self.sync.wanted), None
+
+    def _start_eval(self, body: P.StartEval, request: Request) -> Reply:
+        check_non_negative(body, "round", "step", "version")
+        self.evals.start(body)
+        return P.Ack(), None
+
+    def _push_eval(self, body: P.PushEval, request: Request) -> Reply:
+        check_eval_results(body, self.num_sources, self.target_version)
+        self.evals.record(body, request.identity)
+        return P.Ack(), None
+
+    def _get_eval(self, body: P.GetEval, request: Request) -> Reply:
+        check_non_negative(body, "round")
+        return self.evals.report(body.round), None
+
+    def _snapshot_buffer(self, body: P.SnapshotBuffer, request: Request) -> Reply:
+        check_non_negative(body, "step", "version")
+        self.take_cut(body.step, body.version)
+        return P.Ack(), None
+
+    def _fetch_snapshot(self, body: P.FetchSnapshot, request: Request) -> Reply:
+        check_non_negative(body, "step")
+        return self.cuts.files(body.step)
+
+    def _shutdown(self, body: P.Shutdown, request: Request) -> Reply:
+        self.stopping = self.versions_changed = True
+        self.stopped_at = self.stopped_at or time.monotonic()
+        return P.Ack(), None
 
     def _expire_leases(self) -> None:
         """Issue again the groups whose lease ran out; a log line per holder (rate-limited)."""
@@ -376,18 +387,7 @@ class BufferServer:
         for expired in self.ledger.expire_leases():
             self.lease_log.log("lease", "%s", expired.line(leases.timeout_s, leases.max_s))
 
-    def _join_sync(self, generator_id: int) -> P.SyncEpoch:
-        """A generator's engine is up: the epoch to join; if the id was seen before, its
-        old process is gone and what it held is issued again now."""
-        epoch, restart = self.sync.join(generator_id)
-        if restart:
-            ids = self.ledger.take_back(generator_id)
-            log.warning(
-                "generator %d started again: it joins weight-sync epoch %d; the %d groups "
-                "its previous process held go to the next generator that asks: %s",
-                generator_id, epoch, len(ids), ids,
-            )  # fmt: skip
-        return P.SyncEpoch(current=self.sync.current, wanted=epoch)
+    # ------------------------------------------------------------------ long polls
 
     def _try_answer(self, body: P.PollVersion | P.GetBatch):
         if isinstance(body, P.PollVersion):
@@ -403,15 +403,8 @@ class BufferServer:
             return None
         step.served.add(req.rank)
         self.first_batch_out = True
-        return step_message(
-            step,
-            req.rank,
-            self.num_sources,
-            buffer_size=len(self.ledger.returned),
-            prompts_skipped=self.prompts_skipped,
-        )
-
-    # ------------------------------------------------------------------ long polls
+        counts = {"buffer_size": len(self.ledger.returned), "prompts_skipped": self.prompts_skipped}
+        return step_message(step, req.rank, self.num_sources, **counts)
 
     def _serve_parked(self) -> None:
         """Answer the parked polls that can be answered now: the learner's batch polls
@@ -507,7 +500,9 @@ class BufferServer:
             leases_expired=lg.leases.expired_total,
             leases_renewed=lg.leases.renewed_total,
             renewals_refused=lg.leases.refused_total,
-            rollouts_dropped=self.rollouts_dropped,
+            rollouts_dropped=self.intake.dropped,
+            rollouts_refused=self.intake.refused,
+            groups_ended=self.intake.ended,
             generator_restarts=self.sync.restarts,
             gen_tokens_per_s=self.rate.rate(),
             gen_blocked_s=blocked_s,

@@ -15,9 +15,12 @@ its rollout; meanwhile one task works on it (sampling it, then scoring and pushi
   is cancelled before the new one starts: a group never runs twice at once here, and the
   older copy's rollout, if it was already on its way, is dropped by the buffer under its
   old lease.
-- **Late rollouts are not fatal.** ``RolloutPusher`` logs and counts a ``Dropped`` reply
-  and goes on; only an ``Error`` (a rollout the buffer finds wrong, a bug) stops the
-  process.
+- **Late or refused rollouts are not fatal.** The buffer takes each group of a push on
+  its own (buffer/intake.py). ``RolloutPusher`` logs and counts the groups a ``Dropped``
+  reply names (late: their lease was over; refused: the buffer found what they hold
+  wrong, and issues them again or, refused too often, ends them) and goes on: the
+  groups are released and their ``push`` returns. Only an ``Error``, which says the
+  message was wrong as a whole, stops the process (see ``RolloutPusher``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import numpy as np
 
 from generators.trajectory import Packed
 from verl_async import protocol as P
+from verl_async.ratelimit import RateLimitedLog
 from verl_async.rewards.scorer import GroupScores
 from verl_async.transport import AsyncBufferClient
 
@@ -128,9 +132,15 @@ class RolloutPusher:
     """Coalescing pushes: one PushRollouts in flight; groups finished meanwhile ride along.
 
     No added latency when idle (a lone group goes at once), fewer and larger messages when
-    busy. ``push`` returns when the buffer has answered for the group (taken, or dropped
-    because its lease was over: counted in ``dropped``, never an error); a push the buffer
-    refuses raises in the flusher task, which ``on_error`` reports.
+    busy. ``push`` returns when the buffer has answered for the group: taken, dropped
+    because its lease was over (counted in ``dropped``), or refused for what it holds
+    (counted in ``refused``, logged with the buffer's reason, rate-limited). Neither of
+    the last two is an error: the buffer took the group back, and this generator may well
+    sample it again. An ``Error`` reply raises in the flusher task, which ``on_error``
+    reports, and the generator stops: the buffer answers ``Error`` only to a message wrong
+    as a whole (a group not in flight here, under another lease or generator id, or named
+    twice), so this process's own bookkeeping is broken and nothing more it pushes can be
+    trusted; a restart starts it clean, and the buffer takes back every group it held.
     """
 
     def __init__(self, client: AsyncBufferClient, generator_id: int, on_error=None) -> None:
@@ -140,6 +150,9 @@ class RolloutPusher:
         self.outbox: list[Finished] = []
         self.flusher: asyncio.Task | None = None
         self.dropped = 0  # groups the buffer did not take: their lease was over
+        self.refused = 0  # groups the buffer refused for what their rollout held
+        self.ended = 0  # of those, groups it ended (refused too often: never trained)
+        self.refusals_log = RateLimitedLog(log, what="refused rollouts")
 
     async def push(self, group, packed, scored, seconds) -> None:
         done = asyncio.Event()
@@ -156,16 +169,31 @@ class RolloutPusher:
             frames = P.Frames()
             groups = [f.message(self.generator_id, frames) for f in batch]
             reply, _ = await self.client.request(P.PushRollouts(groups=groups), frames)
-            if isinstance(reply, P.Dropped):  # too late: the group was issued again
-                self.dropped += len(reply.group_ids)
-                log.warning(
-                    "the buffer dropped the rollouts of groups %s (%s; %d dropped so far): "
-                    "their leases were over, so the groups went out again. A live generator "
-                    "loses a lease only when it could not renew it for "
-                    "buffer.lease_timeout_s or held it buffer.lease_max_s",
-                    reply.group_ids,
-                    reply.reason,
-                    self.dropped,
-                )
+            if isinstance(reply, P.Dropped):
+                self._not_taken(reply)
             for f in batch:
                 f.acknowledged.set()
+
+    def _not_taken(self, reply: P.Dropped) -> None:
+        """Log and count the groups of a push the buffer did not take."""
+        if reply.group_ids:  # too late: the groups were issued again
+            self.dropped += len(reply.group_ids)
+            log.warning(
+                "the buffer dropped the rollouts of groups %s (%s; %d dropped so far): "
+                "their leases were over, so the groups went out again. A live generator "
+                "loses a lease only when it could not renew it for "
+                "buffer.lease_timeout_s or held it buffer.lease_max_s",
+                reply.group_ids,
+                reply.reason,
+                self.dropped,
+            )
+        self.refusals_log.flush()
+        for r in reply.refused:
+            self.refused += 1
+            self.ended += r.ended
+            fate = "ended without training" if r.ended else "issued again"
+            self.refusals_log.log(
+                "refused",
+                "the buffer refused the rollout of group %d (%d refused so far), %s: %s",
+                r.group_id, self.refused, fate, r.reason,
+            )  # fmt: skip

@@ -20,7 +20,8 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 7  # 7: WeightUpdate carries learner rank 0's shared-memory offer
+PROTOCOL_VERSION = 8  # 8: a push takes each group on its own (``Dropped.refused``)
+# 7: WeightUpdate carries learner rank 0's shared-memory offer
 # 6: requests bound to roles (Error "forbidden"); clients prove a role
 
 _DTYPES = {"float32", "float16", "int32", "int64", "uint8", "bool"}
@@ -185,6 +186,14 @@ class WeightUpdate(msgspec.Struct, frozen=True, kw_only=True):
     memory: MemoryOffer | None = None  # None: no shared memory offered (the network only)
 
 
+class Refusal(msgspec.Struct, frozen=True, kw_only=True):
+    """A group of a ``PushRollouts`` refused for what its rollout holds (``Dropped``)."""
+
+    group_id: int
+    reason: str  # the check it failed, naming the field (cut to a few hundred characters)
+    ended: bool  # refused too often: done without training, never issued again
+
+
 # ----------------------------------------------------------------------------- requests
 
 
@@ -201,7 +210,10 @@ class GetPrompts(_Msg):
 class PushRollouts(_Msg):
     """Finished groups, as many as were ready (one message amortises the per-message cost).
 
-    All or nothing: if any group is rejected, none is recorded.
+    Each group is taken or refused on its own (``Dropped`` names those not taken): one
+    group's content costs that group alone. A message that is wrong as a whole (a group
+    not in flight to its sender, under another lease or generator id, named twice) is
+    answered ``Error`` and records nothing.
     """
 
     groups: list[RolloutGroup]
@@ -352,13 +364,20 @@ class Ack(_Msg):
 
 
 class Dropped(_Msg):
-    """Reply to ``PushRollouts``: the groups ``group_ids`` were not taken because the lease
-    their rollout names is over (it ran out or its generator was restarted; the group was
-    issued again, perhaps to this very connection under a new lease, or was returned by
-    that newer copy); every other group of the message was recorded, as with ``Ack``."""
+    """Reply to ``PushRollouts`` when some of its groups were not taken; every other group
+    of the message was recorded, as with ``Ack``.
+
+    ``group_ids``: their rollout names a lease that is over (``reason``: it ran out or its
+    generator was restarted; the group was issued again, perhaps to this very connection
+    under a new lease, or was returned by that newer copy). ``refused``: the buffer
+    refused what their rollout holds (a field out of the run's bounds); each such group
+    is taken back and issued again, first in line, or, refused too often
+    (``Refusal.ended``), done without training. Neither is the sender's fault as a
+    whole: it goes on."""
 
     group_ids: list[int]
     reason: str
+    refused: list[Refusal] = []
 
 
 class Renewed(_Msg):
@@ -467,6 +486,8 @@ class Stats(_Msg):
     leases_renewed: int = 0  # renewals that extended a lease (RenewLeases)
     renewals_refused: int = 0  # renewals of a lease the connection no longer held (no effect)
     rollouts_dropped: int = 0  # rollouts that came after their lease was over (Dropped)
+    rollouts_refused: int = 0  # rollouts refused for what they held (Dropped.refused)
+    groups_ended: int = 0  # groups refused too often: done without training (buffer/ledger.py)
     generator_restarts: int = 0  # generator processes that joined again under a known id
     gen_tokens_per_s: float = 0.0  # generation rate over the last 20 s (buffer/telemetry.py)
     gen_blocked_s: float = 0.0  # generators' seconds refused by admission so far (all generators)

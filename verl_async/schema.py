@@ -203,6 +203,9 @@ class EnvironmentConfig(_Section):
     instance's thread, one at a time."""
 
 
+MAX_AGENT_CALLS = 256  # the bound of ``multiturn.agents[i].max_calls``
+
+
 class AgentConfig(_Section):
     agent: str
     """An agent program, ``package.module:function``: ``async def agent(client, row)``
@@ -214,8 +217,12 @@ class AgentConfig(_Section):
     data_sources: list[str] = []
     """The data sources whose prompts this agent runs (empty: every source no environment
     or other agent names)."""
-    max_calls: PosInt = 16
-    """Chat-completions calls one episode may make; later ones are refused (HTTP 400)."""
+    max_calls: Annotated[int, msgspec.Meta(ge=1, le=MAX_AGENT_CALLS)] = 16
+    """Chat-completions calls one episode may make; later ones are refused (HTTP 400).
+    Each call gives at most one sample, so the largest ``max_calls`` of the run is also
+    the most samples the buffer takes from one episode. At most 256: one group may hold
+    ``generators.group_size`` times this many samples, pushed in one message and trained
+    in one step."""
 
 
 class MultiTurnConfig(_Section):

@@ -107,7 +107,8 @@ def test_malformed_messages_get_errors_and_server_keeps_serving(buffer_proc, tmp
     assert [g.group_id for g in reply.groups] == [0, 1]
     assert reply.blocked_by_admission
 
-    # All or nothing: a message with a good group and a bad one records neither.
+    # The sender's checks are the whole message's: a good group beside a group the sender
+    # was never issued is not recorded either.
     good, frames = issued_rollout(reply.groups[0])
     bogus = msgspec.structs.replace(good, group_id=99)
     with pytest.raises(BufferRejected, match="group 99 was never issued"):
@@ -116,19 +117,27 @@ def test_malformed_messages_get_errors_and_server_keeps_serving(buffer_proc, tmp
     assert stats.returned == 0
     with pytest.raises(BufferRejected, match="same group twice"):
         client.request(P.PushRollouts(groups=[good, good]), frames)
-    # The prompt a rollout names is the one its group was issued with, or it is refused:
-    # what trained.jsonl and the per-source metrics say comes from the buffer's own copy.
+    # The prompt a rollout names is the one its group was issued with, or the group is
+    # refused (alone) and issued again, first in line: what trained.jsonl and the
+    # per-source metrics say comes from the buffer's own copy.
+    group = reply.groups[0]
     for wrong, says in (
-        ({"prompt_id": reply.groups[0].prompt_id + 1}, "it was issued for"),
+        ({"prompt_id": group.prompt_id + 1}, "it was issued for"),
         ({"data_source": "spoofed"}, "its prompt's is"),
     ):
-        spoofed, spoofed_frames = issued_rollout(reply.groups[0], **wrong)
-        with pytest.raises(BufferRejected, match=says):
-            client.request(P.PushRollouts(groups=[spoofed]), spoofed_frames)
+        spoofed, spoofed_frames = issued_rollout(group, **wrong)
+        dropped, _ = client.request(P.PushRollouts(groups=[spoofed]), spoofed_frames)
+        [refusal] = dropped.refused
+        assert refusal.group_id == group.group_id and says in refusal.reason, refusal
+        ask = P.GetPrompts(generator_id=0, loaded_version=0, max_groups=1)
+        [group] = client.request(ask)[0].groups
+        assert group.group_id == reply.groups[0].group_id  # under a new lease
+    good, frames = issued_rollout(group)
     ack, _ = client.request(P.PushRollouts(groups=[good]), frames)
     assert isinstance(ack, P.Ack)
     stats, _ = client.request(P.GetStats())
     assert stats.issued == 2 and stats.returned == 1 and stats.dropped_stale == 0
+    assert stats.rollouts_refused == 2 and stats.groups_ended == 0
     assert proc.poll() is None
     client.close()
 

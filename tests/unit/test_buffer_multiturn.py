@@ -297,7 +297,7 @@ def test_a_single_turn_step_carries_none_of_it():
 
 
 def test_a_multiturn_group_goes_from_push_rollouts_to_the_batch():
-    """Through the server: the all-or-nothing push, the ledger, the staleness check and the
+    """Through the server: the push, the ledger, the staleness check and the
     encoding of the step, as the learner decodes it."""
     h = Harness()
     try:

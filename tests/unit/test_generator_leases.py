@@ -13,6 +13,7 @@ engine, or an episode that outlives its lease).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections import Counter
 
@@ -159,6 +160,56 @@ def test_a_late_copy_is_dropped_and_counted_and_the_pusher_goes_on(free_port):
             await serving
 
     asyncio.run(scenario())
+
+
+def test_a_refused_group_costs_its_push_alone_and_the_pusher_goes_on(free_port, caplog):
+    """Two groups in one push, one of them with NaN log-probs: the buffer takes the good
+    one and issues the other again; both pushes return, the flusher ends without an error,
+    and the refusal is counted and logged with the group's id and the buffer's reason."""
+
+    async def scenario() -> int:
+        server = _buffer(free_port(), Clock())
+        serving = asyncio.create_task(server.serve())
+        client = AsyncBufferClient(server.endpoint, 10.0)
+        ask = P.GetPrompts(generator_id=0, loaded_version=0, max_groups=2)
+        good, bad = (await client.request(ask))[0].groups
+        sent, request = [], client.request
+
+        async def counted(body, frames=None, extra_wait_s=0.0):
+            sent.append(len(body.groups))
+            return await request(body, frames, extra_wait_s)
+
+        client.request = counted
+        errors = []
+        pusher = RolloutPusher(client, 0, on_error=lambda t: errors.append(t.exception()))
+        broken = dataclasses.replace(
+            _packed(bad), logprobs=np.full(2 * GROUP_SIZE, np.nan, np.float32)
+        )
+        try:
+            pushes = asyncio.gather(
+                pusher.push(good, _packed(good), SCORED, 1.0),
+                pusher.push(bad, broken, SCORED, 1.0),
+            )
+            await _until(lambda: errors)  # the flusher task ended, and how
+            assert errors == [None] and sent == [2]  # one message, not an error
+            async with asyncio.timeout(30):
+                await pushes  # both released
+            assert (pusher.refused, pusher.ended, pusher.dropped) == (1, 0, 0)
+            assert sorted(server.ledger.returned) == [good.group_id]
+            assert list(server.ledger.reissue) == [bad.group_id]
+            assert (await request(P.GetStats()))[0].rollouts_refused == 1
+        finally:
+            client.close()
+            server.terminated = True
+            await serving
+        return bad.group_id
+
+    with caplog.at_level(logging.WARNING, logger="verl_async.generator"):
+        k = asyncio.run(scenario())
+    assert (
+        f"the buffer refused the rollout of group {k} (1 refused so far), issued again: "
+        f"group {k}: behav_logprobs must be finite and <= 0"
+    ) in caplog.text
 
 
 class StallingEngine:
