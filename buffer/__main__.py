@@ -3,6 +3,7 @@
 import asyncio
 import logging
 import signal
+import sys
 from pathlib import Path
 
 import uvloop
@@ -17,8 +18,8 @@ from buffer.server import BufferServer
 from verl_async import placement
 from verl_async import protocol as P
 from verl_async.checkpoint import in_run, require_valid
-from verl_async.config import ConfigError
-from verl_async.data import PromptRecord, load_prompts, max_prompt_tokens, render_prompts
+from verl_async.config import prompt_limit
+from verl_async.data import PromptRecord, load_prompts, render_prompts
 from verl_async.runtime import load_context, mark, mark_cpu, report_exit, start_role
 from verl_async.schema import RunConfig
 from verl_async.staleness import Admission
@@ -32,20 +33,23 @@ def load_rendered(cfg: RunConfig, model_path: str) -> tuple[list, list, int]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    limit = max_prompt_tokens(cfg)
+    limit = prompt_limit(cfg)
 
     def render(records: list[PromptRecord], key: str) -> tuple[list[PromptRecord], int]:
-        kept, skipped = render_prompts(records, tokenizer, cfg.data.chat_template, limit)
+        chat = cfg.data.chat_template
+        kept, skipped = render_prompts(records, tokenizer, chat, limit.tokens)
         if skipped:
             log.warning(
-                "%s: skipped %d of %d prompts longer than %d tokens",
+                "%s: skipped %d of %d prompts longer than %d tokens (%s)",
                 key,
                 skipped,
                 len(records),
-                limit,
+                limit.tokens,
+                limit.key,
             )
-        if not kept:
-            raise ConfigError(f"bad value for '{key}': every prompt is longer than {limit} tokens")
+        if not kept:  # the launcher's check (launch/prompt_fit.py) let an estimate pass
+            every, _ = render_prompts(records, tokenizer, chat, sys.maxsize)
+            raise limit.too_low(key, min(len(r.prompt_ids) for r in every))
         return kept, skipped
 
     train, skipped = render(load_prompts(cfg.data.path), "data.path")

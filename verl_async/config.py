@@ -13,6 +13,7 @@ import functools
 import importlib.util
 import ipaddress
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
@@ -174,6 +175,9 @@ def check_consistency(cfg: RunConfig) -> None:
             f"multiturn.max_episode_tokens ({mt.max_episode_tokens}); an episode's prompt must "
             "leave room for its first turn"
         )
+    limit = prompt_limit(cfg)
+    if limit.tokens < 1:
+        raise limit.too_low()
     if cfg.eval.every_steps and not cfg.data.val_path:
         raise ConfigError("bad value for 'eval.every_steps': evaluation needs data.val_path")
     check_endpoints(cfg.buffer, cfg.weights.host)
@@ -182,6 +186,56 @@ def check_consistency(cfg: RunConfig) -> None:
             "bad value for 'ray.address': Ray Client (ray://) is not supported; run "
             "`verl-async train` on a node of the cluster with ray.address=auto"
         )
+
+
+@dataclass(frozen=True)
+class PromptLimit:
+    """The most tokens a prompt may have after the chat template (longer ones are skipped),
+    and the config key whose value set it."""
+
+    tokens: int
+    key: str
+    value: int  # the value of ``key``
+    max_new_tokens: int  # what a response (a first turn) takes of ``value``
+
+    def too_low(self, what: str = "", shortest: int | None = None) -> ConfigError:
+        """The error when no prompt of ``what`` (``key (file)``; every prompt when empty)
+        fits, ``shortest`` tokens long, naming the key and what to set it to."""
+        prompts = f"every prompt of {what}" if what else "every prompt"
+        if self.key == "data.max_prompt_length":
+            need = shortest or self.tokens + 1
+            return ConfigError(
+                f"bad value for '{self.key}': {prompts} is longer than its {self.tokens} "
+                f"tokens (the shortest has {need}); raise it to at least {need}, or set 0 "
+                "for what generators.max_model_len leaves"
+            )
+        room = (
+            f"leaves {self.tokens} tokens for a prompt"
+            if self.tokens > 0
+            else "leaves no room for a prompt"
+        )
+        longer = f", and {prompts} is longer (the shortest has {shortest})" if shortest else ""
+        need = self.max_new_tokens + (shortest or 1)
+        return ConfigError(
+            f"bad value for '{self.key}': {self.value} minus generators.max_new_tokens "
+            f"({self.max_new_tokens}) {room}{longer}; raise {self.key} to at least {need}, "
+            "or lower generators.max_new_tokens"
+        )
+
+
+def prompt_limit(cfg: RunConfig) -> PromptLimit:
+    """``data.max_prompt_length``, or (0 there) what ``generators.max_model_len`` leaves
+    for a prompt and one response of ``generators.max_new_tokens``: with environments,
+    what ``multiturn.max_episode_tokens`` leaves for a prompt and its first turn, if that
+    is less (one limit for every prompt of the run, single-turn ones included)."""
+    g, mt = cfg.generators, cfg.multiturn
+    if cfg.data.max_prompt_length:
+        n = cfg.data.max_prompt_length
+        return PromptLimit(n, "data.max_prompt_length", n, g.max_new_tokens)
+    key, room = "generators.max_model_len", g.max_model_len
+    if mt.environments and mt.max_episode_tokens <= room:
+        key, room = "multiturn.max_episode_tokens", mt.max_episode_tokens
+    return PromptLimit(room - g.max_new_tokens, key, room, g.max_new_tokens)
 
 
 LOSS_MODE_NAME = re.compile(r"^[A-Za-z_]\w*$")

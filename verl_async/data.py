@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from verl_async.config import ConfigError
+from verl_async.config import ConfigError, prompt_limit
 
 log = logging.getLogger("verl_async.data")
 
@@ -235,13 +235,5 @@ def epoch_order(num_prompts: int, epoch: int, seed: int) -> list[int]:
 
 
 def max_prompt_tokens(cfg) -> int:
-    """``data.max_prompt_length``, or (0 in the config) what the engine leaves for a prompt
-    and one response: with environments, what an episode leaves for its prompt and its
-    first turn (one limit for every prompt of the run, single-turn ones included)."""
-    g = cfg.generators
-    if cfg.data.max_prompt_length:
-        return cfg.data.max_prompt_length
-    room = g.max_model_len
-    if cfg.multiturn.environments:
-        room = min(room, cfg.multiturn.max_episode_tokens)
-    return room - g.max_new_tokens
+    """The most tokens a prompt may have (``verl_async.config.prompt_limit``)."""
+    return prompt_limit(cfg).tokens

@@ -169,6 +169,59 @@ def test_a_bad_data_file_stops_train_at_once_with_one_line_and_exit_2(
     assert not run_dir.exists()  # nothing was written
 
 
+@pytest.mark.parametrize("command", ["train", "buffer"])
+@pytest.mark.parametrize(
+    ("config", "override", "key", "fix"),
+    [
+        (
+            "tiny_multiturn.yaml",
+            "multiturn.max_episode_tokens=7",
+            "multiturn.max_episode_tokens",
+            "7 minus generators.max_new_tokens (4) leaves 3 tokens for a prompt, and every "
+            "prompt of data.path ({data}) is longer (the shortest has 6); raise "
+            "multiturn.max_episode_tokens to at least 10",
+        ),
+        (
+            "tiny.yaml",
+            "generators.max_model_len=10",
+            "generators.max_model_len",
+            "10 minus generators.max_new_tokens (6) leaves 4 tokens for a prompt, and every "
+            "prompt of data.path ({data}) is longer (the shortest has 6); raise "
+            "generators.max_model_len to at least 12",
+        ),
+        (
+            "tiny.yaml",
+            "data.max_prompt_length=3",
+            "data.max_prompt_length",
+            "every prompt of data.path ({data}) is longer than its 3 tokens (the shortest "
+            "has 6); raise it to at least 6",
+        ),
+    ],
+)
+def test_a_limit_no_prompt_fits_stops_the_command_before_any_role_naming_its_key(
+    tmp_path, repo_root, capsys, no_signal_handlers, monkeypatch, command, config, override,
+    key, fix,
+):  # fmt: skip
+    """Prompts of 6 tokens or more (configs/data/max_digit.jsonl) and a limit below that:
+    one line naming the key that set the limit and what to set it to, exit 2, before the
+    run directory is made or any role starts; ``train`` and ``buffer`` alike."""
+
+    def no_role(*args, **kwargs):
+        raise AssertionError("a role was started")
+
+    monkeypatch.setattr(train, "run_in", no_role)
+    monkeypatch.setattr("verl_async.launch.role_commands._become", no_role)
+    run_dir = tmp_path / "run"
+    argv = [command, str(repo_root / "configs" / config), "--run-dir", str(run_dir), override]
+    code = cli.main([*argv, "placement.generators=[cpu]", "placement.learners=[cpu]"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("\n") == 1, err  # one line, no traceback
+    assert err.startswith(f"verl-async: config error: bad value for '{key}': ")
+    assert fix.format(data=repo_root / "configs/data/max_digit.jsonl") in err
+    assert not run_dir.exists()  # nothing was written
+
+
 # ---------------------------------------------------------------- 5: checkpoint.resume
 
 

@@ -230,6 +230,50 @@ def test_a_prompt_limit_that_leaves_an_episode_no_turn_names_both_keys(repo_root
     assert load_config(config, ["data.max_prompt_length=58", "multiturn.environments=[]"])
 
 
+@pytest.mark.parametrize(
+    ("config", "override", "key", "fix"),
+    [
+        (
+            "tiny_multiturn.yaml",
+            "multiturn.max_episode_tokens=4",
+            "multiturn.max_episode_tokens",
+            "4 minus generators.max_new_tokens (4) leaves no room for a prompt; raise "
+            "multiturn.max_episode_tokens to at least 5",
+        ),
+        (
+            "tiny.yaml",
+            "generators.max_model_len=6",
+            "generators.max_model_len",
+            "6 minus generators.max_new_tokens (6) leaves no room for a prompt; raise "
+            "generators.max_model_len to at least 7",
+        ),
+    ],
+)
+def test_a_limit_that_leaves_no_room_for_a_prompt_is_refused_naming_its_key(
+    repo_root, config, override, key, fix
+):
+    """Every prompt would be skipped, whatever the data: the config check says so, naming
+    the key that set the limit (not data.path, not from the buffer)."""
+    with pytest.raises(ConfigError) as refused:
+        load_config(repo_root / "configs" / config, [override])
+    assert str(refused.value).startswith(f"bad value for '{key}': ")
+    assert fix in str(refused.value)
+
+
+def test_the_prompt_limit_names_the_key_that_set_it(repo_root):
+    from verl_async.config import prompt_limit
+
+    tiny = load_config(repo_root / "configs/tiny.yaml")
+    multiturn = load_config(repo_root / "configs/tiny_multiturn.yaml")
+    given = load_config(repo_root / "configs/tiny_multiturn.yaml", ["data.max_prompt_length=5"])
+    assert (prompt_limit(tiny).tokens, prompt_limit(tiny).key) == (58, "generators.max_model_len")
+    assert (prompt_limit(multiturn).tokens, prompt_limit(multiturn).key) == (
+        36,
+        "multiturn.max_episode_tokens",
+    )
+    assert (prompt_limit(given).tokens, prompt_limit(given).key) == (5, "data.max_prompt_length")
+
+
 def test_the_default_prompt_limit_of_a_multi_turn_run_leaves_room_for_a_turn(repo_root):
     from verl_async.data import max_prompt_tokens
 

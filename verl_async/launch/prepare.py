@@ -61,13 +61,17 @@ def resolve_learner_models(cfg: RunConfig) -> RunConfig:
 
 def check_data(cfg: RunConfig) -> None:
     """Read the prompt files: a missing, empty or malformed file (or a missing column) is a
-    ``ConfigError`` naming the key, the file and the line."""
+    ``ConfigError`` naming the key, the file and the line; so is a file none of whose
+    prompts fits the run's prompt length limit, naming the key that set the limit
+    (``prompt_fit``)."""
     from verl_async.data import load_prompts
+    from verl_async.launch.prompt_fit import check_prompt_fit
 
     data = resolve_data_paths(cfg.data)
-    load_prompts(data.path)
+    prompts = {f"data.path ({data.path})": load_prompts(data.path)}
     if data.val_path:
-        load_prompts(data.val_path, "data.val_path")
+        prompts[f"data.val_path ({data.val_path})"] = load_prompts(data.val_path, "data.val_path")
+    check_prompt_fit(cfg, prompts)
 
 
 def check_loss_mode(cfg: RunConfig) -> None:

@@ -37,11 +37,11 @@ def vocabulary(cfg: TinyModelConfig) -> list[str]:
     return words
 
 
-def build_tokenizer(out_dir: Path, words: list[str] = VOCAB) -> None:
-    """A word-level tokenizer over ``words`` (ids in list order; the tiny model's default
-    vocabulary if not given) into ``out_dir``."""
+def tiny_tokenizer(words: list[str] = VOCAB):
+    """The word-level ``tokenizers.Tokenizer`` over ``words`` (ids in list order) that
+    ``build_tokenizer`` saves: without transformers, so the launcher counts a prompt's
+    tokens in milliseconds (``prompt_fit``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(words)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
@@ -50,10 +50,25 @@ def build_tokenizer(out_dir: Path, words: list[str] = VOCAB) -> None:
     tok.post_processor = processors.TemplateProcessing(
         single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])]
     )
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
+    return tok
+
+
+def tiny_fast_tokenizer(words: list[str] = VOCAB):
+    """``tiny_tokenizer`` as transformers' tokenizer, what ``build_tokenizer`` saves."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tiny_tokenizer(words),
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
     )
-    fast.save_pretrained(out_dir)
+
+
+def build_tokenizer(out_dir: Path, words: list[str] = VOCAB) -> None:
+    """A word-level tokenizer over ``words`` (ids in list order; the tiny model's default
+    vocabulary if not given) into ``out_dir``."""
+    tiny_fast_tokenizer(words).save_pretrained(out_dir)
 
 
 def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig) -> Path:
