@@ -312,6 +312,37 @@ def test_resume_reads_the_run_dirs_config_and_applies_overrides(
     assert resumed.placement.generators == ["cpu", "cpu"] and resumed.generators.count is None
 
 
+def test_resume_right_after_a_kill_waits_for_the_runs_last_process_then_goes_on(
+    tmp_path, repo_root, capsys, no_signal_handlers, monkeypatch
+):
+    """The whole run was SIGKILLed a moment ago and one of its processes, on its way out,
+    still holds the run directory (here for a second): ``--resume`` waits for it, says so
+    on stderr, and resumes."""
+    monkeypatch.chdir(repo_root)  # the config's data paths are relative to it
+    extra = ["placement.generators=[cpu]", "placement.learners=[cpu]"]
+    cfg = placement.resolve_count(load_config(repo_root / "configs/tiny.yaml", extra))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    resumed = []
+    monkeypatch.setattr(train, "run_in", lambda cfg, path, *rest: resumed.append(path))
+    hold = "import sys, time; from verl_async.lifetime import hold_run_dir; "
+    hold += "hold_run_dir(sys.argv[1]); print('holding', flush=True); time.sleep(1)"
+    role = subprocess.Popen(
+        [sys.executable, "-c", hold, str(run_dir)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert role.stdout.readline() == "holding\n"
+        code = cli.main(["train", "--resume", str(run_dir)])
+    finally:
+        role.kill()
+        role.wait()
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert resumed == [str(run_dir.resolve())]
+    assert f"run directory '{run_dir.resolve()}': waiting up to 10 s" in err
+
+
 def test_resume_without_config_needs_a_run_there(tmp_path, capsys, captured_train):
     assert cli.main(["train", "--resume", str(tmp_path)]) == 2
     assert "holds no run (no config.yaml)" in capsys.readouterr().err
