@@ -5,11 +5,11 @@ side on one engine.
         [--agent-config configs/tiny_agent.yaml] [--model PATH] [--engine hf|vllm]
         [--groups 48] [--rounds 3] [--out runs/agent_throughput.json]
 
-The same task both ways, in one process with one engine: ``--env-config``'s episodes run
-by the generator's ``EpisodeRunner`` (an environment and its tools, the tool calls parsed
-by the generator) and ``--agent-config``'s by its ``AgentRunner`` (an agent program with
-the openai client calling the generator's chat endpoint over HTTP, every call recorded and
-merged into samples). Each round runs ``--groups`` groups of ``generators.group_size``
+The same task both ways, in one process with one engine, through the generator's own
+rollout kinds (generators/rollouts.py): ``--env-config``'s episodes as environment episodes
+(an environment and its tools, the tool calls parsed by the generator) and
+``--agent-config``'s as agent episodes (an agent program with the openai client calling
+the generator's chat endpoint over HTTP, every call recorded token for token). Each round runs ``--groups`` groups of ``generators.group_size``
 episodes through each path, ``generators.max_inflight_groups`` groups in flight (the
 generator's own concurrency), env first then agent, so machine noise falls on both; what
 counts is the sum over rounds. No buffer, no learner, no weight updates: only the rollout
@@ -42,16 +42,12 @@ import msgspec
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from generators.agents import AgentRunner  # noqa: E402
 from generators.engines import start_engine  # noqa: E402
-from generators.episodes import EpisodeRunner  # noqa: E402
 from generators.interface import Sampling  # noqa: E402
-from generators.main import agent_renderer, engine_eos_ids  # noqa: E402
-from generators.render import Renderer  # noqa: E402
+from generators.rollouts import Rollouts  # noqa: E402
 from verl_async import protocol as P  # noqa: E402
 from verl_async.config import load_config  # noqa: E402
 from verl_async.data import load_prompts, render_prompts  # noqa: E402
-from verl_async.envs import EnvironmentTable  # noqa: E402
 
 
 def groups_of(cfg, tokenizer, n: int) -> list[P.PromptGroup]:
@@ -111,25 +107,16 @@ async def main_async(args) -> dict:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    eos = engine_eos_ids(tokenizer)
     how = Sampling.training(env_cfg)
-
-    table = EnvironmentTable(env_cfg.multiturn)
-    renderer = Renderer(tokenizer, env_cfg.data.chat_template, eos)
-    in_flight = env_cfg.generators.max_inflight_groups * env_cfg.generators.group_size
-    episodes = EpisodeRunner(engine, renderer, tokenizer, env_cfg.multiturn, in_flight, table)
-
-    agent_table = EnvironmentTable(agent_cfg.multiturn)
-    agents = AgentRunner(engine, tokenizer, agent_renderer(agent_cfg, tokenizer),
-                         agent_cfg.multiturn, how)  # fmt: skip
+    envs = Rollouts(env_cfg, engine, tokenizer)
+    agents = Rollouts(agent_cfg, engine, tokenizer)
     await agents.start()
 
     def env_group(group, n, how):
-        _, spec, cls = table.spec_for(group.data_source)
-        return episodes.run_group(spec, cls, group, n, how)
+        return envs.of(group.data_source).run_group(group, n, how)
 
     def agent_group(group, n, how):
-        return agents.run_group(*agent_table.agent_for(group.data_source), group, n, how)
+        return agents.of(group.data_source).run_group(group, n, how)
 
     groups = groups_of(env_cfg, tokenizer, args.groups)
     # A warm-up group each (first renders, the parser's import, the engine's first wave).

@@ -1,52 +1,63 @@
-"""Agent programs as episodes: an unmodified ``openai`` client program talks to this
-generator's chat endpoint, and what the endpoint sampled for it becomes the trajectory.
+"""Agent episodes: an unmodified ``openai`` client program talks to this generator's chat
+endpoint, and what the endpoint sampled for it becomes the episode's trajectories.
 
-    run_group: n episodes of one prompt, all at once; each:
-        key, base_url = endpoint.open_episode(sampling, max_calls)
+    AgentRunner     one per generator: the chat endpoint (generators/endpoint.py) and the
+                    agents' event loop, started before the first episode
+    AgentEpisodes   one per ``multiturn.agents`` entry, a rollout kind
+                    (generators/rollouts.py):
+      run_group: n episodes of one prompt, all at once; each:
+        key, base_url = endpoint.open_episode(sampling, max_calls, index)
         reward = await agent(AsyncOpenAI(base_url), row, **args)  # the agents' loop,
                                                                    # under episode_timeout_s
-        trace = endpoint.close_episode(key)
-        -> trace.samples() -> Trajectories (generators/trajectory.py)
+        episode = endpoint.close_episode(key)
+        -> episode.recorder.finish(...) -> Trajectories (generators/recorder.py)
 
-The endpoint (generators/endpoint.py) records every call token for token; calls that
-extend one another are one sample, a call that rewrote the conversation starts another
-(``EpisodeStats.prefix_breaks``, on the episode's first sample). Every sample of an
-episode is scored as the episode: the run's reward sources read its final answer (the
-last reply's text) and the agent's returned reward, times ``multiturn.env_reward_weight``,
-sits at each sample's last sampled token. Samples carry their episode's index
-(``EpisodeStats.episode``), so the buffer counts a group in episodes.
+The endpoint records every call token for token; calls that extend one another are one
+sample, a call that rewrote the conversation starts another (``prefix_breaks``). Every
+sample of an episode is scored as the episode: the run's reward sources read its final
+answer (the last reply's text) and the agent's returned reward, times
+``multiturn.env_reward_weight``, sits at each sample's last sampled token. Samples carry
+their episode's index, so the buffer and the learner count a group in episodes (a group's
+baseline weighs each episode once, however many samples it gave).
 
-Agents run on an event loop of their own, in a thread: an agent that blocks stalls the
-other agents' episodes, never the generator (they time out, counted). An agent that
-raises, passes ``multiturn.episode_timeout_s`` (``budget`` "episode_timeout") or returns
-what is not a reward costs only its own episode and is counted (``tool_errors``,
-``tool_timeouts``); one that never called the model gives an episode without turns (an
-empty response, scored as a failed answer).
+Agents run on an event loop of their own, in a thread (generators/user_code.py's
+``LoopThread``): an agent that blocks stalls the other agents' episodes, never the
+generator (they time out, counted). Whatever an agent does costs only its own episode,
+counted: raising (``SystemExit`` and ``KeyboardInterrupt`` included: never the loop's
+thread), passing ``multiturn.episode_timeout_s`` (``budget`` "episode_timeout"), returning
+what is not a reward (``tool_errors``), never calling the model (an episode without turns:
+an empty response, scored as a failed answer, beside the other episodes of its group).
+
+vLLM's tool-call parsers take 10 s or more to import on a CPU: ``AgentRunner.start``
+builds one before the first episode's clock starts.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import ssl
-import threading
 import time
 from typing import Any
 
-from generators.endpoint import EndpointServer
+from generators.endpoint import AgentEpisode, CachedParsers, EndpointServer
 from generators.interface import RolloutEngine, Sampling
 from generators.render import Renderer
-from generators.traces import EpisodeTrace, TraceSample
 from generators.trajectory import Trajectory
+from generators.user_code import LoopThread, cause
 from verl_async import protocol as P
 from verl_async.envs import EnvRow
 from verl_async.numerics import finite32
+from verl_async.ratelimit import RateLimitedLog
 from verl_async.schema import AgentConfig, MultiTurnConfig
 
 log = logging.getLogger("verl_async.generator")
 
 CLOSE_GRACE_S = 5.0  # past the episode's deadline, how long the generator waits for an agent
+MODEL_NAME = "policy"  # what agents pass as ``model`` (GET /models lists it)
+_WARM_UP_TOOLS = [
+    {"type": "function", "function": {"name": "warm_up", "parameters": {"type": "object"}}}
+]
 
 
 class AgentRunner:
@@ -59,61 +70,43 @@ class AgentRunner:
         renderer: Renderer,
         mt: MultiTurnConfig,
         sampling: Sampling,
-        model_name: str = "policy",
     ) -> None:
+        from verl_async.tools.parsers import ToolCallParser
+
         self.mt = mt
+        self.parsers = CachedParsers(
+            lambda tools: ToolCallParser(mt.tool_parser, tokenizer, tools, "multiturn.tool_parser")
+        )
         self.server = EndpointServer(
             engine,
             tokenizer,
             sampling,
-            model_name=model_name,
+            model_name=MODEL_NAME,
             max_episode_tokens=mt.max_episode_tokens,
             max_calls=max((a.max_calls for a in mt.agents), default=16),
-            parse_calls=ToolCalls(mt.tool_parser, tokenizer),
+            parse_calls=self.parsers,
             eos_ids=renderer.eos_ids,
             renderer=renderer,
         )
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self.loop: LoopThread | None = None
         self._ssl = None  # the SSL context every agent's HTTP client is built on
-        self._logged: set[str] = set()
+        self.faults = RateLimitedLog(log, what="agent faults")
 
     async def start(self) -> None:
+        await asyncio.to_thread(self.parsers, "", _WARM_UP_TOOLS)  # see the module docstring
         await self.server.start()
-        self._loop = asyncio.new_event_loop()
-        threading.Thread(target=self._loop.run_forever, name="agents", daemon=True).start()
+        self.loop = LoopThread("agents")
 
     async def stop(self) -> None:
         await self.server.stop()
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
+        if self.loop is not None:
+            self.loop.stop()
 
-    async def run_group(
-        self, spec: AgentConfig, fn: Any, group: P.PromptGroup, n: int, how: Sampling
-    ) -> list[Trajectory]:
-        """``n`` episodes of ``group``'s prompt at once, as trajectories (one or more per
-        episode, in episode order); never raises for the agent's faults."""
-        row = EnvRow(group.prompt, group.ground_truth, group.data_source, dict(group.extra_info))
-        episodes = await asyncio.gather(
-            *(self._episode(spec, fn, row, group, how, i) for i in range(n))
-        )
-        return [t for trajectories in episodes for t in trajectories]
-
-    async def _episode(self, spec, fn, row: EnvRow, group, how: Sampling, index: int):
-        key, base_url = self.server.open_episode(how, spec.max_calls)
-        t0 = time.perf_counter()
-        try:
-            reward, fault = await self._run_agent(spec, fn, row, base_url)
-        finally:
-            trace = self.server.close_episode(key)
-        seconds = time.perf_counter() - t0
-        return self._trajectories(trace, group, reward, fault, seconds, index)
-
-    async def _run_agent(self, spec, fn, row, base_url) -> tuple[float | None, str]:
-        """(the agent's reward or None, "" | "error" | "timeout")."""
+    async def run_agent(self, spec: AgentConfig, fn: Any, row: EnvRow, base_url: str):
+        """(the agent's reward or None, "" | "error" | "timeout"): one episode of the agent
+        on the agents' loop, under ``multiturn.episode_timeout_s``."""
         timeout_s = self.mt.episode_timeout_s
-        done = asyncio.run_coroutine_threadsafe(
-            self._agent_call(fn, base_url, row, spec.args, timeout_s), self._loop
-        )
+        done = self.loop.submit(self._agent_call, fn, base_url, row, spec.args, timeout_s)
         try:
             async with asyncio.timeout(timeout_s + CLOSE_GRACE_S):
                 result = await asyncio.wrap_future(done)
@@ -125,7 +118,10 @@ class AgentRunner:
             done.cancel()
             raise
         except Exception as exc:  # noqa: BLE001 (the agent's own fault, whatever it is)
-            self._log(spec, f"raised {type(exc).__name__}: {exc}")
+            if isinstance(cause(exc), TimeoutError):
+                self._log(spec, "passed multiturn.episode_timeout_s")
+                return None, "timeout"
+            self._log(spec, f"raised {type(cause(exc)).__name__}: {str(exc)[:200]}")
             return None, "error"
         if result is None:
             return None, ""
@@ -155,87 +151,58 @@ class AgentRunner:
         finally:
             await client.close()
 
+    def _log(self, spec: AgentConfig, what: str) -> None:
+        """The first faults of each kind per window; later ones are only counted."""
+        kind = f"{spec.agent}: {what.split(':')[0]}"
+        self.faults.log(
+            kind,
+            "agent %s %s; its episode ends without it (faults are counted: "
+            "multiturn/tool_errors, multiturn/tool_timeouts)",
+            spec.agent, what,
+        )  # fmt: skip
+
+
+class AgentEpisodes:
+    """The episodes of one ``multiturn.agents`` entry, through the generator's endpoint."""
+
+    def __init__(self, runner: AgentRunner, spec: AgentConfig, fn: Any) -> None:
+        self.runner, self.spec, self.fn = runner, spec, fn
+
+    async def run_group(self, group: P.PromptGroup, n: int, how: Sampling) -> list[Trajectory]:
+        """``n`` episodes of ``group``'s prompt at once, as trajectories (one or more per
+        episode, in episode order); never raises for the agent's faults."""
+        row = EnvRow(group.prompt, group.ground_truth, group.data_source, dict(group.extra_info))
+        episodes = await asyncio.gather(*(self._episode(row, group, how, i) for i in range(n)))
+        return [t for trajectories in episodes for t in trajectories]
+
+    async def _episode(self, row: EnvRow, group: P.PromptGroup, how: Sampling, index: int):
+        server = self.runner.server
+        key, base_url = server.open_episode(how, self.spec.max_calls, index)
+        t0 = time.perf_counter()
+        try:
+            reward, fault = await self.runner.run_agent(self.spec, self.fn, row, base_url)
+        finally:
+            episode = server.close_episode(key)
+        return self._trajectories(episode, group, reward, fault, time.perf_counter() - t0)
+
     def _trajectories(
-        self, trace: EpisodeTrace, group, reward, fault: str, seconds: float, index: int
+        self, episode: AgentEpisode, group: P.PromptGroup, reward, fault: str, seconds: float
     ) -> list[Trajectory]:
-        samples = trace.samples() or [TraceSample(list(group.prompt_ids))]
-        last = trace.calls[-1] if trace.calls else None
-        final = (last.reply.get("content") or "") if last else ""
-        messages = [*last.messages, last.reply] if last else []
-        weighted = self.mt.env_reward_weight * reward if reward is not None else None
+        mt, rec = self.runner.mt, episode.recorder
+        weighted = mt.env_reward_weight * reward if reward is not None else None
         if weighted is not None and not finite32(weighted):
             weighted, fault = None, "error"
-        tool_calls = sum(len(c.reply.get("tool_calls") or []) for c in trace.calls)
-        out = []
-        for i, s in enumerate(samples):
-            t = _trajectory(s, final)
-            if weighted is not None:
+        counts = rec.counts
+        if fault:
+            counts.fault(timed_out=fault == "timeout")
+        counts.budget = "episode_timeout" if fault == "timeout" else ""
+        counts.env_seconds = seconds
+        counts.env_reward = reward if reward is not None else 0.0
+        last = episode.calls[-1] if episode.calls else None
+        final = (last.reply.get("content") or "") if last else ""
+        messages = [*last.messages, last.reply] if last else []
+        trajectories = rec.finish(list(group.prompt_ids), messages, final_text=final)
+        if weighted is not None:
+            for t in trajectories:
                 t.add_reward(weighted)
-            sampled = t.sampled_versions()
-            stats = P.EpisodeStats(
-                turns=len(t.turns),
-                tool_calls=tool_calls if i == 0 else 0,
-                tool_errors=(trace.stats.errors + (fault == "error")) if i == 0 else 0,
-                tool_timeouts=int(fault == "timeout") if i == 0 else 0,
-                env_seconds=seconds if i == 0 else 0.0,
-                observation_tokens=t.loss_mask.count(0),
-                budget="episode_timeout" if fault == "timeout" else "",
-                versions_spanned=max(sampled) - min(sampled) if sampled else 0,
-                template_mismatch=False,
-                env_reward=reward if reward is not None and i == 0 else 0.0,
-                tool_parse_errors=trace.stats.tool_call_errors if i == 0 else 0,
-                prefix_breaks=len(samples) - 1 if i == 0 else 0,
-                episode=index,
-            )
-            out.append(t.finish(stats, messages))
-        return out
-
-    def _log(self, spec: AgentConfig, what: str) -> None:
-        """Once per agent and kind of fault; later ones are only counted."""
-        kind = f"{spec.agent}: {what.split(':')[0]}"
-        if kind not in self._logged:
-            self._logged.add(kind)
-            log.warning(
-                "agent %s %s; its episode ends without it (later faults of this kind are "
-                "only counted: multiturn/tool_errors, multiturn/tool_timeouts)",
-                spec.agent, what,
-            )  # fmt: skip
-
-
-def _trajectory(sample: TraceSample, final: str) -> Trajectory:
-    """A recorded sample as a trajectory: its sampled runs are its turns."""
-    t = Trajectory(list(sample.prompt_ids))
-    # Up to its last sampled token: tokens after it (a call that sampled none) train nothing.
-    keep = max((i + 1 for i, m in enumerate(sample.loss_mask) if m), default=0)
-    t.token_ids, t.logprobs = list(sample.token_ids[:keep]), list(sample.logprobs[:keep])
-    t.versions, t.loss_mask = list(sample.versions[:keep]), list(sample.loss_mask[:keep])
-    t.rewards = [0.0] * keep
-    mask = t.loss_mask
-    for end in range(1, len(mask) + 1):
-        if mask[end - 1] and (end == len(mask) or not mask[end]):  # a sampled run ends
-            t.turn_ends.append(end)
-            t.turns.append("")
-    if t.turns:
-        t.turns[-1] = final  # what the reward sources score: the episode's final answer
-    return t
-
-
-class ToolCalls:
-    """The endpoint's tool-call parser: the run's ``multiturn.tool_parser`` for the tools
-    each request gives (one vLLM parser per distinct tool set, kept)."""
-
-    def __init__(self, name: str, tokenizer) -> None:
-        self.name, self.tokenizer = name, tokenizer
-        self._parsers: dict[str, Any] = {}
-
-    def __call__(self, text: str, tools: list[dict]) -> tuple[str | None, list[dict], list[str]]:
-        from verl_async.tools.parsers import ToolCallParser
-
-        key = json.dumps(tools, sort_keys=True)
-        parser = self._parsers.get(key)
-        if parser is None:
-            parser = ToolCallParser(self.name, self.tokenizer, tools, "multiturn.tool_parser")
-            self._parsers[key] = parser
-        parsed = parser.parse(text)
-        calls = [{"name": c.name, "arguments": c.arguments_json} for c in parsed.calls]
-        return parsed.content, calls, list(parsed.errors)
+        return trajectories

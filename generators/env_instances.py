@@ -21,17 +21,15 @@ import functools
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from generators.env_threads import EnvCallError, EnvThreads, InstanceThread
+from generators.recorder import EpisodeCounts
 from generators.render import Renderer
 from verl_async import protocol as P
 from verl_async.envs import EnvRow, Step, as_prompt, as_step
 from verl_async.numerics import finite32
 from verl_async.schema import EnvironmentConfig, MultiTurnConfig
-
-if TYPE_CHECKING:  # generators/tool_calls.py counts its calls in an episode's EnvCounts
-    from generators.tool_calls import ToolBox
 
 log = logging.getLogger("verl_async.generator")
 
@@ -40,41 +38,17 @@ log = logging.getLogger("verl_async.generator")
 _MAX_CHARS_PER_TOKEN = 64
 
 
-@dataclass
-class EnvCounts:
-    """What one episode's environment did, for its ``EpisodeStats``."""
-
-    tool_calls: int = 0
-    tool_errors: int = 0
-    tool_timeouts: int = 0
-    env_seconds: float = 0.0
-    observation_tokens: int = 0
-    tool_parse_errors: int = 0  # malformed tool calls (episodes with tools)
-    env_reward: float = 0.0  # the environment's rewards, summed
-    weighted_reward: float = 0.0  # the same times env_reward_weight: what the learner sums
-
-    def failed(self, err: EnvCallError) -> None:
-        if err.timed_out:
-            self.tool_timeouts += 1
-        else:
-            self.tool_errors += 1
-
-
 @dataclass(eq=False)
 class EnvInstance:
     """One episode's environment instance: its thread, its counts and deadline."""
 
     spec: EnvironmentConfig
-    counts: EnvCounts
+    counts: EpisodeCounts
     deadline: float  # time.monotonic() past which its calls end the episode
     thread: InstanceThread | None = None  # once one was free
     obj: Any = None  # the instance, once built (set on its thread)
     initial: Any = None  # its initial prompt; None: its episode runs without it
     closed: bool = False
-    # An episode with tools: its entry's tools, and the renderer that puts their schemas in
-    # its prompt (None: no tools, the generator's renderer).
-    tools: ToolBox | None = None
-    renderer: Renderer | None = None
 
     def usable(self) -> bool:
         return self.obj is not None and not self.closed and not self.thread.stuck
@@ -92,27 +66,21 @@ class Environments:
         self._logged: set[tuple] = set()
 
     async def start_group(
-        self,
-        spec: EnvironmentConfig,
-        cls: type,
-        group: P.PromptGroup,
-        n: int,
-        tools: ToolBox | None = None,
-    ) -> tuple[Any, list[int], list[EnvInstance]]:
-        """``n`` instances reset on ``group``'s row, and the group's initial prompt and its
-        ids (rendered with ``tools``' schemas when the entry has tools); never raises for
-        their faults (cancelled, it closes what it built)."""
+        self, spec: EnvironmentConfig, cls: type, group: P.PromptGroup, n: int, renderer: Renderer
+    ) -> tuple[Any, list[int], list[EnvInstance], bool]:
+        """``n`` instances reset on ``group``'s row, the group's initial prompt and its ids
+        rendered by ``renderer`` (with an entry's tool schemas, when it has tools), and
+        whether they were (False: that prompt could not be rendered with them, so the
+        episodes run with the generator's renderer and without tools). Never raises for
+        the instances' faults (cancelled, it closes what it built)."""
         envs: list[EnvInstance] = []
         try:
             await asyncio.gather(*(self._start(spec, cls, group, envs) for _ in range(n)))
-            for env in envs:
-                env.tools, env.renderer = tools, tools.renderer if tools else None
-            renderer = tools.renderer if tools else self.renderer
-            prompt, prompt_ids = await self._group_prompt(group, envs, renderer)
+            prompt, prompt_ids, rendered = await self._group_prompt(group, envs, renderer)
         except BaseException:
             self.close_later(envs)
             raise
-        return prompt, prompt_ids, envs
+        return prompt, prompt_ids, envs, rendered
 
     def _pool(self, spec: EnvironmentConfig) -> EnvThreads:
         # An entry's data sources are its own (check_environments), so this names the entry.
@@ -135,7 +103,7 @@ class Environments:
 
     def fault(self, env: EnvInstance, err: EnvCallError) -> None:
         """Count a failure in its episode; log the first of each kind per environment."""
-        env.counts.failed(err)
+        env.counts.fault(err.timed_out)
         name = env.spec.env
         kind = (name, str(err), err.timed_out or type(err.cause).__name__)
         if kind in self._logged:
@@ -150,7 +118,7 @@ class Environments:
     async def _start(self, spec, cls: type, group: P.PromptGroup, envs: list) -> None:
         """A new instance, reset on the group's row, appended to ``envs`` (its ``initial``
         stays None if it failed; it is then closed already)."""
-        env = EnvInstance(spec, EnvCounts(), time.monotonic() + self.mt.episode_timeout_s)
+        env = EnvInstance(spec, EpisodeCounts(), time.monotonic() + self.mt.episode_timeout_s)
         envs.append(env)
         row = EnvRow(group.prompt, group.ground_truth, group.data_source, dict(group.extra_info))
         try:
@@ -220,16 +188,15 @@ class Environments:
                 failed.append(self.close(env))
         await asyncio.gather(*failed)
         if chosen is not None:
-            return chosen[1], chosen[2]
+            return chosen[1], chosen[2], True
         if renderer is self.renderer:
-            return group.prompt, list(group.prompt_ids)
+            return group.prompt, list(group.prompt_ids), True
         try:  # the row's own prompt, with the tools' schemas
-            return group.prompt, self._prompt_ids(group, group.prompt, renderer)
+            return group.prompt, self._prompt_ids(group, group.prompt, renderer), True
         except Exception as exc:  # noqa: BLE001 (then the episodes run without tools)
             for env in envs:
                 self.fault(env, EnvCallError("prompt with tools", exc, timed_out=False))
-                env.tools = env.renderer = None
-            return group.prompt, list(group.prompt_ids)
+            return group.prompt, list(group.prompt_ids), False
 
     def _prompt_ids(self, group: P.PromptGroup, prompt, renderer: Renderer) -> list[int]:
         """``prompt``'s ids (the buffer rendered the row's own, without tools), if it leaves

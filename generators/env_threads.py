@@ -39,6 +39,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from generators.user_code import Raised, error_text
+
 log = logging.getLogger("verl_async.generator")
 
 CANCEL_GRACE_S = 0.5  # a cancelled coroutine that takes longer than this blocks its loop
@@ -60,25 +62,6 @@ class EnvCallError(Exception):
         if self.timed_out:
             return f"error: the environment's {self} timed out"
         return error_text(self.cause)
-
-
-def error_text(exc: BaseException) -> str:
-    """``exc`` as the error observation the model reads next (at most 300 characters)."""
-    try:
-        text = str(exc)
-    except Exception:  # noqa: BLE001 (an exception of the environment's that cannot print)
-        text = "(unprintable)"
-    return f"error: {type(exc).__name__}: {text}"[:300]
-
-
-class _Raised(Exception):
-    """Carries what an environment raised that is not an ``Exception`` (``SystemExit``,
-    ``KeyboardInterrupt``, a ``CancelledError`` of its own) out of its thread: a fault like
-    any other, never a signal to the generator."""
-
-    def __init__(self, exc: BaseException) -> None:
-        super().__init__(repr(exc))
-        self.exc = exc
 
 
 @dataclass(eq=False)
@@ -135,7 +118,7 @@ class InstanceThread:
         except Exception as exc:  # noqa: BLE001 (the environment's fault, handed over)
             job.future.set_exception(exc)
         except BaseException as exc:  # noqa: BLE001 (SystemExit and the like, too)
-            job.future.set_exception(_Raised(exc))
+            job.future.set_exception(Raised(exc))
         else:
             job.future.set_result(result)
 
@@ -189,7 +172,7 @@ class InstanceThread:
             job.cancel()
             self.stuck = self.stuck or not done.done()
             raise
-        except _Raised as exc:
+        except Raised as exc:
             raise EnvCallError(what, exc.exc, timed_out=False) from None
         except Exception as exc:  # noqa: BLE001 (the environment's own error)
             raise EnvCallError(what, exc, timed_out=False) from exc

@@ -34,20 +34,15 @@ import os
 import time
 from collections import Counter
 
-from generators.agents import AgentRunner
-from generators.episodes import EpisodeRunner
 from generators.interface import RolloutEngine, Sampling
 from generators.leases import HeldGroups, RolloutPusher
-from generators.render import Renderer
+from generators.rollouts import Rollouts
 from generators.startup import credentials, start_and_join
-from generators.tool_calls import templated
-from generators.trajectory import Trajectory, pack, single_turn
+from generators.trajectory import Trajectory, pack
 from verl_async import placement
 from verl_async import protocol as P
-from verl_async.envs import EnvironmentTable
 from verl_async.rewards.scorer import GroupScores, Scorer
 from verl_async.runtime import RunContext, descendants_cpu, mark, mark_cpu
-from verl_async.tools.chat_templates import tool_template
 from verl_async.transport import AsyncBufferClient
 from verl_async.weight_sync import failure_line
 
@@ -89,27 +84,13 @@ class Generator:
         # knows when that is: BufferServer.learner_on_first_step).
         self.defers = placement.shares_cores_with_learner(self.cfg, index)
         self.deferred_since: float | None = None  # the first request the buffer deferred
-        # Multi-turn: the environments (classes loaded now, so a bad one fails at start)
-        # and the runner of their episodes on this engine (generators/episodes.py).
-        self.environments = EnvironmentTable(self.cfg.multiturn)
-        self.episodes = None
-        self.agents = None
-        if self.cfg.multiturn.agents:  # agent programs through the chat endpoint
-            self.agents = AgentRunner(
-                engine, tokenizer, agent_renderer(self.cfg, tokenizer), self.cfg.multiturn,
-                self.train_sampling,
-            )  # fmt: skip
-        if self.cfg.multiturn.environments:
-            renderer = Renderer(tokenizer, self.cfg.data.chat_template, engine_eos_ids(tokenizer))
-            g = self.cfg.generators
-            in_flight = g.max_inflight_groups * max(g.group_size, self.cfg.eval.samples)
-            self.episodes = EpisodeRunner(
-                engine, renderer, tokenizer, self.cfg.multiturn, in_flight, self.environments
-            )
+        # How each data source's prompts are sampled: one response, an environment's
+        # episodes or an agent's (generators/rollouts.py; classes loaded now, so a bad one
+        # fails at start).
+        self.rollouts = Rollouts(self.cfg, engine, tokenizer)
 
     async def run(self) -> None:
-        if self.agents is not None:
-            await self.agents.start()
+        await self.rollouts.start()
         loops = [
             asyncio.create_task(self.follow_weights()),
             asyncio.create_task(self.renew_leases()),
@@ -123,8 +104,7 @@ class Generator:
                 task.cancel()
             for task in self.inflight | self.scoring:
                 task.cancel()
-            if self.agents is not None:
-                await self.agents.stop()
+            await self.rollouts.stop()
             self.buffer.close()
         if self.failure is not None:
             raise self.failure
@@ -218,24 +198,9 @@ class Generator:
         self.nudge.clear()
 
     async def sample(self, group: P.PromptGroup, n: int, how: Sampling) -> list[Trajectory]:
-        """``n`` trajectories of the group's prompt (the token ids the buffer rendered): one
-        response each, or an episode each when an environment takes the group's data
-        source (``multiturn.environments``)."""
-        agent = self.environments.agent_for(group.data_source)
-        if agent is not None:
-            return await self.agents.run_group(*agent, group, n, how)
-        found = self.environments.spec_for(group.data_source)
-        if found is not None:
-            _, spec, cls = found
-            return await self.episodes.run_group(spec, cls, group, n, how)
-        samples = await asyncio.gather(
-            *(self.engine.sample(group.prompt_ids, how) for _ in range(n))
-        )
-        decode = self.tokenizer.decode
-        return [
-            single_turn(group.prompt_ids, s, decode(s.token_ids, skip_special_tokens=True))
-            for s in samples
-        ]
+        """``n`` episodes of the group's prompt, each one trajectory or more: one response,
+        or an episode of the environment or agent that takes the group's data source."""
+        return await self.rollouts.of(group.data_source).run_group(group, n, how)
 
     async def score(self, group: P.PromptGroup, samples: list[Trajectory]) -> GroupScores:
         """The trajectories' scores: their last turns' texts (a reward model reads an
@@ -408,28 +373,6 @@ class Generator:
             self.cfg.weights.mode,
             self.engine.resubmitted,
         )
-
-
-def agent_renderer(cfg, tokenizer) -> Renderer:
-    """How the chat endpoint renders an agent's calls: the tokenizer's chat template, or
-    ``multiturn.tool_template`` in its place; an agent needs one."""
-    template = tool_template(cfg.multiturn.tool_template)
-    renderer = Renderer(tokenizer, True, engine_eos_ids(tokenizer), template=template)
-    return templated(renderer, "an agent's messages go into")
-
-
-def engine_eos_ids(tokenizer) -> set[int]:
-    """The tokens that end a turn: the tokenizer's end of sequence and the model's
-    generation config's (what both engines stop at)."""
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    try:
-        from transformers import GenerationConfig
-
-        extra = GenerationConfig.from_pretrained(tokenizer.name_or_path).eos_token_id
-    except (OSError, ValueError):  # no generation_config.json: the tokenizer's alone
-        extra = None
-    ids.update(extra if isinstance(extra, list) else [] if extra is None else [extra])
-    return ids
 
 
 def make_scorer(ctx: RunContext, index: int) -> Scorer:

@@ -8,6 +8,9 @@ An episode's ids are built by appending, never by rendering the whole conversati
                 observation messages after an assistant turn, up to the next generation prompt
     + turn 2 ...
 
+``continuation`` makes the next prompt from the ids so far and an observation's delta; it
+is the one place that adds the template's end-of-turn token after a turn a budget cut.
+
 The delta is cut from a render of a fixed conversation (``_ANCHOR``: a system message, a
 user message, an assistant message) followed by the observation messages: everything after
 the anchor's last end-of-turn token. So the delta keeps the separator the template puts
@@ -117,6 +120,15 @@ class Renderer:
                 "it, so an observation's tokens cannot be cut from it"
             )
         return full[self._anchor_len :]
+
+    def continuation(self, ids: list[int], delta: list[int]) -> list[int]:
+        """The prompt that goes on from ``ids`` (a prompt and the turn sampled after it)
+        with an observation's ``delta`` (``observation_ids``): first the template's
+        end-of-turn token when the turn did not end with one (a token budget or a stop
+        string cut it; a full render writes it there), then the delta. The one place
+        that adds an end-of-turn token, for environments and the chat endpoint alike."""
+        ended = bool(ids) and ids[-1] in self.eos_ids
+        return [*ids, *([] if ended else [self.end_of_turn]), *delta]
 
     def full_ids(self, prompt: str | list[Message], turns: list[str], observations: list) -> list:
         """The whole conversation rendered at once: ``turns[i]`` is assistant turn i's text,

@@ -26,27 +26,28 @@ is left of the episode's ``episode_timeout_s``), waits for its tool's
 for an unknown tool, arguments the schema refuses, a tool that raised, or a call past
 ``multiturn.max_parallel_calls`` (tool errors); a timeout (a tool timeout). A plain function
 past its deadline keeps its pool thread until it returns; calls that find no thread free
-wait, within their own deadline. The pool's threads are daemon threads
-(``DaemonPool``): one that never returns cannot hold the generator's exit, as a
-``ThreadPoolExecutor``'s would (Python joins those at interpreter exit). A malformed call (the parser's errors) is answered with
-an error message too, and counted in ``tool_parse_errors``.
+wait, within their own deadline (generators/user_code.py: the pool's threads are daemon
+threads, and the loop of ``async def`` tools runs on after anything a tool raises). A
+malformed call (the parser's errors) is answered with an error message too, and counted in
+``tool_parse_errors``.
+
+Whatever a tool raises, ``BaseException`` included (a wrapped CLI's ``SystemExit``), and
+whatever it returns (a value ``json.dumps`` cannot write) is an error message for that
+call, counted; never the box's threads, its loop or the generator.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import functools
-import queue
-import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
-from generators.env_instances import EnvCounts
-from generators.env_threads import EnvCallError, error_text
+from generators.env_threads import EnvCallError
+from generators.recorder import EpisodeCounts
 from generators.render import Renderer
+from generators.user_code import DaemonPool, LoopThread, error_text
 from verl_async.config_base import ConfigError
 from verl_async.schema import MultiTurnConfig
 from verl_async.tools.parsers import ParsedTurn, ToolCall, ToolCallParser
@@ -55,41 +56,6 @@ from verl_async.tools.schemas import Tool, ToolCallError, check_arguments, resul
 
 _CHARS_PER_TOKEN = 8  # a result is cut to this many characters per token before tokenizing
 _POOL_THREADS = 32  # threads of a box's pool for plain functions
-
-
-class DaemonPool(concurrent.futures.Executor):
-    """At most ``threads`` daemon threads running submitted calls in order of submission,
-    started as calls need them. A call that never returns keeps its thread, and the
-    process can still exit."""
-
-    def __init__(self, threads: int, name: str) -> None:
-        self._max, self._name = threads, name
-        self._work: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._started = self._idle = 0
-
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any):
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        with self._lock:
-            if self._idle <= 0 and self._started < self._max:
-                self._started += 1
-                self._idle += 1
-                name = f"{self._name}-{self._started}"
-                threading.Thread(target=self._serve, name=name, daemon=True).start()
-            self._idle -= 1  # this call takes an idle thread, or waits for one
-        self._work.put((future, fn, args, kwargs))
-        return future
-
-    def _serve(self) -> None:
-        while True:
-            future, fn, args, kwargs = self._work.get()
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args, **kwargs))
-                except BaseException as exc:  # the caller's await raises it
-                    future.set_exception(exc)
-            with self._lock:
-                self._idle += 1
 
 
 class ToolBox:
@@ -116,14 +82,14 @@ class ToolBox:
         )
         self._limits: dict[str, asyncio.Semaphore] = {}
         self._pool = DaemonPool(_POOL_THREADS, "tool")
-        self._loop: asyncio.AbstractEventLoop | None = None  # for async tools, once needed
+        self._loop: LoopThread | None = None  # for async tools, once needed
 
     def parse(self, text: str, turn: int) -> ParsedTurn:
         """Turn ``turn``'s calls (ids ``call_<turn>_<i>``), or its malformed ones."""
-        return self.parser.parse(text, turn)
+        return parse_calls(self.parser, text, turn)
 
     async def answer(
-        self, parsed: ParsedTurn, deadline: float, counts: EnvCounts, on_instance=None
+        self, parsed: ParsedTurn, deadline: float, counts: EpisodeCounts, on_instance=None
     ) -> list[dict]:
         """The turn's calls run at once and answered in call order, each counted in the
         episode's ``counts``; ``on_instance(name, kwargs, timeout_s)`` runs an
@@ -159,6 +125,8 @@ class ToolBox:
             kwargs = check_arguments(tool, call.arguments())
         except (ToolCallError, ValueError) as exc:
             return f"error: {exc}"[:300], "error"
+        except Exception as exc:  # noqa: BLE001 (arguments nested too deep to read, ...)
+            return error_text(exc), "error"
         timeout_s = min(self.mt.step_timeout_s, deadline - time.monotonic())
         t0 = time.monotonic()
         try:
@@ -175,11 +143,11 @@ class ToolBox:
             return err.observation(), "timeout" if err.timed_out else "error"
         except ToolError as exc:  # a contained fault whose text is the answer (a sandbox's)
             return self._cut(str(exc))[0], "error"
-        except Exception as exc:  # noqa: BLE001 (the tool's fault, whatever it is)
+        except Exception as exc:  # noqa: BLE001 (the tool's fault, whatever it is: Raised too)
             return error_text(exc), "error"
         try:
             text = result_text(tool, value)
-        except TypeError as exc:  # a result that is neither text nor JSON
+        except Exception as exc:  # noqa: BLE001 (not text nor JSON; nested too deep to write)
             return error_text(exc), "error"
         return self._cut(text)
 
@@ -191,21 +159,17 @@ class ToolBox:
         return self._limits[tool.name]
 
     async def _call(self, tool: Tool, kwargs: dict) -> Any:
+        """The tool's value (what it raises comes out as itself, or as ``Raised``)."""
         if tool.is_async:
-            coro_future = asyncio.run_coroutine_threadsafe(tool.fn(**kwargs), self._tool_loop())
+            if self._loop is None:
+                self._loop = LoopThread("tool-loop")
+            future = self._loop.submit(_await_tool, tool, kwargs)
             try:
-                return await asyncio.wrap_future(coro_future)
+                return await asyncio.wrap_future(future)
             finally:
-                coro_future.cancel()  # past its deadline: the coroutine is cancelled there
+                future.cancel()  # past its deadline: the coroutine is cancelled there
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, functools.partial(tool.fn, **kwargs))
-
-    def _tool_loop(self) -> asyncio.AbstractEventLoop:
-        if self._loop is None:
-            loop = asyncio.new_event_loop()
-            threading.Thread(target=loop.run_forever, name="tool-loop", daemon=True).start()
-            self._loop = loop
-        return self._loop
 
     def _cut(self, text: str) -> tuple[str, str]:
         """``text`` within ``max_tool_response_tokens`` ("error" if it had to be cut)."""
@@ -219,8 +183,23 @@ class ToolBox:
         return (text + " [truncated]", "error") if cut else (text, "")
 
 
+async def _await_tool(tool: Tool, kwargs: dict) -> Any:
+    """(On the tools' loop) an ``async def`` tool called and awaited there: even making
+    its coroutine is the tool's code."""
+    return await tool.fn(**kwargs)
+
+
 def _tool_message(call: ToolCall, content: str) -> dict:
     return {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": content}
+
+
+def parse_calls(parser: ToolCallParser, text: str, turn: int = 0) -> ParsedTurn:
+    """``parser.parse``, and should the parser fail on model text after all (it is built
+    not to), that turn's parse error rather than the episode's end."""
+    try:
+        return parser.parse(text, turn)
+    except Exception as exc:  # noqa: BLE001 (model text is a boundary: RecursionError, ...)
+        return ParsedTurn(text or None, [], [f"the tool-call parser failed: {error_text(exc)}"])
 
 
 def templated(renderer: Renderer, what: str) -> Renderer:

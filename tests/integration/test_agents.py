@@ -36,15 +36,23 @@ def test_the_example_agent_learns_through_the_endpoint(tmp_path):
     assert not processes_mentioning(str(run_dir)), "processes outlived the run"
 
 
-HOSTILE = ["rewrites", "raises", "hangs", "silent", "bad_reward"]
+HOSTILE = ["rewrites", "raises", "hangs", "silent", "bad_reward", "exits", "interrupts",
+           "sometimes_silent", "many_samples"]  # fmt: skip
 
 
 def test_agent_faults_and_rewritten_histories_cost_only_their_own_episodes(tmp_path):
+    """Besides raising, hanging and bad rewards: agents that raise SystemExit or
+    KeyboardInterrupt, silent episodes in the same groups as calling ones, and an episode
+    of 17 samples (max_calls 17). The generator is never restarted (weight_sync_epoch
+    stays 0) and every step trains."""
     cfg = yaml.safe_load((ROOT / CONFIG).read_text())
     cfg["multiturn"]["agents"] = [
-        {"agent": f"tests.hostile_agents:{name}", "data_sources": [name]} for name in HOSTILE
-    ]
+        {"agent": f"tests.hostile_agents:{name}", "data_sources": [name],
+         **({"max_calls": 17} if name == "many_samples" else {})}
+        for name in HOSTILE
+    ]  # fmt: skip
     cfg["multiturn"]["episode_timeout_s"] = 3.0
+    cfg["multiturn"]["max_episode_tokens"] = 64
     data = tmp_path / "rows.jsonl"
     with data.open("w") as f:
         for i in range(400):
@@ -57,7 +65,7 @@ def test_agent_faults_and_rewritten_histories_cost_only_their_own_episodes(tmp_p
     config = tmp_path / "hostile.yaml"
     config.write_text(yaml.safe_dump(cfg))
     run_dir = tmp_path / "run"
-    steps = 6
+    steps = 9
     res = run_cli(["train", str(config), "--run-dir", str(run_dir),
                    f"trainer.total_steps={steps}"], timeout=600)  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
@@ -71,6 +79,8 @@ def test_agent_faults_and_rewritten_histories_cost_only_their_own_episodes(tmp_p
     assert total("multiturn/tool_timeouts") > 0  # hung past episode_timeout_s
     assert total("multiturn/budget_hits/episode_timeout") > 0
     assert min(r["multiturn/turns_mean"] for r in metrics) >= 0  # silent: no turns
+    assert max(r["weight_sync_epoch"] for r in metrics) == 0  # the generator never restarted
+    assert all(r["staleness_mean"] >= 0 for r in metrics)  # empty samples carry no version
     log = (run_dir / "logs" / "generator0.log").read_text()
     for says in ("raised RuntimeError: the agent broke", "passed multiturn.episode_timeout_s",
                  "returned 'very good'"):  # fmt: skip

@@ -26,11 +26,12 @@ import pytest
 
 from generators.endpoint import EndpointServer
 from generators.interface import Sampling
-from generators.traces import TraceStats
+from generators.recorder import EpisodeCounts
 from verl_async.config import load_config
 from verl_async.launch.tiny_model import build_tiny_model
 from verl_async.schema import TinyModelConfig
 from verl_async.tasks.max_digit import VOCAB
+from verl_async.tools.parsers import ParsedTurn, ToolCall
 
 from .conftest import ROOT, start_test_engine
 
@@ -70,8 +71,8 @@ def chat_model(tmp_path_factory):
     return out  # (build_tiny_model keeps it: its marker is the model's, and it is current)
 
 
-def lookup_every_reply(text: str, tools: list[dict]):
-    return None, [{"name": "lookup", "arguments": json.dumps({"words": text})}], []
+def lookup_every_reply(text: str, tools: list[dict]) -> ParsedTurn:
+    return ParsedTurn(None, [ToolCall("", "lookup", json.dumps({"words": text}))], [])
 
 
 class Served:
@@ -140,20 +141,26 @@ async def extending_agent(base_url: str, users: list[str], **kw):
     return replies
 
 
-def assert_one_exact_sample(trace) -> None:
+def assert_one_exact_sample(episode) -> None:
     """One sample: the last call's prompt and completion, the sampled tokens (and only
-    they) under mask 1 with the engine's log-probs."""
-    [s] = trace.samples()
-    last = trace.calls[-1]
-    assert s.ids == last.prompt_ids + last.token_ids and trace.prefix_breaks == 0
-    assert s.prompt_ids == trace.calls[0].prompt_ids
-    pos, mask, logprobs = len(s.prompt_ids), [0] * len(s.token_ids), [0.0] * len(s.token_ids)
-    for call in trace.calls:
+    they) under mask 1, log-prob 0.0 on the others."""
+    [s] = episode.recorder.samples
+    last = episode.calls[-1]
+    assert s.ids() == last.prompt_ids + last.token_ids
+    assert s.prompt_ids == episode.calls[0].prompt_ids
+    pos, mask = len(s.prompt_ids), [0] * len(s.token_ids)
+    for call in episode.calls:
         start = len(call.prompt_ids) - pos  # where this call's completion begins
         mask[start : start + len(call.token_ids)] = [1] * len(call.token_ids)
-        logprobs[start : start + len(call.token_ids)] = call.logprobs
-    assert s.loss_mask == mask and s.logprobs == logprobs
+    assert s.loss_mask == mask
+    assert all(lp == 0.0 for lp, m in zip(s.logprobs, mask, strict=True) if not m)
+    assert all(lp < 0.0 for lp, m in zip(s.logprobs, mask, strict=True) if m)
     assert len(s.versions) == len(s.token_ids)
+
+
+def stats(episode) -> tuple[int, int]:
+    """(calls recorded, requests refused or failed) of an episode."""
+    return len(episode.calls), episode.recorder.counts.tool_errors
 
 
 def test_a_plain_call_is_answered_and_recorded_token_for_token(hf):
@@ -185,11 +192,12 @@ def test_a_plain_call_is_answered_and_recorded_token_for_token(hf):
         len(call.prompt_ids),
         len(call.token_ids),
     )
-    assert (trace.stats.calls, trace.stats.errors) == (1, 0)
+    assert stats(trace) == (1, 0)
     # The log-probs are the model's at the run's temperature (1), not the request's.
     ids = call.prompt_ids + call.token_ids
     expected = hf.run(hf.engine.prompt_logprobs(ids))[len(call.prompt_ids) - 1 :]
-    assert call.logprobs == pytest.approx(expected, abs=1e-4)
+    [sample] = trace.recorder.samples
+    assert sample.logprobs == pytest.approx(expected, abs=1e-4)
 
 
 def test_tools_reach_the_template_and_a_parsed_call_makes_the_round_trip(hf):
@@ -225,7 +233,7 @@ def test_tools_reach_the_template_and_a_parsed_call_makes_the_round_trip(hf):
     assert c2.prompt_ids == hf.render(c2.messages, LOOKUP)
     # tool_choice "none": the reply is not parsed.
     assert second.choices[0].message.tool_calls is None and c2.finish_reason != "tool_calls"
-    assert trace.stats.errors == 0
+    assert stats(trace) == (2, 0) and trace.recorder.counts.tool_calls == 1
 
 
 class Gate:
@@ -286,8 +294,9 @@ def test_two_calls_of_one_episode_in_flight_at_once_are_both_recorded(hf):
         hf.run(server.stop())
     trace = server.close_episode(key)
     assert sorted(c.messages[0]["content"] for c in trace.calls) == ["1 =", "2 ="]
-    assert [s.ids for s in trace.samples()] == [c.prompt_ids + c.token_ids for c in trace.calls]
-    assert trace.prefix_breaks == 1
+    samples = trace.recorder.samples
+    assert [s.ids() for s in samples] == [c.prompt_ids + c.token_ids for c in trace.calls]
+    assert len(samples) == 2  # one break
 
 
 class Held:
@@ -323,7 +332,8 @@ def test_a_call_running_when_its_episode_closes_is_refused_and_not_recorded(hf):
         trace = hf.run(agent())
     finally:
         hf.run(server.stop())
-    assert trace.calls == [] and trace.stats == TraceStats()
+    assert trace.calls == [] and trace.recorder.samples == []
+    assert trace.recorder.counts == EpisodeCounts()
 
 
 def test_an_agent_that_extends_its_conversation_makes_one_sample(hf):
@@ -355,10 +365,9 @@ def test_an_agent_that_rewrites_its_history_makes_a_sample_per_history(hf):
 
     hf.run(agent())
     trace = hf.server.close_episode(key)
-    s1, s2 = trace.samples()
-    assert trace.prefix_breaks == 1
+    s1, s2 = trace.recorder.samples
     for s, call in zip((s1, s2), trace.calls, strict=True):
-        assert s.ids == call.prompt_ids + call.token_ids and all(s.loss_mask)
+        assert s.ids() == call.prompt_ids + call.token_ids and all(s.loss_mask)
 
 
 async def _raw(method: str, url: str, data: bytes | None = None) -> tuple[int, dict]:
@@ -387,6 +396,14 @@ def test_bad_requests_are_refused_in_openai_format_and_the_server_keeps_serving(
                 await c.chat.completions.create(model="tiny", messages=hello, n=2)
             with pytest.raises(openai.BadRequestError, match="not supported"):
                 await c.chat.completions.create(model="tiny", messages=hello, stream=True)
+            with pytest.raises(openai.NotFoundError) as err:
+                await c.chat.completions.create(model="gpt-4o", messages=hello)
+            assert err.value.code == "model_not_found" and "serves `tiny`" in err.value.message
+            with pytest.raises(openai.BadRequestError) as err:  # was a 500
+                await c.chat.completions.create(
+                    model="tiny", messages=hello, tools=LOOKUP, tool_choice={"function": "lookup"}
+                )
+            assert err.value.param == "tool_choice"
             out["good"] = await c.chat.completions.create(model="tiny", messages=hello)
         return out
 
@@ -398,7 +415,8 @@ def test_bad_requests_are_refused_in_openai_format_and_the_server_keeps_serving(
     assert "not valid JSON" in out["bad json"][1]["error"]["message"]
     assert out["good"].choices[0].message.content is not None
     trace = hf.server.close_episode(key)
-    assert (trace.stats.calls, trace.stats.errors) == (1, 4)  # bad json, too large, n, stream
+    # bad json, too large, n, stream, an unknown model, a tool_choice of the wrong shape
+    assert stats(trace) == (1, 6)
 
     async def after_close():
         async with client(base_url) as c:
@@ -436,7 +454,7 @@ def test_an_episode_keeps_to_its_token_budget_and_its_calls(hf):
     assert (r1.usage.prompt_tokens, r1.usage.completion_tokens) == (11, 1)
     assert r2.usage.completion_tokens == 1  # the request lowered the run's 4
     trace = server.close_episode(key)
-    assert (trace.stats.calls, trace.stats.errors) == (2, 2)
+    assert stats(trace) == (2, 2)
 
 
 def test_the_vllm_engine_serves_an_extending_agent(chat_model):
@@ -449,7 +467,9 @@ def test_the_vllm_engine_serves_an_extending_agent(chat_model):
         model_logprobs = served.run(served.engine.prompt_logprobs(last.prompt_ids + last.token_ids))
     finally:
         served.close()
-    assert len(trace.calls) == 2 and trace.stats.errors == 0
+    assert stats(trace) == (2, 0)
     assert_one_exact_sample(trace)
     # Sampled at the run's temperature (1): the engine's log-probs are the model's.
-    assert last.logprobs == pytest.approx(model_logprobs[len(last.prompt_ids) - 1 :], abs=1e-3)
+    [sample] = trace.recorder.samples
+    logprobs = sample.logprobs[-len(last.token_ids) :]
+    assert logprobs == pytest.approx(model_logprobs[len(last.prompt_ids) - 1 :], abs=1e-3)

@@ -94,20 +94,19 @@ def test_the_table_routes_named_sources_then_the_catch_all():
             {"env": CALC},
         )
     )
-    assert [(i, cls) for i, _, cls in map(table.spec_for, ["max", "arith", "guess"])] == [
-        (0, RetryEnv),
-        (0, RetryEnv),
-        (1, GuessNumberEnv),
-    ]
-    index, spec, cls = table.spec_for("gsm8k")
-    assert (index, spec.env, cls) == (2, CALC, CalculatorEnv)
+    assert [table.route(s) for s in ["max", "arith", "guess", "gsm8k"]] == [
+        ("env", 0), ("env", 0), ("env", 1), ("env", 2),
+    ]  # fmt: skip
+    assert [(spec.env, cls) for spec, cls in table.entries] == [
+        (RETRY, RetryEnv), (GUESS, GuessNumberEnv), (CALC, CalculatorEnv),
+    ]  # fmt: skip
 
 
 def test_without_a_catch_all_other_sources_stay_single_turn():
     table = EnvironmentTable(multiturn({"env": GUESS, "data_sources": ["guess"]}))
-    assert table.spec_for("guess")[0] == 0
-    assert table.spec_for("max") is None
-    assert EnvironmentTable(MultiTurnConfig()).spec_for("max") is None
+    assert table.route("guess") == ("env", 0)
+    assert table.route("max") is None
+    assert EnvironmentTable(MultiTurnConfig()).route("max") is None
 
 
 def test_the_table_fails_at_construction_on_a_class_it_cannot_load():

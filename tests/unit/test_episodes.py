@@ -13,8 +13,9 @@ import msgspec
 import numpy as np
 import pytest
 
+from generators.env_instances import Environments
 from generators.env_threads import EnvThreads
-from generators.episodes import EpisodeRunner
+from generators.episodes import EnvironmentEpisodes
 from generators.interface import Sample, Sampling
 from generators.render import Renderer
 from generators.trajectory import pack
@@ -114,16 +115,22 @@ GROUP = P.PromptGroup(
 TURN = Sampling(max_tokens=4, temperature=1.0)
 
 
-def runner_for(turns, tok=None, args=None, templated=False, **mt):
+def episodes_of(engine, tok, cfg, cls, templated=False) -> EnvironmentEpisodes:
+    """The rollout kind of ``cfg``'s one environment entry, run as ``cls``."""
+    envs = Environments(Renderer(tok, templated, {EOS}), cfg, cfg.env_threads or 128)
+    return EnvironmentEpisodes(engine, tok, cfg, envs, cfg.environments[0], cls)
+
+
+def runner_for(turns, cls=Retry, tok=None, args=None, templated=False, **mt):
     tok = tok or WordTokenizer()
     engine = ScriptEngine(tok, turns)
     cfg = MultiTurnConfig(environments=[EnvironmentConfig(env="x:Y", args=args or {})], **mt)
-    return tok, engine, EpisodeRunner(engine, Renderer(tok, templated, {EOS}), tok, cfg)
+    return tok, engine, episodes_of(engine, tok, cfg, cls, templated)
 
 
 def run(turns, cls=Retry, n=1, how=TURN, group=GROUP, **mt):
-    tok, engine, runner = runner_for(turns, **mt)
-    episodes = asyncio.run(runner.run_group(runner.mt.environments[0], cls, group, n, how))
+    tok, engine, runner = runner_for(turns, cls, **mt)
+    episodes = asyncio.run(runner.run_group(group, n, how))
     return tok, engine, episodes
 
 
@@ -549,17 +556,16 @@ def test_a_coroutine_that_blocks_stalls_only_its_own_environment():
     instance's coroutine blocks its thread; it is released only once they are done."""
     started, release = threading.Event(), threading.Event()
     _, _, runner = runner_for(
-        ["3"] * 8, args={"started": started, "release": release}, step_timeout_s=20,
-        max_turns=2,
+        ["3"] * 8, AsyncBlocks, args={"started": started, "release": release},
+        step_timeout_s=20, max_turns=2,
     )  # fmt: skip
-    spec = runner.mt.environments[0]
     blocking = msgspec.structs.replace(GROUP, prompt="block")
 
     async def main():
-        blocked = asyncio.create_task(runner.run_group(spec, AsyncBlocks, blocking, 1, TURN))
+        blocked = asyncio.create_task(runner.run_group(blocking, 1, TURN))
         try:
             assert await asyncio.to_thread(started.wait, 30)
-            others = await runner.run_group(spec, AsyncBlocks, GROUP, 2, TURN)
+            others = await runner.run_group(GROUP, 2, TURN)
         finally:
             release.set()
         return others, await blocked
@@ -653,11 +659,11 @@ def test_close_is_called_exactly_once_per_instance(scenario):
     cfg = MultiTurnConfig(environments=[EnvironmentConfig(env="x:Y", args={"log": log})])
     fail_at = {"engine_fails": 3, "cancelled": None}.get(scenario, 99)
     engine = FailingEngine(tok, ["3"] * 12, fail_at)
-    runner = EpisodeRunner(engine, Renderer(tok, False, {EOS}), tok, cfg)
     cls = RecorderBadReset if scenario == "reset_fails" else Recorder
+    runner = episodes_of(engine, tok, cfg, cls)
 
     async def main():
-        task = asyncio.create_task(runner.run_group(cfg.environments[0], cls, GROUP, 3, TURN))
+        task = asyncio.create_task(runner.run_group(GROUP, 3, TURN))
         if scenario == "cancelled":
             while sum(what == "step" for _, what, _ in log) < 3:
                 await asyncio.sleep(0.01)

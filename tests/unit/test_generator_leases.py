@@ -247,6 +247,9 @@ class Scorer:
 
 
 class Tokenizer:
+    eos_token_id = 2
+    name_or_path = ""  # no model directory: the engine stops at eos_token_id alone
+
     def decode(self, ids, skip_special_tokens=False) -> str:
         return "x"
 

@@ -11,14 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from generators.episodes import EpisodeRunner
+from generators.env_instances import Environments
+from generators.episodes import EnvironmentEpisodes
 from generators.interface import Sample, Sampling
 from generators.render import Renderer
+from generators.tool_calls import ToolBox
 from verl_async import protocol as P
 from verl_async.envs import EnvironmentTable
 from verl_async.launch.tiny_model import build_tokenizer
 from verl_async.schema import EnvironmentConfig, MultiTurnConfig, ToolConfig
 from verl_async.tasks.max_digit import VOCAB
+from verl_async.tools.chat_templates import tool_template
 
 
 def call(name: str, **arguments) -> str:
@@ -40,8 +43,15 @@ CALLS = {
     "py": call("python", code="print(6*7)"),
     "py_loop": call("python", code="while(1):pass"),
     "malformed": '<tool_call>{"name":"add",</tool_call>',
+    "exits": call("exits", code=2),
+    "aexits": call("aexits", code=2),
+    "interrupts": call("interrupts"),
+    "spawns": call("spawns"),
+    "echo": call("echo", text="7"),
+    "deep": call("deep"),
 }
 NAMES = ["add", "nope", "fails", "slow", "shout", "look", "put", "meet", "python"]
+NAMES += ["exits", "aexits", "interrupts", "spawns", "echo", "deep"]
 WORDS = [*VOCAB, "tools", "<tool_response>", "</tool_response>", *NAMES, *CALLS.values()]
 
 
@@ -88,18 +98,30 @@ def run(tok, turns, tools=(), methods_as_tools=False, env="tests.unit.test_tool_
     spec = EnvironmentConfig(
         env=env,
         tools=[
-            t if isinstance(t, ToolConfig) else ToolConfig(function=f"tests.unit.tool_fns:{t}")
-            for t in tools
+            t if isinstance(t, ToolConfig) else ToolConfig(function=_tool_spec(t)) for t in tools
         ],
         methods_as_tools=methods_as_tools,
     )
     cfg = MultiTurnConfig(environments=[spec], tool_template="tiny_tools", **mt)
     table = EnvironmentTable(cfg)
     engine = Script(tok, turns)
-    runner = EpisodeRunner(engine, Renderer(tok, False, {tok.eos_token_id}), tok, cfg, 8, table)
-    _, spec, cls = table.spec_for("d")
+    renderer = Renderer(tok, False, {tok.eos_token_id})
+    [(spec, cls)], [(fns, methods)] = table.entries, table.tools
+    box = None
+    if fns or methods:
+        box = ToolBox(fns, methods, cfg, tok, renderer, tool_template("tiny_tools"))
+    envs = Environments(renderer, cfg, 16)
+    runner = EnvironmentEpisodes(engine, tok, cfg, envs, spec, cls, box)
     how = Sampling(max_tokens=4, temperature=1.0)
-    return engine, asyncio.run(runner.run_group(spec, cls, GROUP, n, how))
+    return engine, asyncio.run(runner.run_group(GROUP, n, how))
+
+
+def _tool_spec(name: str) -> str:
+    module = "hostile_tools" if name in HOSTILE else "tool_fns"
+    return f"tests.unit.{module}:{name}"
+
+
+HOSTILE = {"exits", "aexits", "interrupts", "spawns", "echo", "deep"}
 
 
 def words(tok, ids):
@@ -220,7 +242,7 @@ def test_daemon_pool_runs_calls_within_its_bound_and_a_hung_call_cannot_hold_exi
     import subprocess
     import threading as th
 
-    from generators.tool_calls import DaemonPool
+    from generators.user_code import DaemonPool
 
     pool = DaemonPool(2, "t")
     gate = th.Event()
@@ -237,7 +259,7 @@ def test_daemon_pool_runs_calls_within_its_bound_and_a_hung_call_cannot_hold_exi
     # thread would be joined at exit, forever).
     script = (
         "import threading, time\n"
-        "from generators.tool_calls import DaemonPool\n"
+        "from generators.user_code import DaemonPool\n"
         "DaemonPool(1, 'x').submit(threading.Event().wait)\n"
         "time.sleep(0.2)\n"
         "print('exiting')\n"
@@ -247,3 +269,21 @@ def test_daemon_pool_runs_calls_within_its_bound_and_a_hung_call_cannot_hold_exi
         cwd=Path(__file__).resolve().parents[2],
     )  # fmt: skip
     assert res.returncode == 0 and res.stdout.strip() == "exiting", res.stderr[-2000:]
+
+
+def test_a_tool_that_raises_systemexit_or_keyboardinterrupt_costs_only_its_call(tok):
+    """A wrapped CLI's SystemExit (plain and async), an async KeyboardInterrupt, a task a
+    tool started that raises SystemExit on the tools' loop, and a result nested too deep
+    for JSON: each is the error message of its call, counted; the episode goes on, and an
+    async call after them is answered (the tools' loop survived every one)."""
+    turns = [CALLS[k] for k in ("exits", "aexits", "interrupts", "spawns", "deep", "echo")]
+    _, [ep] = run(tok, [*turns, "7"], tools=sorted(HOSTILE), max_turns=7, step_timeout_s=5)
+    contents = [o[0]["content"] for o in ep.observations]
+    assert contents[0].startswith("error: SystemExit: 2"), contents
+    assert contents[1].startswith("error: SystemExit: 2"), contents
+    assert contents[2].startswith("error: KeyboardInterrupt"), contents
+    assert contents[3] == "spawned"
+    assert contents[4].startswith("error: RecursionError"), contents
+    assert contents[5] == "7"  # the async tool after all of them still runs
+    assert (ep.stats.tool_calls, ep.stats.tool_errors, ep.stats.tool_timeouts) == (6, 4, 0)
+    assert ep.stats.turns == 7 and ep.text == "7"

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from generators.interface import Sample
-from generators.trajectory import Trajectory, pack, single_turn
+from generators.trajectory import Trajectory, pack
 from verl_async import protocol as P
 
 PROMPT = [5, 6, 7]
@@ -13,6 +13,10 @@ PROMPT = [5, 6, 7]
 
 def _stats(turns: int) -> P.EpisodeStats:
     return P.EpisodeStats(turns, 0, 0, 0, 0.0, 0, "", 0, False, 0.0)
+
+
+def single_turn(prompt, sample, text) -> Trajectory:
+    return Trajectory(list(prompt)).add_turn(sample, text)
 
 
 def test_a_single_turn_sample_is_the_one_turn_trajectory():
@@ -25,7 +29,8 @@ def test_a_single_turn_sample_is_the_one_turn_trajectory():
 def test_turns_and_observations_line_up_and_rewards_sit_at_a_turn_s_last_token():
     t = Trajectory(list(PROMPT)).add_turn(Sample([1, 2], [-1.0, -2.0], [0, 1]), "x")
     t.add_reward(0.5)
-    t.add_observation([{"role": "tool", "content": "r"}], [9, 9, 9])
+    t.add_between([9, 9, 9])
+    t.observe([{"role": "tool", "content": "r"}])
     t.add_turn(Sample([4], [-3.0], [2]), "y")
     t.add_reward(1.0)
     assert t.token_ids == [1, 2, 9, 9, 9, 4]
@@ -46,10 +51,11 @@ def test_a_single_turn_group_packs_without_a_mask_and_an_episode_group_with_one(
     # An episode may start from its environment's prompt, not the buffer's.
     own = [1, 1]
     e = Trajectory(own).add_turn(Sample([4], [-0.2], [0]), "c")
-    e.add_observation([{"role": "user", "content": "o"}], [8])
+    e.add_between([8])
+    e.add_turn(Sample([5], [-0.3], [0]), "d")
     e.finish(_stats(1), [])
     packed = pack(PROMPT, [e, e])
-    assert packed.prompt_ids == own and packed.loss_mask.tolist() == [1, 0, 1, 0]
+    assert packed.prompt_ids == own and packed.loss_mask.tolist() == [1, 0, 1, 1, 0, 1]
     assert packed.loss_mask.dtype == np.uint8 and packed.turn_rewards.dtype == np.float32
     assert packed.episodes == [_stats(1)] * 2
     with pytest.raises(ValueError, match="mixes"):

@@ -250,24 +250,11 @@ class EnvironmentTable:
             if tools or methods:
                 yield spec, tools, methods
 
-    def _route(self, data_source: str) -> tuple[str, int] | None:
+    def route(self, data_source: str) -> tuple[str, int] | None:
+        """Which entry runs ``data_source``'s prompts: ("env", i) for
+        ``multiturn.environments[i]``, ("agent", i) for ``multiturn.agents[i]``; the entry
+        that names the source, else the catch-all, else None (single-turn)."""
         return self._by_source.get(data_source, self._catch_all)
-
-    def spec_for(self, data_source: str) -> tuple[int, EnvironmentConfig, type] | None:
-        """(index, config entry, class) of the environment for ``data_source``: the one
-        that names it, else the catch-all, else None (an agent's, or single-turn)."""
-        route = self._route(data_source)
-        if route is None or route[0] != "env":
-            return None
-        spec, cls = self.entries[route[1]]
-        return route[1], spec, cls
-
-    def agent_for(self, data_source: str) -> tuple[AgentConfig, Any] | None:
-        """(config entry, function) of the agent that runs ``data_source``'s prompts."""
-        route = self._route(data_source)
-        if route is None or route[0] != "agent":
-            return None
-        return self.agents[route[1]]
 
 
 def _load_tools(spec: EnvironmentConfig, cls: type, key: str) -> tuple[list, list]:
