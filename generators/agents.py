@@ -152,13 +152,13 @@ class AgentRunner:
             await client.close()
 
     def _log(self, spec: AgentConfig, what: str) -> None:
-        """The first faults of each kind per window; later ones are only counted."""
+        """Once per agent and kind of fault; later ones are only counted."""
         kind = f"{spec.agent}: {what.split(':')[0]}"
         self.faults.log(
             kind,
-            "agent %s %s; its episode ends without it (faults are counted: "
-            "multiturn/tool_errors, multiturn/tool_timeouts)",
-            spec.agent, what,
+            "agent %s %s; its episode ends without it (later faults of this kind are only "
+            "counted: multiturn/tool_errors, multiturn/tool_timeouts)",
+            spec.agent, what, once=kind,
         )  # fmt: skip
 
 
