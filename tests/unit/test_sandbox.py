@@ -2,11 +2,17 @@
 limits (CPU 1-2 s, wall 1-5 s), each fault reported and nothing left behind.
 
 As root the programs run as uid 65534, which cannot execute a Python installed under
-/root: the ``interpreter`` fixture then falls back to /usr/bin/python3."""
+/root: the ``interpreter`` fixture then falls back to /usr/bin/python3. The tests of what
+a run leaves behind run under each plan this host allows and the weaker ones forced
+(``plan_changes``): as probed, without a pids cgroup, and without namespaces either (the
+subreaper's sweep), and once as a user other than root (a subprocess as uid 65534). The
+program's processes are found by a marker in their command line or name, never by pid
+(inside a PID namespace a pid means nothing on the host)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import json
 import os
@@ -15,8 +21,10 @@ import shutil
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -40,6 +48,12 @@ from verl_async.tools.sandbox import (
 ROOT = os.geteuid() == 0
 RUN_UID = SANDBOX_UID if ROOT else os.getuid()
 SMALL = dict(cpu_s=2, wall_s=5.0, memory_mb=256, file_mb=8, processes=8, output_bytes=4096)
+REPO = Path(__file__).resolve().parents[2]
+PLANS = {
+    "as probed": {},
+    "no cgroup": {"cgroup_parent": None, "cgroup_version": 0},
+    "no cgroup, no namespaces": {"cgroup_parent": None, "cgroup_version": 0, "namespaces": False},
+}
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +77,32 @@ def shared():
     shutil.rmtree(path)
 
 
-def make(interpreter: str, max_concurrent: int = 1, **limits) -> Sandbox:
-    return Sandbox(SandboxLimits(**{**SMALL, **limits}), max_concurrent, python=interpreter)
+@pytest.fixture(params=list(PLANS))
+def plan_changes(request) -> dict:
+    """The plan as probed, then with what it may have taken away (a host without a
+    writable pids cgroup, a container without CAP_SYS_ADMIN)."""
+    return PLANS[request.param]
+
+
+@pytest.fixture
+def marker():
+    """A name for the program's processes (in their command line, or as their name, at
+    most 15 bytes) and files; at the end anything still alive with it is killed and its
+    files in /tmp and /dev/shm are removed, so that a failing test leaves nothing."""
+    name = f"vs{uuid.uuid4().hex[:12]}"
+    yield name
+    for pid in alive_with(name):
+        os.kill(pid, 9)
+    for path in (Path("/tmp", f"{name}.tmp"), Path("/dev/shm", f"{name}.shm")):
+        path.unlink(missing_ok=True)
+
+
+def make(
+    interpreter: str, max_concurrent: int = 1, plan_changes: dict | None = None, **limits
+) -> Sandbox:
+    sandbox = Sandbox(SandboxLimits(**{**SMALL, **limits}), max_concurrent, python=interpreter)
+    sandbox.plan = dataclasses.replace(sandbox.plan, **(plan_changes or {}))
+    return sandbox
 
 
 def run(interpreter: str, code: str, **limits) -> SandboxResult:
@@ -75,14 +113,25 @@ def run(interpreter: str, code: str, **limits) -> SandboxResult:
         sandbox.close()
 
 
-def running(pid: int) -> bool:
-    """A live process (not a zombie) with this pid that belongs to the sandbox's user."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        uid = Path(f"/proc/{pid}").stat().st_uid
-    except FileNotFoundError:
-        return False
-    return stat.rpartition(")")[2].split()[0] != "Z" and uid == RUN_UID
+def alive_with(marker: str) -> list[int]:
+    """Live processes (not zombies) whose command line or name holds ``marker``."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                cmdline = Path(f"/proc/{entry.name}/cmdline").read_bytes()
+                stat = Path(f"/proc/{entry.name}/stat").read_text()
+            except OSError:  # gone meanwhile
+                continue
+            name, _, rest = stat.partition("(")[2].rpartition(")")
+            held = marker in name or marker.encode() in cmdline
+            if held and rest.split()[0] not in ("Z", "X"):
+                found.append(int(entry.name))
+    return found
+
+
+NAME_ITSELF = "import ctypes\nctypes.CDLL(None).prctl(15, {marker!r}.encode(), 0, 0, 0)\n"
+"""The program's first lines: PR_SET_NAME, inherited by every process it forks."""
 
 
 # --- limits and set-up ------------------------------------------------------------------
@@ -122,11 +171,17 @@ def test_cgroup_candidates_from_proc_files():
 def test_an_interpreter_that_cannot_start_fails_at_construction(shared):
     with pytest.raises(SandboxError, match="no Python interpreter at '/nonexistent/python'"):
         Sandbox(python="/nonexistent/python")
-    fake = shared / "python"
+    with pytest.raises(SandboxError, match="the sandbox cannot run /bin/false: exit 1"):
+        Sandbox(python="/bin/false")
+    fake = shared / "python"  # under /tmp, which a program with namespaces does not see
     fake.write_text("#!/bin/sh\nexit 3\n")
     fake.chmod(0o755)
-    with pytest.raises(SandboxError, match=f"the sandbox cannot run {fake}: exit 3"):
-        Sandbox(python=str(fake))
+    if HostPlan.probe(network=False).namespaces:
+        with pytest.raises(SandboxError, match="No such file.*/tmp, /var/tmp and /dev/shm"):
+            Sandbox(python=str(fake))
+    else:
+        with pytest.raises(SandboxError, match=f"the sandbox cannot run {fake}: exit 3"):
+            Sandbox(python=str(fake))
 
 
 def test_misuse_raises(interpreter):
@@ -156,6 +211,8 @@ print(status["NoNewPrivs"], status["CapEff"])
     assert (result.stderr, result.exit_code, result.signal, result.error) == ("", 0, None, None)
     assert not result.timed_out and not result.truncated
     assert result.network_isolated == ROOT
+    assert result.namespaces == HostPlan.probe(network=False).namespaces
+    assert result.left_behind == 0
 
 
 def test_an_exception_is_the_programs_output_not_a_fault(interpreter):
@@ -170,6 +227,31 @@ def test_the_working_directory_is_removed(interpreter):
     workdir = Path(result.stdout.strip())
     assert result.ok and workdir.name.startswith("verl-async-sandbox-")
     assert not workdir.exists()
+
+
+def test_with_namespaces_it_sees_only_its_processes_and_a_private_bounded_tmp(interpreter, marker):
+    sandbox = make(interpreter, tmp_mb=4)
+    if not sandbox.plan.namespaces:
+        sandbox.close()
+        pytest.skip("PID and mount namespaces need root with CAP_SYS_ADMIN")
+    code = f"""
+import errno, os
+print(os.getpid(), sorted(int(p) for p in os.listdir("/proc") if p.isdigit()))
+print(os.listdir("/tmp") == [os.path.basename(os.getcwd())])
+print(os.path.samefile("/tmp", "/dev/shm"), os.path.samefile("/tmp", "/var/tmp"))
+try:
+    with open("/dev/shm/{marker}.shm", "wb") as f:
+        for _ in range(6):
+            f.write(bytes(2**20))
+except OSError as exc:
+    print(errno.errorcode[exc.errno])
+"""
+    result = asyncio.run(sandbox.run(code))
+    sandbox.close()
+    assert result.namespaces and result.exit_code == 0, result
+    # PID 2 under its init, /proc of its own; 4 MB (tmp_mb) for all of /tmp, /dev/shm
+    assert result.stdout == "2 [1, 2]\nTrue\nTrue True\nENOSPC\n"
+    assert not Path("/dev/shm", f"{marker}.shm").exists()
 
 
 # --- limits hit -------------------------------------------------------------------------
@@ -190,30 +272,34 @@ def test_a_sleeping_program_is_stopped_by_the_wall_clock(interpreter):
     assert 1.0 <= result.seconds < 5.0
 
 
-def test_a_fork_bomb_is_contained_and_leaves_nothing(interpreter, shared):
-    pids = shared / "pids"
-    code = f"""
+def test_a_fork_bomb_is_contained_and_leaves_nothing(interpreter, plan_changes, marker):
+    """Every process of it leaves the process group (``setsid``): only the cgroup, the PID
+    namespace or the sweep can end them. Each prints its pid (of its namespace, if any)."""
+    code = (
+        NAME_ITSELF.format(marker=marker)
+        + """
 import os, time
-def note():
-    with open({str(pids)!r}, "a") as f:
-        f.write(f"{{os.getpid()}}\\n")
-note()
+print(os.getpid(), flush=True)
 while True:
     try:
         if os.fork() == 0:
-            note()
+            os.setsid()
+            print(os.getpid(), flush=True)
     except OSError:
         time.sleep(0.01)
 """
-    result = run(interpreter, code, wall_s=2.0)
+    )
+    sandbox = make(interpreter, plan_changes=plan_changes, wall_s=2.0)
+    result = asyncio.run(sandbox.run(code))
+    sandbox.close()
     assert result.timed_out and "timed out after 2 s" in result.error
-    started = [int(p) for p in pids.read_text().split()]
+    started = result.stdout.split()
     assert len(started) >= 2  # it did fork
     if ROOT:  # uid 65534 has no processes but these here: RLIMIT_NPROC is exact too
-        assert len(started) <= SMALL["processes"]
-    if HostPlan.probe(network=False).cgroup_parent is not None:  # pids.events counts refusals
+        assert len(set(started)) <= SMALL["processes"]
+    if sandbox.plan.cgroup_parent is not None:  # pids.events counts refusals
         assert "process limit (8) reached" in result.error
-    assert not [pid for pid in started if running(pid)]
+    assert alive_with(marker) == []  # at once: the run returns only once all are dead
     assert subprocess.run(["true"], timeout=10).returncode == 0
     assert run(interpreter, "print('still fine')").stdout == "still fine\n"
 
@@ -301,7 +387,7 @@ def test_no_network_as_root(interpreter, free_port):
 
 WAIT_FOR_GO = """
 import os, time
-me = str(os.getpid())
+me = os.path.basename(os.getcwd())  # unique per run (a pid is not: 2 in every namespace)
 open(os.path.join({shared!r}, "start-" + me), "w").close()
 while not os.path.exists(os.path.join({shared!r}, "go-" + me)):
     time.sleep(0.005)
@@ -316,7 +402,9 @@ def test_the_pool_runs_at_most_max_concurrent(interpreter, shared):
     pass it."""
 
     async def drive() -> tuple[int, list[SandboxResult]]:
-        sandbox = make(interpreter, max_concurrent=2, wall_s=30.0)
+        # The files it shares with the programs are in /tmp: no namespaces (private /tmp).
+        no_namespaces = {"namespaces": False}
+        sandbox = make(interpreter, 2, plan_changes=no_namespaces, wall_s=30.0)
         code = WAIT_FOR_GO.format(shared=str(shared))
         runs = [asyncio.create_task(sandbox.run(code)) for _ in range(4)]
         await asyncio.sleep(0)
@@ -346,51 +434,102 @@ def test_the_pool_runs_at_most_max_concurrent(interpreter, shared):
     )
 
 
-def test_no_process_outlives_its_run(interpreter, shared):
-    """A child left running in the group, and (with a cgroup) one that left the group."""
-    sandbox = make(interpreter)
-    escape = sandbox.plan.cgroup_parent is not None
-    code = f"""
-import os, subprocess
-pids = [subprocess.Popen(["sleep", "60"]).pid]
-if {escape}:
-    r, w = os.pipe()
-    if os.fork() == 0:
-        os.setsid()  # a new session: out of the process group
-        os.write(w, str(os.getpid()).encode())
-        os.execvp("sleep", ["sleep", "60"])
-    pids.append(int(os.read(r, 20)))
-print(" ".join(map(str, pids)))
+ESCAPE = """
+import os, subprocess, sys
+sleeper = [sys.executable, "-c", "import time; time.sleep(60)", {marker!r}]
+subprocess.Popen(sleeper)  # stays in the process group
+r, w = os.pipe()
+if os.fork() == 0:
+    os.setsid()  # a session of its own: out of the process group
+    with open("/tmp/{marker}.tmp", "w") as f:
+        f.write("left behind")
+    with open("/dev/shm/{marker}.shm", "wb") as f:
+        f.write(bytes(2**20))
+    os.write(w, b"ready")
+    os.execv(sys.executable, sleeper)
+os.read(r, 5)
+print(os.path.getsize("/dev/shm/{marker}.shm"))
 """
-    result = asyncio.run(sandbox.run(code))
+"""Two children left running, one of them in a session of its own, with files in /tmp and
+/dev/shm; the main process exits at once."""
+
+
+def check_nothing_left(result: SandboxResult, marker: str, wall_s: float) -> None:
+    assert result.stdout == f"{2**20}\n", result
+    assert result.seconds < wall_s / 2  # at the main process's exit, not at the deadline
+    assert not result.timed_out
+    assert alive_with(marker) == []  # at once: the run returns only once all are dead
+    assert result.left_behind == 2 and result.exit_code == 0
+    assert result.error == "the program left 2 processes running when it exited; they were killed"
+    if result.namespaces:  # /tmp and /dev/shm were its own
+        assert not Path("/tmp", f"{marker}.tmp").exists()
+        assert not Path("/dev/shm", f"{marker}.shm").exists()
+
+
+def test_no_process_outlives_its_run_nor_its_files(interpreter, plan_changes, marker):
+    sandbox = make(interpreter, plan_changes=plan_changes, wall_s=30.0)
+    result = asyncio.run(sandbox.run(ESCAPE.format(marker=marker)))
     sandbox.close()
-    pids = [int(p) for p in result.stdout.split()]
-    assert result.ok and len(pids) == 1 + escape
-    assert result.seconds < SMALL["wall_s"]  # killed at the main process's exit, no wait
-    assert not [pid for pid in pids if running(pid)]
+    check_nothing_left(result, marker, 30.0)
+    assert result.namespaces == sandbox.plan.namespaces
 
 
-def test_a_cancelled_run_kills_its_program(interpreter, shared):
-    pid_file = shared / "pid"
-    code = f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(60)"
+NOT_ROOT = """
+import asyncio, dataclasses, json, sys
+from verl_async.tools.sandbox import Sandbox, SandboxLimits
+sandbox = Sandbox(SandboxLimits(wall_s=30.0, memory_mb=512), python=sys.executable)
+result = asyncio.run(sandbox.run(sys.argv[1]))
+sandbox.close()
+print(json.dumps(dataclasses.asdict(result)))
+"""
 
-    async def drive() -> tuple[int, bool]:
-        sandbox = make(interpreter, wall_s=30.0)
+
+def test_not_root_the_sweep_ends_what_the_program_left(marker):
+    """The whole sandbox as uid 65534: no namespaces, no cgroup, the subreaper's sweep."""
+    if not ROOT or shutil.which("setpriv") is None:
+        pytest.skip("runs the sandbox as another user: needs root and setpriv")
+    as_nobody = ["setpriv", f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_GID}", "--clear-groups"]
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{REPO}:{sysconfig.get_path('purelib')}"}
+    for python in (sys.executable, "/usr/bin/python3"):
+        check = "import shutil, sys, verl_async.tools.sandbox\nassert shutil.which(sys.executable)"
+        command = [*as_nobody, python, "-c", check]
+        if subprocess.run(command, env=env, capture_output=True, timeout=60).returncode == 0:
+            break
+    else:
+        pytest.skip("uid 65534 cannot import this package with any interpreter here")
+    code = ESCAPE.format(marker=marker)
+    done = subprocess.run(
+        [*as_nobody, python, "-c", NOT_ROOT, code],
+        env=env,
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    check_nothing_left(SandboxResult(**result), marker, 30.0)
+    assert not result["namespaces"] and not result["network_isolated"]
+
+
+def test_a_cancelled_run_kills_its_program(interpreter, plan_changes, marker):
+    code = NAME_ITSELF.format(marker=marker) + "import time\ntime.sleep(60)"
+
+    async def drive() -> list[int]:
+        sandbox = make(interpreter, plan_changes=plan_changes, wall_s=30.0)
         task = asyncio.create_task(sandbox.run(code))
         give_up = time.monotonic() + 20
-        while not pid_file.exists() or not pid_file.read_text():
+        while not alive_with(marker):  # it has started and named itself
             assert time.monotonic() < give_up and not task.done()
             await asyncio.sleep(0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        pid = int(pid_file.read_text())
-        alive = running(pid)  # at once: the cancel returns only once the program is dead
+        alive = alive_with(marker)  # at once: the cancel returns only once it is dead
         sandbox.close()
-        return pid, alive
+        return alive
 
-    pid, alive = asyncio.run(drive())
-    assert not alive and not running(pid)
+    assert asyncio.run(drive()) == []
 
 
 # --- the tool -----------------------------------------------------------------------------

@@ -1,19 +1,31 @@
-"""Where the sandbox's programs may be confined on this machine: who runs them, whether
-they get a network namespace, and the pids cgroup each run gets if one is writable.
+"""The sandbox's host side: where its programs may be confined on this machine, and how
+the parent watches and ends one run's child.
 
-``HostPlan.probe`` decides once per ``Sandbox``; ``PidsCgroup`` is one run's cgroup. The
-parent never enters a namespace or a cgroup itself: ``_sandbox_child.py`` does, after
-the fork (``sandbox.py`` has the whole sequence). Also here, what the parent reads from
-/proc about processes: a user's threads (``tasks_of``, for RLIMIT_NPROC) and a process
-group's live members (``live_group_members``, to know a killed run has ended).
+``HostPlan.probe`` decides once per ``Sandbox`` who runs the programs, whether they get a
+network namespace, PID and mount namespaces, and a pids cgroup (``PidsCgroup``, one per
+run) if one is writable. The parent never enters a namespace or a cgroup itself:
+``_sandbox_child.py`` does, after the fork (``sandbox.py`` has the whole sequence).
+
+Also here, what the parent reads from /proc about processes: a user's threads
+(``tasks_of``, for RLIMIT_NPROC), a process group's live members (``live_group_members``,
+to know a killed run has ended), waits for a child's exit that leave it unreaped
+(``has_exited``, ``wait_for_exit``); and one run's child seen from the parent
+(``Child``): its output read under the cap, the deadline and a cancel (``read_output``),
+its end asked for, then backed up by SIGKILL.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
+import select
+import selectors
 import signal
+import subprocess
+import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -24,6 +36,17 @@ log = logging.getLogger("verl_async.tools.sandbox")
 
 SANDBOX_UID = SANDBOX_GID = 65534  # nobody/nogroup: what a root parent runs the program as
 CGROUP_PREFIX = "verl-async-sandbox-"
+CHILD = Path(__file__).with_name("_sandbox_child.py")
+POLL_S = 0.1  # how often a run looks at its deadline and at a cancel
+READ_CHUNK = 65536
+REAP_S = 15.0  # how long the child may take to end the run (its own sweep gives up at 10 s)
+
+
+class SandboxError(RuntimeError):
+    """Our side failed (not the program): the interpreter cannot be run, setup failed."""
+
+
+PROBE_S = 10.0  # how long the namespace probe may take
 
 
 @dataclass(frozen=True)
@@ -37,6 +60,10 @@ class HostPlan:
     cgroup_parent: Path | None
     """Where each run's pids cgroup is made, if anywhere."""
     cgroup_version: int = 0
+    namespaces: bool = False
+    """Run the program in PID and mount namespaces of its own (root with CAP_SYS_ADMIN):
+    its processes all die with it, and /tmp, /var/tmp and /dev/shm are private to it.
+    Without them the child sweeps the program's descendants as their subreaper."""
 
     @classmethod
     def probe(cls, network: bool) -> HostPlan:
@@ -48,6 +75,7 @@ class HostPlan:
             unshare_net=root and not network,
             cgroup_parent=cgroup[0] if cgroup else None,
             cgroup_version=cgroup[1] if cgroup else 0,
+            namespaces=root and _namespaces_work(),
         )
 
     def describe(self) -> str:
@@ -58,7 +86,32 @@ class HostPlan:
             if self.cgroup_parent
             else "no cgroup (RLIMIT_NPROC only)"
         )
-        return f"programs run as {who}, in {net}, with {cg}"
+        ns = (
+            "PID and mount namespaces of their own (private /tmp and /dev/shm)"
+            if self.namespaces
+            else "no PID namespace (their processes swept at the end; /tmp and /dev/shm shared)"
+        )
+        return f"programs run as {who}, in {net}, with {cg}, in {ns}"
+
+
+def _namespaces_work() -> bool:
+    """Whether the child can have its namespaces here: tried once, in a throwaway child."""
+    try:
+        tried = subprocess.run(
+            [sys.executable, "-I", "-S", str(CHILD), "--probe"],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=PROBE_S,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        why = str(exc)
+    else:
+        if tried.returncode == 0:
+            return True
+        why = tried.stderr.strip()[-300:] or f"exit {tried.returncode}"
+    log.warning("sandbox: no PID and mount namespaces for the programs here (%s)", why)
+    return False
 
 
 def pids_cgroup_candidates(mounts: str, membership: str) -> list[tuple[Path, int]]:
@@ -200,3 +253,153 @@ def live_group_members(pgid: int) -> list[int]:
             if int(group) == pgid and state not in ("Z", "X"):
                 members.append(int(entry.name))
     return members
+
+
+def has_exited(pid: int) -> bool:
+    """Whether our child ``pid`` has exited, without reaping it (WNOWAIT)."""
+    flags = os.WEXITED | os.WNOHANG | os.WNOWAIT
+    try:
+        return os.waitid(os.P_PID, pid, flags) is not None
+    except ChildProcessError:  # reaped by someone else (a child watcher that waits on -1)
+        return True
+
+
+def pidfd(pid: int) -> int | None:
+    """A descriptor that becomes readable when ``pid`` exits (Linux 5.3+), or None."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+def wait_for_exit(pid: int, timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for our child ``pid`` to exit, leaving it unreaped;
+    whether it did."""
+    give_up = time.monotonic() + timeout
+    wake = pidfd(pid)
+    try:
+        while not has_exited(pid):
+            left = give_up - time.monotonic()
+            if left <= 0:
+                return False
+            if wake is not None:
+                select.select([wake], [], [], left)
+            else:
+                time.sleep(min(0.005, left))
+        return True
+    finally:
+        if wake is not None:
+            os.close(wake)
+
+
+# --- the parent's side of a run: its output, its end ------------------------------------
+
+
+@dataclass
+class Capture:
+    """What the parent read of the program's output, and why it stopped reading."""
+
+    room: int
+    out: bytearray = dataclasses.field(default_factory=bytearray)
+    err: bytearray = dataclasses.field(default_factory=bytearray)
+    truncated: bool = False
+    timed_out: bool = False
+    cancelled: bool = False
+
+    def keep(self, buffer: bytearray, data: bytes) -> bool:
+        """Append what fits; False once the output passed the cap."""
+        kept = data[: self.room]
+        buffer += kept
+        self.room -= len(kept)
+        self.truncated = len(kept) < len(data)
+        return not self.truncated
+
+
+@dataclass
+class Child:
+    """The started ``_sandbox_child.py``: its process, the read end of its status pipe,
+    the write end of its stop pipe (closing it asks the child to end the run)."""
+
+    proc: subprocess.Popen
+    status: int
+    stop: int | None
+    cgroup: PidsCgroup | None
+
+    def kill(self) -> None:
+        """What the child's own clean-up would miss (the child killed by its program, as
+        the same user can when we are not root): its process group and its cgroup. The
+        child is not reaped yet: its group id is ours."""
+        signal_quietly(os.killpg, self.proc.pid)
+        if self.cgroup is not None and not self.cgroup.kill():
+            raise SandboxError(f"processes of cgroup {self.cgroup.path} survive SIGKILL")
+
+    def end(self) -> None:
+        """End the run if it has not ended: the child kills everything and exits; then
+        ``kill`` as a backstop."""
+        if self.stop is not None:
+            os.close(self.stop)
+            self.stop = None
+        if not wait_for_exit(self.proc.pid, REAP_S):
+            log.warning("the sandbox's child %d did not end its run in time", self.proc.pid)
+        self.kill()
+
+
+def read_output(child: Child, deadline: float, stop: threading.Event, capture: Capture) -> None:
+    """Read the output until the child has exited and both pipes are closed, or until
+    the deadline, ``stop`` or the first byte over the cap (the caller then ends the run).
+
+    The child exits once the program's main process has and everything it left is dead,
+    which closes the pipes; ``kill`` at its exit covers a child that was killed itself."""
+    proc = child.proc
+    assert proc.stdout is not None and proc.stderr is not None
+    buffers = {proc.stdout.fileno(): capture.out, proc.stderr.fileno(): capture.err}
+    exited = False
+    with selectors.DefaultSelector() as selector:
+        for fd in buffers:
+            selector.register(fd, selectors.EVENT_READ)
+        wake = pidfd(proc.pid)  # readable at the child's exit: no wait for POLL_S
+        if wake is not None:
+            selector.register(wake, selectors.EVENT_READ)
+        try:
+            while True:
+                if not exited and has_exited(proc.pid):
+                    exited = True
+                    child.kill()
+                if exited and not any(fd in buffers for fd in selector.get_map()):
+                    return
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or stop.is_set():
+                    capture.cancelled = stop.is_set()
+                    capture.timed_out = not exited and not capture.cancelled
+                    return
+                for key, _ in selector.select(min(POLL_S, remaining)):
+                    if key.fd == wake:
+                        selector.unregister(wake)  # the check at the loop's top sees the exit
+                        continue
+                    data = os.read(key.fd, READ_CHUNK)
+                    if not data:
+                        selector.unregister(key.fd)
+                    elif not capture.keep(buffers[key.fd], data):
+                        return
+        finally:
+            if wake is not None:
+                os.close(wake)
+
+
+def reap(proc: subprocess.Popen) -> int:
+    try:
+        return proc.wait(timeout=REAP_S)
+    except subprocess.TimeoutExpired:
+        raise SandboxError(f"sandboxed process {proc.pid} did not die after SIGKILL") from None
+
+
+def wait_until_dead(pgid: int) -> None:
+    """Return once no process of the group is alive: SIGKILL is delivered asynchronously,
+    and a run ends only when its processes have. (Its group id stays ours while any
+    member exists, so the repeated kill cannot reach another group.)"""
+    give_up = time.monotonic() + REAP_S
+    while live_group_members(pgid):
+        if time.monotonic() > give_up:
+            raise SandboxError(f"processes of group {pgid} survive SIGKILL")
+        signal_quietly(os.killpg, pgid)
+        time.sleep(0.005)

@@ -12,17 +12,23 @@ One run, from the parent's side (``run_code``, blocking, in one of the pool's th
 2. when a pids cgroup is writable (root, cgroup v2 with the pids controller or the v1 pids
    hierarchy) the run gets its own cgroup with ``pids.max = processes``;
 3. ``_sandbox_child.py`` starts in a new session (its own process group), stdin /dev/null,
-   a minimal environment, and confines itself before it execs ``python -I -u main.py``:
-   cgroup, network namespace, rlimits, uid 65534 when we are root, no new privileges
-   (its docstring has the order and why);
+   a minimal environment, a status pipe and a stop pipe. It stays outside the program, as
+   its supervisor: it confines the program's process before that execs
+   ``python -I -u main.py`` (cgroup, network namespace, rlimits, uid 65534 when we are
+   root, no new privileges), and it ends whatever the program started: with PID and mount
+   namespaces (root) the program runs as PID 2 of a namespace whose PID 1 exits with it,
+   which makes the kernel kill the rest, and its /tmp and /dev/shm are a private tmpfs;
+   without them the supervisor is the program's child subreaper and kills every
+   descendant it finds (its docstring has the order and why);
 4. the parent reads stdout and stderr as they come, keeping at most ``output_bytes`` of
-   both together: the first byte over the cap, the wall-clock deadline or a cancel kills
-   the run at once, so a flood never sits in our memory;
-5. when the program's main process exits (or is killed) everything it started is killed:
-   its process group, and its cgroup when it has one (a process that left the group
-   with ``setsid`` is still in the cgroup). The main process is reaped only after these
-   kills, so its pid (the group's id) cannot have been reused by then, and the run
-   returns only once every killed process has exited;
+   both together: the first byte over the cap, the wall-clock deadline or a cancel closes
+   the stop pipe, and the supervisor kills the run at once, so a flood never sits in our
+   memory;
+5. the supervisor exits once every process of the run is dead, which closes the output
+   pipes: the run ends when the program's main process does, whatever it left running
+   (reported as ``left_behind`` and as an error). Its process group and its cgroup are
+   killed after that as a backstop; the supervisor is reaped only after these kills, so
+   its pid (the group's id) cannot have been reused by then;
 6. the result says what happened; a limit that stopped the program is named in
    ``error`` (``SandboxResult.ok`` is False), never raised.
 
@@ -30,11 +36,14 @@ What runs the program depends on what we may do (``HostPlan.probe``); precisely 
 case protects against is in docs/security.md ("The Python sandbox"):
 
 - as root: uid/gid 65534 (``nobody``), a fresh network namespace with only a loopback
-  interface that is down, and a pids cgroup if one is writable; RLIMIT_NPROC as well
-  (it counts every process of uid 65534 on the machine, so it is set to those that exist
-  plus ``processes``: a backstop, the cgroup is the exact per-run bound);
-- not root: the caller's own uid, no network namespace (``network_isolated=False``), and
-  RLIMIT_NPROC alone (set the same way, counting the caller's own processes and threads).
+  interface that is down, PID and mount namespaces where the kernel allows them (it does
+  not in a container without CAP_SYS_ADMIN), and a pids cgroup if one is writable;
+  RLIMIT_NPROC as well (it counts every process of uid 65534 on the machine, so it is set
+  to those that exist plus ``processes``: a backstop, the cgroup is the exact per-run
+  bound);
+- not root: the caller's own uid, no namespace at all (``network_isolated=False``,
+  ``namespaces=False``), and RLIMIT_NPROC alone (set the same way, counting the caller's
+  own processes and threads).
 
 ``Sandbox`` bounds concurrent runs with an asyncio.Semaphore and runs each in a thread of
 its own pool, so nothing blocks the event loop. ``run`` raises only for our side's
@@ -49,7 +58,6 @@ import dataclasses
 import json
 import logging
 import os
-import selectors
 import shutil
 import signal
 import subprocess
@@ -58,7 +66,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,24 +74,20 @@ from pathlib import Path
 from verl_async.config_base import ConfigError
 from verl_async.tools._sandbox_host import (
     CGROUP_PREFIX,
+    CHILD,
     SANDBOX_GID,
+    Capture,
+    Child,
     HostPlan,
     PidsCgroup,
-    live_group_members,
-    signal_quietly,
+    SandboxError,
+    read_output,
+    reap,
     tasks_of,
+    wait_until_dead,
 )
 
 log = logging.getLogger("verl_async.tools.sandbox")
-
-CHILD = Path(__file__).with_name("_sandbox_child.py")
-POLL_S = 0.1  # how often a run looks at its deadline and at a cancel
-READ_CHUNK = 65536
-REAP_S = 10.0  # how long a killed main process may take to die before we give up on it
-
-
-class SandboxError(RuntimeError):
-    """Our side failed (not the program): the interpreter cannot be run, setup failed."""
 
 
 class ToolError(Exception):
@@ -111,6 +115,9 @@ class SandboxLimits:
     """stdout and stderr kept, together; the first byte over it stops the program."""
     network: bool = False
     """False: a fresh network namespace with no usable interface (when running as root)."""
+    tmp_mb: int = 64
+    """Size of the private tmpfs behind /tmp, /var/tmp, /dev/shm and the program's
+    directory, all it may write, when it has a mount namespace (root)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -156,6 +163,10 @@ class SandboxResult:
     """Why the run failed, in words for the model: each limit hit, "; "-separated."""
     network_isolated: bool
     """The program ran in a network namespace of its own (no network at all)."""
+    left_behind: int = 0
+    """Processes still running when the main process exited (each killed; an error)."""
+    namespaces: bool = False
+    """The program ran in PID and mount namespaces of its own: private /tmp, /dev/shm."""
 
     @property
     def ok(self) -> bool:
@@ -164,26 +175,6 @@ class SandboxResult:
 
 
 # --- one run ----------------------------------------------------------------------------
-
-
-@dataclass
-class _Capture:
-    """What the supervisor collected while the program ran."""
-
-    room: int
-    out: bytearray = dataclasses.field(default_factory=bytearray)
-    err: bytearray = dataclasses.field(default_factory=bytearray)
-    truncated: bool = False
-    timed_out: bool = False
-    cancelled: bool = False
-
-    def keep(self, buffer: bytearray, data: bytes) -> bool:
-        """Append what fits; False once the output passed the cap."""
-        kept = data[: self.room]
-        buffer += kept
-        self.room -= len(kept)
-        self.truncated = len(kept) < len(data)
-        return not self.truncated
 
 
 def run_code(
@@ -204,16 +195,15 @@ def run_code(
         if plan.cgroup_parent is not None:
             name = f"{CGROUP_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
             cgroup = PidsCgroup.create(plan.cgroup_parent, name, limits.processes)
-        proc, status = _spawn(workdir, limits, plan, python, cgroup)
-        kill = _killer(proc.pid, cgroup)
-        capture = _Capture(room=limits.output_bytes)
-        with proc, os.fdopen(status, "rb") as status_pipe:
+        child = _spawn(workdir, limits, plan, python, cgroup)
+        capture = Capture(room=limits.output_bytes)
+        with child.proc, os.fdopen(child.status, "rb") as status_pipe:
             try:
-                _supervise(proc, started + limits.wall_s, stop or threading.Event(), capture, kill)
+                read_output(child, started + limits.wall_s, stop or threading.Event(), capture)
             finally:
-                kill()  # what is left; the main process is not reaped yet: its group id is ours
-            returncode = _reap(proc)
-            _wait_until_dead(proc.pid)
+                child.end()
+            returncode = reap(child.proc)
+            wait_until_dead(child.proc.pid)
             report = _read_status(status_pipe, capture)
         refused = cgroup.refused_forks() if cgroup else 0
     finally:
@@ -241,17 +231,22 @@ def _make_workdir(code: str, uid: int | None) -> str:
 
 def _spawn(
     workdir: str, limits: SandboxLimits, plan: HostPlan, python: str, cgroup: PidsCgroup | None
-) -> tuple[subprocess.Popen, int]:
-    """Start ``_sandbox_child.py``; the process and the read end of its status pipe."""
-    # RLIMIT_NPROC counts the user's processes everywhere: those there now, plus the run's.
-    # With a cgroup, twice the run's: pids.max then binds first (exact, and counted).
-    allowance = limits.processes * (2 if cgroup else 1)
+) -> Child:
+    """Start ``_sandbox_child.py``."""
+    # RLIMIT_NPROC counts the user's processes everywhere: those there now, plus the run's
+    # (and the child itself when it runs as that user too). With a cgroup, twice the run's:
+    # pids.max then binds first (exact, and counted).
+    allowance = limits.processes * (2 if cgroup else 1) + (plan.uid is None)
     nproc = tasks_of(plan.uid if plan.uid is not None else os.getuid()) + allowance
-    read_end, write_end = os.pipe()
+    status_read, status_write = os.pipe()
+    stop_read, stop_write = os.pipe()
     spec = {
-        "status_fd": write_end,
+        "status_fd": status_write,
+        "stop_fd": stop_read,
         "cgroup_procs": str(cgroup.procs) if cgroup else None,
         "unshare_net": plan.unshare_net,
+        "namespaces": plan.namespaces,
+        "workdir": workdir,
         "limits": {**dataclasses.asdict(limits), "nproc": nproc},
         "uid": plan.uid,
         "gid": SANDBOX_GID,
@@ -275,109 +270,20 @@ def _spawn(
             cwd=workdir,
             env=env,
             start_new_session=True,  # its own session and process group, led by its pid
-            pass_fds=(write_end,),
+            pass_fds=(status_write, stop_read),
         )
     except BaseException:
-        os.close(read_end)
+        os.close(status_read)
+        os.close(stop_write)
         raise
     finally:
-        os.close(write_end)
-    return proc, read_end
+        os.close(status_write)
+        os.close(stop_read)
+    return Child(proc, status_read, stop_write, cgroup)
 
 
-def _killer(pid: int, cgroup: PidsCgroup | None) -> Callable[[], None]:
-    def kill() -> None:
-        signal_quietly(os.killpg, pid)
-        if cgroup is not None and not cgroup.kill():
-            raise SandboxError(f"processes of cgroup {cgroup.path} survive SIGKILL")
-
-    return kill
-
-
-def _has_exited(pid: int) -> bool:
-    """Whether the main process has exited, without reaping it (WNOWAIT)."""
-    flags = os.WEXITED | os.WNOHANG | os.WNOWAIT
-    try:
-        return os.waitid(os.P_PID, pid, flags) is not None
-    except ChildProcessError:  # reaped by someone else (a child watcher that waits on -1)
-        return True
-
-
-def _supervise(
-    proc: subprocess.Popen,
-    deadline: float,
-    stop: threading.Event,
-    capture: _Capture,
-    kill: Callable[[], None],
-) -> None:
-    """Read the output until the main process has exited and both pipes are closed.
-
-    Kills the run at the deadline, at ``stop`` or at the first byte over the cap, and what
-    the main process left behind as soon as it exits (which also closes the pipes those
-    leftovers held)."""
-    assert proc.stdout is not None and proc.stderr is not None
-    buffers = {proc.stdout.fileno(): capture.out, proc.stderr.fileno(): capture.err}
-    exited = False
-    with selectors.DefaultSelector() as selector:
-        for fd in buffers:
-            selector.register(fd, selectors.EVENT_READ)
-        wake = _pidfd(proc.pid)  # readable at the main process's exit: no wait for POLL_S
-        if wake is not None:
-            selector.register(wake, selectors.EVENT_READ)
-        try:
-            while True:
-                if not exited and _has_exited(proc.pid):
-                    exited = True
-                    kill()
-                if exited and not any(fd in buffers for fd in selector.get_map()):
-                    return
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or stop.is_set():
-                    capture.cancelled = stop.is_set()
-                    capture.timed_out = not exited and not capture.cancelled
-                    return kill()
-                for key, _ in selector.select(min(POLL_S, remaining)):
-                    if key.fd == wake:
-                        selector.unregister(wake)  # the check at the loop's top sees the exit
-                        continue
-                    data = os.read(key.fd, READ_CHUNK)
-                    if not data:
-                        selector.unregister(key.fd)
-                    elif not capture.keep(buffers[key.fd], data):
-                        return kill()
-        finally:
-            if wake is not None:
-                os.close(wake)
-
-
-def _pidfd(pid: int) -> int | None:
-    try:
-        return os.pidfd_open(pid)
-    except (AttributeError, OSError):  # Linux before 5.3: the POLL_S checks suffice
-        return None
-
-
-def _reap(proc: subprocess.Popen) -> int:
-    try:
-        return proc.wait(timeout=REAP_S)
-    except subprocess.TimeoutExpired:
-        raise SandboxError(f"sandboxed process {proc.pid} did not die after SIGKILL") from None
-
-
-def _wait_until_dead(pgid: int) -> None:
-    """Return once no process of the group is alive: SIGKILL is delivered asynchronously,
-    and a run ends only when its processes have. (Its group id stays ours while any
-    member exists, so the repeated kill cannot reach another group.)"""
-    give_up = time.monotonic() + REAP_S
-    while live_group_members(pgid):
-        if time.monotonic() > give_up:
-            raise SandboxError(f"processes of group {pgid} survive SIGKILL")
-        signal_quietly(os.killpg, pgid)
-        time.sleep(0.005)
-
-
-def _read_status(pipe, capture: _Capture) -> dict:
-    """The child's report; raises SandboxError if it could not confine itself."""
+def _read_status(pipe, capture: Capture) -> dict:
+    """The child's reports, merged; raises SandboxError if something of ours failed."""
     lines = [json.loads(line) for line in pipe.read().splitlines() if line.strip()]
     if not lines and (capture.timed_out or capture.cancelled):
         return {}  # we killed it while it was setting up
@@ -386,23 +292,36 @@ def _read_status(pipe, capture: _Capture) -> dict:
         raise SandboxError(f"the sandbox's child exited before confining itself: {tail}")
     failure = next((line["error"] for line in lines if "error" in line), None)
     if failure:
-        raise SandboxError(f"the sandbox could not start the program: {failure}")
-    if lines[0].get("network_error"):
-        log.warning("no network namespace for a sandboxed run: %s", lines[0]["network_error"])
-    return lines[0]
+        raise SandboxError(f"the sandbox could not run the program: {failure}")
+    report = {key: value for line in lines for key, value in line.items()}
+    if report.get("network_error"):
+        log.warning("no network namespace for a sandboxed run: %s", report["network_error"])
+    return report
 
 
 def _result(
-    capture: _Capture,
-    returncode: int,
+    capture: Capture,
+    child_returncode: int,
     report: dict,
     refused_forks: int,
     limits: SandboxLimits,
     seconds: float,
 ) -> SandboxResult:
     stderr = capture.err.decode("utf-8", errors="replace")
+    if "exit" in report:  # the wait status of the program's main process, from who reaped it
+        returncode = os.waitstatus_to_exitcode(report["exit"])
+    elif capture.timed_out or capture.cancelled or capture.truncated:
+        returncode = -signal.SIGKILL  # killed with its namespace's init, which reports nothing
+    else:
+        returncode = child_returncode  # the child itself was killed
     killed_by = signal.Signals(-returncode).name if returncode < 0 else None
+    left = int(report.get("left", 0))
     faults = _faults(capture, returncode, killed_by, stderr, refused_forks, limits)
+    if left:
+        faults.append(
+            f"the program left {left} process{'es' if left > 1 else ''} running when it "
+            f"exited; {'they were' if left > 1 else 'it was'} killed"
+        )
     return SandboxResult(
         stdout=capture.out.decode("utf-8", errors="replace"),
         stderr=stderr,
@@ -413,11 +332,13 @@ def _result(
         seconds=seconds,
         error="; ".join(faults) or None,
         network_isolated=bool(report.get("network_isolated")),
+        left_behind=left,
+        namespaces=bool(report.get("namespaces")),
     )
 
 
 def _faults(
-    capture: _Capture,
+    capture: Capture,
     returncode: int,
     killed_by: str | None,
     stderr: str,
@@ -482,13 +403,17 @@ class Sandbox:
         self._check()
 
     def _check(self) -> None:
-        hint = ""
+        why_not = []
         if self.plan.uid is not None:
-            hint = (
-                f"; as root, programs run as uid {self.plan.uid}, which must be able to execute "
-                "the interpreter and read its libraries: pass Sandbox(python=...) one it can "
-                "(such as /usr/bin/python3)"
-            )
+            why_not.append(f"as root, programs run as uid {self.plan.uid}")
+        if self.plan.namespaces:
+            why_not.append("the host's /tmp, /var/tmp and /dev/shm are not theirs to see")
+        hint = (
+            f"; {' and '.join(why_not)}: the interpreter and its libraries must be readable "
+            "there; pass Sandbox(python=...) one that is (such as /usr/bin/python3)"
+            if why_not
+            else ""
+        )
         try:
             result = run_code("print('ok')", self.limits, self.plan, self.python)
         except SandboxError as exc:
@@ -498,7 +423,7 @@ class Sandbox:
             raise SandboxError(f"the sandbox cannot run {self.python}: {why}{hint}")
         log.info("sandbox: %s", self.plan.describe())
         if not self.limits.network and not result.network_isolated:
-            log.warning("sandbox: programs are NOT cut off from the network (not root)")
+            log.warning("sandbox: programs are NOT cut off from the network (no namespace here)")
 
     async def run(self, code: str) -> SandboxResult:
         """Run ``code`` as a program; a cancel kills it before the slot is freed."""
