@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import time
 from typing import Any
 
@@ -49,10 +50,13 @@ from generators.recorder import EpisodeCounts
 from generators.render import Renderer
 from generators.user_code import DaemonPool, LoopThread, error_text
 from verl_async.config_base import ConfigError
+from verl_async.ratelimit import RateLimitedLog
 from verl_async.schema import MultiTurnConfig
 from verl_async.tools.parsers import ParsedTurn, ToolCall, ToolCallParser
 from verl_async.tools.sandbox import ToolError
 from verl_async.tools.schemas import Tool, ToolCallError, check_arguments, result_text
+
+log = logging.getLogger("verl_async.generator")
 
 _CHARS_PER_TOKEN = 8  # a result is cut to this many characters per token before tokenizing
 _POOL_THREADS = 32  # threads of a box's pool for plain functions
@@ -83,6 +87,7 @@ class ToolBox:
         self._limits: dict[str, asyncio.Semaphore] = {}
         self._pool = DaemonPool(_POOL_THREADS, "tool")
         self._loop: LoopThread | None = None  # for async tools, once needed
+        self._faults = RateLimitedLog(log, what="tool faults")
 
     def parse(self, text: str, turn: int) -> ParsedTurn:
         """Turn ``turn``'s calls (ids ``call_<turn>_<i>``), or its malformed ones."""
@@ -138,18 +143,30 @@ class ToolBox:
                     else:
                         value = await self._call(tool, kwargs)
         except TimeoutError:
+            self._logged(call.name, f"timed out after {timeout_s:.3g} s")
             return f"error: the tool {call.name} timed out after {timeout_s:.3g} s", "timeout"
         except EnvCallError as err:  # an environment's method
             return err.observation(), "timeout" if err.timed_out else "error"
         except ToolError as exc:  # a contained fault whose text is the answer (a sandbox's)
             return self._cut(str(exc))[0], "error"
         except Exception as exc:  # noqa: BLE001 (the tool's fault, whatever it is: Raised too)
+            self._logged(call.name, error_text(exc))
             return error_text(exc), "error"
         try:
             text = result_text(tool, value)
         except Exception as exc:  # noqa: BLE001 (not text nor JSON; nested too deep to write)
+            self._logged(call.name, error_text(exc))
             return error_text(exc), "error"
         return self._cut(text)
+
+    def _logged(self, name: str, what: str) -> None:
+        """Once per tool and kind of fault (its exception's type); later ones are counted."""
+        kind = f"{name}: {what.split(':')[1] if what.startswith('error:') else what}"
+        self._faults.log(
+            kind,
+            "tool %s: %s (later faults of this kind are only counted: multiturn/tool_errors, "
+            "multiturn/tool_timeouts)", name, what, once=kind,
+        )  # fmt: skip
 
     def _limit(self, tool: Tool):
         if not tool.max_concurrent:
