@@ -44,7 +44,7 @@ from generators.endpoint import AgentEpisode, CachedParsers, EndpointServer
 from generators.interface import RolloutEngine, Sampling
 from generators.render import Renderer
 from generators.trajectory import Trajectory
-from generators.user_code import LoopThread, cause
+from generators.user_code import LoopThread, cause, error_text
 from verl_async import protocol as P
 from verl_async.envs import EnvRow
 from verl_async.numerics import finite32
@@ -121,7 +121,7 @@ class AgentRunner:
             if isinstance(cause(exc), TimeoutError):
                 self._log(spec, "passed multiturn.episode_timeout_s")
                 return None, "timeout"
-            self._log(spec, f"raised {type(cause(exc)).__name__}: {str(exc)[:200]}")
+            self._log(spec, f"raised {error_text(exc).removeprefix('error: ')}")
             return None, "error"
         if result is None:
             return None, ""
@@ -153,7 +153,7 @@ class AgentRunner:
 
     def _log(self, spec: AgentConfig, what: str) -> None:
         """Once per agent and kind of fault; later ones are only counted."""
-        kind = f"{spec.agent}: {what.split(':')[0]}"
+        kind = " ".join([spec.agent, *what.split(":")[0].split()[:2]])  # "raised SystemExit"
         self.faults.log(
             kind,
             "agent %s %s; its episode ends without it (later faults of this kind are only "

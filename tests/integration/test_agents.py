@@ -82,7 +82,9 @@ def test_agent_faults_and_rewritten_histories_cost_only_their_own_episodes(tmp_p
     assert max(r["weight_sync_epoch"] for r in metrics) == 0  # the generator never restarted
     assert all(r["staleness_mean"] >= 0 for r in metrics)  # empty samples carry no version
     log = (run_dir / "logs" / "generator0.log").read_text()
-    for says in ("raised RuntimeError: the agent broke", "passed multiturn.episode_timeout_s",
-                 "returned 'very good'"):  # fmt: skip
+    for says in ("raised RuntimeError: the agent broke", "returned 'very good'",
+                 "raised SystemExit: 2", "raised KeyboardInterrupt"):  # fmt: skip
         assert log.count(says) == 1, says  # logged once, then only counted
+    # Timeouts: once per agent that had one (hangs, and any other past 3 s on a slow machine).
+    assert 1 <= log.count("passed multiturn.episode_timeout_s") <= len(HOSTILE)
     assert not processes_mentioning(str(run_dir)), "processes outlived the run"
