@@ -31,6 +31,20 @@ source is not routed to the sample) and its ``weight``, which plays the part of 
 turn rewards summed) is one more column, weighted by ``|multiturn.env_reward_weight|``:
 the turn rewards already carry that weight, and the group normalisation keeps only its
 sign, so the column contributes env_reward_weight times the normalised raw return.
+
+Episodes (grpo, rloo, gdpo): a group's baseline counts episodes, not samples. An agent's
+episode through the chat endpoint may give several samples (``EpisodeStats.episode``; each
+carries the whole episode's reward): its return enters its group's statistics once and
+every one of its samples gets its episode's advantage (``episodes_of``, ``episode_totals``;
+docs/algorithms.md has the formulas). Steps where every episode is one sample compute
+exactly what they always have.
+
+A step whose samples hold no sampled token at all (agent episodes that never reached the
+model, raised or timed out) gets zero advantages from every estimator, and its in-reward
+KL leaves the adaptive coefficient as it was; with fewer than two sampled tokens the
+whitening of gae, reinforce_plus_plus and gdpo is undefined (an unbiased variance of
+0/0), so their advantages are 0 too (nothing to compare with). The update then skips the
+optimizer steps of minibatches without a token (learners/update.py).
 """
 
 from __future__ import annotations
@@ -38,6 +52,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from verl_async.algos.advantages import (
@@ -47,6 +62,7 @@ from verl_async.algos.advantages import (
     reinforce_plus_plus_advantages,
     rloo_advantages,
 )
+from verl_async.algos.episodes import Episodes
 from verl_async.algos.kl import (
     AdaptiveKLController,
     FixedKLController,
@@ -71,18 +87,32 @@ class SourceScores:
     weights: Sequence[float]  # [S] each source's weight (rewards.sources[s].weight)
     env_weight: float = 1.0  # multiturn.env_reward_weight, for the turn rewards' column
 
+    @classmethod
+    def of(cls, cfg, scores: np.ndarray) -> SourceScores:
+        """A step's raw scores [N, S] (``TrainBatch.scores``) with the weights of the run's
+        ``cfg`` (a ``RunConfig``)."""
+        weights = [src.weight for src in cfg.rewards.sources]
+        raw = torch.from_numpy(np.asarray(scores, np.float32))
+        return cls(raw, weights, cfg.multiturn.env_reward_weight)
+
 
 def gdpo_columns(
-    sources: SourceScores, turn_rewards: torch.Tensor | None, mask: torch.Tensor
+    sources: SourceScores,
+    turn_rewards: torch.Tensor | None,
+    mask: torch.Tensor,
+    episodes: Episodes | None = None,
 ) -> tuple[torch.Tensor, list[float]]:
     """The [N, K] columns gdpo normalises and their K weights: the sources' scores, then
-    with turn rewards the environment's return (see the module docstring)."""
+    with turn rewards the environment's return (see the module docstring): with
+    ``episodes``, each sample's episode's, its samples' turn rewards summed."""
     scores = sources.scores.to(mask.device, torch.float32)
     weights = [float(w) for w in sources.weights]
     if turn_rewards is None:
         return scores, weights
     kept = torch.where(mask > 0, turn_rewards, torch.zeros_like(turn_rewards))
     env = kept.sum(dim=1).to(scores.dtype)
+    if episodes is not None:
+        env = episodes.spread(episodes.sum(env))
     return torch.cat([scores, env[:, None]], dim=1), [*weights, abs(sources.env_weight)]
 
 
@@ -108,6 +138,41 @@ def episode_returns(outcome: torch.Tensor, turn_rewards: torch.Tensor | None) ->
     if turn_rewards is None:
         return outcome
     return outcome + turn_rewards.sum(dim=1).to(outcome.device, outcome.dtype)
+
+
+def episodes_of(group_index: torch.Tensor, stats: Sequence) -> Episodes | None:
+    """The step's episodes from ``TrainBatch.episodes`` (each sample's ``EpisodeStats``,
+    None for a single-turn sample; or [] when the step has no multi-turn sample), or None
+    when every episode is one sample: the estimators then read samples as they always
+    have."""
+    index = [-1 if e is None else e.episode for e in stats]
+    if not any(i >= 0 for i in index):
+        return None
+    episodes = Episodes.of(group_index.cpu(), index)
+    return None if episodes.singles else episodes
+
+
+def episode_totals(
+    totals: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, episodes: Episodes
+) -> torch.Tensor:
+    """Each sample's episode's return [N], what grpo and rloo compare within a group.
+
+    ``totals`` [N]: each sample's token rewards summed (its outcome reward at its last
+    sampled token, its turn rewards, less its in-reward KL); ``rewards`` [N]: the outcome
+    rewards (the episode's, on each of its samples). An episode is read as one trajectory:
+    its outcome reward once, plus what every sample's tokens add. An episode of one sample
+    keeps its own total, bit for bit; one without any sampled token has 0, like such a
+    sample alone (its reward has no token to sit on)."""
+    has = (mask > 0).any(dim=1)  # [N]
+    rewards = rewards.to(totals.device, totals.dtype)
+    placed = torch.where(has, rewards, torch.zeros_like(totals))  # what its tokens hold
+    any_token = episodes.sum(has.to(totals.dtype)) > 0  # [E]
+    outcome = torch.where(
+        any_token, episodes.once(rewards), torch.zeros_like(any_token, dtype=totals.dtype)
+    )
+    combined = outcome + episodes.sum(totals - placed)
+    own = episodes.count(totals.device) == 1
+    return episodes.spread(torch.where(own, episodes.once(totals), combined))
 
 
 def has_gaps(mask: torch.Tensor) -> bool:
@@ -149,13 +214,15 @@ def estimate(
     kl_ctrl: FixedKLController | AdaptiveKLController | None = None,
     turn_rewards: torch.Tensor | None = None,
     sources: SourceScores | None = None,
+    episodes: Episodes | None = None,
 ) -> Advantages:
     """Advantages of one batch under ``algo`` (an ``AlgoConfig``); see the module docstring.
 
     ``rewards`` [N] are the outcome rewards (placed on each sample's last sampled token);
     ``turn_rewards`` [N, T-1], when given, are added where ``mask`` is 1. ``values`` is
     needed by gae; ``logp_old``, ``logp_ref`` and ``kl_ctrl`` by ``algo.kl.in_reward``
-    (the controller is updated with this batch's KL); ``sources`` by gdpo.
+    (the controller is updated with this batch's KL); ``sources`` by gdpo; ``episodes``
+    (``episodes_of``) says which samples are one episode, for grpo, rloo and gdpo.
     """
     mask = mask.float()
     kind = algo.adv_estimator
@@ -166,36 +233,56 @@ def estimate(
     tokens = token_level_scores(rewards, mask)
     if turn_rewards is not None:
         tokens = tokens + torch.where(mask > 0, turn_rewards, torch.zeros_like(turn_rewards))
+    sampled = int(mask.sum())  # the step's sampled tokens
     kl_mean = None
     if algo.kl.in_reward:
         tokens, kl_mean = apply_kl_penalty(
             tokens, logp_old, logp_ref, mask, kl_ctrl.value, algo.kl.penalty
         )
         kl_mean = float(kl_mean)
-        kl_ctrl.update(kl_mean, len(rewards))
+        if sampled:  # a step without a sampled token observed no KL
+            kl_ctrl.update(kl_mean, len(rewards))
     returns = None
-    if kind == "gae":
-        if values is None:
-            raise ValueError("adv_estimator 'gae' needs the critic's values")
-        adv, returns = over_sampled_tokens(
-            lambda m, r, v: gae_advantages(r, v, m, algo.gamma, algo.lam, algo.normalize_adv_std),
-            mask, tokens, values,
-        )  # fmt: skip
-    elif kind == "reinforce_plus_plus":
-        adv, returns = over_sampled_tokens(
-            lambda m, r: reinforce_plus_plus_advantages(r, m, algo.gamma, algo.normalize_adv_std),
-            mask, tokens,
-        )  # fmt: skip
+    if kind in ("gae", "reinforce_plus_plus"):
+        adv, returns = _token_level(algo, tokens, mask, values, whiten=sampled >= 2)
     elif kind == "gdpo":
-        columns, weights = gdpo_columns(sources, turn_rewards, mask)
-        adv, _ = gdpo_advantages(columns, group_index, weights, mask)
+        columns, weights = gdpo_columns(sources, turn_rewards, mask, episodes)
+        adv = torch.zeros_like(mask)  # whitening fewer than two tokens: nothing to compare
+        if sampled >= 2:
+            adv, _ = gdpo_advantages(columns, group_index, weights, mask, episodes=episodes)
     else:
         totals = (tokens * mask).sum(dim=1)  # the rewards, less the sample's KL penalty
+        if episodes is not None:
+            totals = episode_totals(totals, rewards, mask, episodes)
         if kind == "grpo":
-            per_sample = grpo_outcome_advantages(totals, group_index, algo.normalize_adv_std)
+            norm = algo.normalize_adv_std
+            per_sample = grpo_outcome_advantages(totals, group_index, norm, episodes=episodes)
         elif kind == "rloo":
-            per_sample = rloo_advantages(totals, group_index)
+            per_sample = rloo_advantages(totals, group_index, episodes)
         else:
             raise ValueError(f"unknown adv_estimator '{kind}'")
         adv = per_sample[:, None].to(mask.dtype)  # broadcast over the sample's tokens
     return Advantages(adv * mask, returns, tokens, kl_mean)
+
+
+def _token_level(
+    algo, tokens: torch.Tensor, mask: torch.Tensor, values: torch.Tensor | None, whiten: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """gae or reinforce_plus_plus over the sampled tokens: (advantages, returns) [N, T-1].
+    ``whiten`` False (fewer than two sampled tokens): a whitening run would be 0/0, so
+    its advantages are 0; the returns stay."""
+    norm = algo.normalize_adv_std and whiten
+    if algo.adv_estimator == "gae":
+        if values is None:
+            raise ValueError("adv_estimator 'gae' needs the critic's values")
+        adv, returns = over_sampled_tokens(
+            lambda m, r, v: gae_advantages(r, v, m, algo.gamma, algo.lam, norm),
+            mask, tokens, values,
+        )  # fmt: skip
+    else:
+        adv, returns = over_sampled_tokens(
+            lambda m, r: reinforce_plus_plus_advantages(r, m, algo.gamma, norm), mask, tokens
+        )
+    if algo.normalize_adv_std and not whiten:
+        adv = torch.zeros_like(adv)
+    return adv, returns

@@ -45,10 +45,11 @@ class CriticStats:
     # policy sure of every answer) cannot swing the way it swings vf_explained_var.
     values_mse: float = 0.0
     returns_var: float = 0.0
-    # Optimizer steps skipped for a value loss or a gradient norm that was not finite
-    # (learners/finite.py).
+    # Optimizer steps skipped for a value loss or a gradient norm that was not finite, or
+    # for a minibatch without a token to learn from (learners/finite.py).
     skipped_nonfinite_loss: int = 0
     skipped_nonfinite_grad: int = 0
+    skipped_empty: int = 0
 
 
 def value_fit(
@@ -120,8 +121,8 @@ def critic_update(
     semantics: 0.5 * max((V - R)^2, (clip(V, V_old +- c) - R)^2), aggregated by
     ``loss_agg_mode``). ``old_values`` and ``returns`` are this batch's rows; ``hooks``
     backpropagate, clip and agree over ranks as for the actor (``policy_update``; its
-    ``reduce`` is not used). A minibatch whose loss or gradient norm is not finite takes
-    no step (``guarded_step``)."""
+    ``reduce`` is not used). A minibatch whose loss or gradient norm is not finite, or
+    without a token to learn from, takes no step (``guarded_step``)."""
     mask = batch.loss_mask
     if plan is None:
         plan = plan_update(mask, batch.attention_mask, [len(mask)], 0, algo.minibatches)
@@ -141,7 +142,8 @@ def critic_update(
             if not rows.placeholder:
                 mb_loss += float(loss.detach())
                 clips.append((float(clipfrac), float(rows_mask.sum())))
-        grad, skip = guarded_step(optimizer, hooks.clip_grad, mb_loss, hooks.any_rank)
+        empty = mb.tokens == 0  # the minibatch's, over every rank
+        grad, skip = guarded_step(optimizer, hooks.clip_grad, mb_loss, hooks.any_rank, empty)
         grads.append(grad)
         skips.append(skip)
         losses.append(mb_loss)
@@ -154,4 +156,5 @@ def critic_update(
         values_mean=float(masked_mean(old_values, mask)),
         skipped_nonfinite_loss=skips.count("nonfinite_loss"),
         skipped_nonfinite_grad=skips.count("nonfinite_grad"),
+        skipped_empty=skips.count("empty"),
     )

@@ -106,7 +106,9 @@ class DataParallel:
         Means over a rank's tokens are averaged weighted by ``weight`` (its response
         tokens); fields in ``sums`` are already each rank's share of a step-wide mean (the
         losses, by the denominators of learners/plan.py), so the step's value is their
-        plain mean; fields named ``*_max`` take the maximum. None fields stay None."""
+        plain mean, as is every field when no rank has a token (a step whose episodes all
+        ended without one: its skip counts are every rank's alike); fields named ``*_max``
+        take the maximum. None fields stay None."""
         if self.world == 1:
             return stats
         import torch.distributed as dist
@@ -116,12 +118,15 @@ class DataParallel:
         is_max = torch.tensor([n.endswith("_max") for n in names])
         is_sum = torch.tensor([n in sums for n in names])
         weights = torch.where(is_sum, 1.0, weight)
-        summed = torch.cat([torch.where(is_max, 0.0, values * weights), weights])
+        summed = torch.cat([torch.where(is_max, 0.0, values * weights), weights, values])
         dist.all_reduce(summed)
         peak = torch.where(is_max, values, torch.full_like(values, -float("inf")))
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         n = len(names)
-        means = summed[:n] / summed[n:].clamp(min=1e-12)
+        total = summed[n : 2 * n]
+        means = torch.where(
+            total > 0, summed[:n] / total.clamp(min=1e-12), summed[2 * n :] / self.world
+        )
         for name, value in zip(names, torch.where(is_max, peak, means).tolist(), strict=True):
             setattr(stats, name, value)
         return stats
@@ -142,7 +147,9 @@ class DataParallel:
     def mean_metrics(self, metrics: dict[str, float], weight: float, keys: Sequence[str]) -> dict:
         """Named metrics combined over ranks (a collective): every rank passes the same
         ``keys``, a rank without some (no tokens) passes ``weight`` 0. Means are weighted
-        by ``weight``; keys ending in ``_max`` / ``_min`` take the largest / smallest."""
+        by ``weight`` (plain means of the ranks that have the key when all weigh 0); keys
+        ending in ``_max`` / ``_min`` take the largest / smallest; a key no rank has is
+        left out, as with one rank."""
         if self.world == 1:
             return {k: metrics[k] for k in keys if k in metrics}
         import torch.distributed as dist
@@ -153,15 +160,19 @@ class DataParallel:
         w = torch.where(have, float(weight), 0.0)
         hi = torch.where(have, values, -float("inf"))
         lo = torch.where(have, -values, -float("inf"))
-        packed = torch.cat([values * w, w]).to(device)
+        had = have.to(values.dtype)
+        packed = torch.cat([values * w, w, values * had, had]).to(device)
         extremes = torch.stack([hi, lo]).to(device)
         dist.all_reduce(packed)
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
         n = len(keys)
-        mean = (packed[:n] / packed[n:].clamp(min=1e-12)).cpu()
+        weighted, total, plain, ranks = packed.cpu().split(n)
+        mean = torch.where(total > 0, weighted / total.clamp(min=1e-12), plain / ranks.clamp(min=1))
         hi, lo = extremes[0].cpu(), -extremes[1].cpu()
         out = {}
         for i, k in enumerate(keys):
+            if ranks[i] == 0:
+                continue
             pick = hi[i] if k.endswith("_max") else lo[i] if k.endswith("_min") else mean[i]
             out[k] = float(pick)
         return out

@@ -2,6 +2,7 @@
 that never leave.
 
     minibatch:  backward per micro-batch -> guarded_step
+                  no token to learn from         -> skipped: empty
                   loss not finite (on any rank)  -> skipped: nonfinite_loss
                   gradient norm not finite       -> skipped: nonfinite_grad
                   else                           -> optimizer.step
@@ -17,6 +18,11 @@ sample) and into the checkpoints a resume starts from. With the step guarded, we
 turn non-finite only through a bug; then nothing is published or checkpointed, and the
 learner stops instead of training on (a resume starts from the last checkpoint, which was
 checked when it was written, and is checked again when it is loaded: learners/checkpoints/).
+
+A minibatch without a token to learn from (its episodes all ended without a sampled token,
+or rejection sampling removed every token) has a zero loss and zero gradients, yet an
+AdamW step would still move the weights (weight decay, the moments of earlier steps):
+it takes no step either, counted as ``skipped_steps/empty``.
 """
 
 from __future__ import annotations
@@ -29,7 +35,12 @@ import torch
 
 log = logging.getLogger("verl_async.learner")
 
-SKIPS = ("nonfinite_loss", "nonfinite_grad")  # why an optimizer step was skipped
+# Why an optimizer step was skipped, and how the log says it.
+SKIPS = {
+    "nonfinite_loss": "loss was not finite",
+    "nonfinite_grad": "gradient norm was not finite",
+    "empty": "minibatch held no token to learn from",
+}
 
 
 class NonFiniteWeights(RuntimeError):
@@ -41,10 +52,13 @@ def guarded_step(
     clip_grad: Callable[[], float],
     loss: float,
     any_rank: Callable[[bool], bool] | None = None,
+    empty: bool = False,
 ) -> tuple[float, str | None]:
-    """Clip, then step ``optimizer`` unless this minibatch's ``loss`` (this rank's part of
-    it) or the gradient norm is not finite; the gradients are zeroed either way. Returns
-    (the norm, None when the step was taken, else its kind of skip in ``SKIPS``).
+    """Clip, then step ``optimizer`` unless this minibatch is ``empty`` (no token to learn
+    from on any rank: the caller's count is the whole minibatch's), or its ``loss`` (this
+    rank's part of it) or the gradient norm is not finite; the gradients are zeroed either
+    way. Returns (the norm, 0 when empty; None when the step was taken, else its kind of
+    skip in ``SKIPS``).
 
     Every rank comes to the same verdict: the norm ``clip_grad`` returns is the global one
     (under FSDP2 it is reduced over every rank's DTensor shards, so a NaN on one rank is a
@@ -53,6 +67,9 @@ def guarded_step(
     the gradients are finite (a NaN in a term that carries no gradient), hence both.
     A skipped step leaves the weights and the optimizer state (moments, step count) as
     they were."""
+    if empty:  # every rank alike, so no rank waits in clip_grad's collective alone
+        optimizer.zero_grad(set_to_none=True)
+        return 0.0, "empty"
     norm = float(clip_grad())
     bad_loss = not math.isfinite(loss)
     if any_rank is not None:
@@ -74,19 +91,18 @@ class SkipLog:
         """``actor``: the update's ``StepStats``; ``critic``: its ``CriticStats`` or None."""
         for model, stats in (("actor", actor), ("critic", critic)):
             for kind in SKIPS if stats is not None else ():
-                count = getattr(stats, f"skipped_{kind}")
+                count = getattr(stats, f"skipped_{kind}", 0)
                 if count and (model, kind) not in self.logged:
                     self._log(step, model, kind, count)
 
     def _log(self, step: int, model: str, kind: str, count: float) -> None:
         self.logged.add((model, kind))
-        what = "loss" if kind == "nonfinite_loss" else "gradient norm"
         metric = f"{'critic/' if model == 'critic' else ''}skipped_steps/{kind}"
         log.warning(
-            "step %d: the %s skipped %d optimizer step(s) whose %s was not finite (their "
+            "step %d: the %s skipped %d optimizer step(s) whose %s (their "
             "gradients were dropped; weights and optimizer state stay as they were). Later "
             "skips of this kind are only counted (%s)",
-            step, model, round(count), what, metric,
+            step, model, round(count), SKIPS[kind], metric,
         )  # fmt: skip
 
 

@@ -29,13 +29,20 @@ def step_row(
 ) -> dict:
     """One metrics.jsonl line. Staleness is measured against the version trained at (= step).
 
+    A sample's staleness is the step minus the oldest version among its sampled tokens, so
+    only samples with at least one sampled token have one: a sample without (an agent
+    episode that never reached the model, raised or timed out) enters neither
+    ``staleness_mean``, ``staleness_max``, ``staleness_hist`` nor
+    ``inflight_update_samples`` (all 0 / empty counts when no sample has a token).
     ``staleness_hist[k]`` counts the samples of staleness k, for k = 0 .. max(eta, max seen);
     ``inflight_update_samples`` counts samples whose sampled tokens span more than one
     version (a multi-turn sample's observation tokens carry none of their own).
     """
     mask = batch.loss_mask > 0
-    oldest = batch.token_versions.masked_fill(~mask, 1 << 30).min(dim=1).values  # [N]
-    newest = batch.token_versions.masked_fill(~mask, -1).max(dim=1).values
+    sampled = mask.any(dim=1)  # [N] samples with a sampled token
+    versions = batch.token_versions[sampled]  # [M, T-1]
+    oldest = versions.masked_fill(~mask[sampled], 1 << 30).min(dim=1).values  # [M]
+    newest = versions.masked_fill(~mask[sampled], -1).max(dim=1).values
     stale = (step - oldest).float()
     n_resp = int(mask.sum())
     seen = int(stale.max()) if len(stale) else 0
@@ -68,6 +75,7 @@ def step_row(
         "grad_norm": s.grad_norm,
         "skipped_steps/nonfinite_loss": round(s.skipped_nonfinite_loss),
         "skipped_steps/nonfinite_grad": round(s.skipped_nonfinite_grad),
+        "skipped_steps/empty": round(s.skipped_empty),
         "rollout_logp_diff_max": s.rollout_logp_diff_max,
         "rollout_fresh_fraction": round(s.rollout_fresh_fraction, 4),
         "padding_fraction": round(s.padding_fraction, 4),
@@ -119,6 +127,7 @@ def algo_metrics(batch: TrainBatch, s: StepStats, critic, adv, kl_ctrl) -> dict:
                 "critic/returns/var": critic.returns_var,
                 "critic/skipped_steps/nonfinite_loss": round(critic.skipped_nonfinite_loss),
                 "critic/skipped_steps/nonfinite_grad": round(critic.skipped_nonfinite_grad),
+                "critic/skipped_steps/empty": round(critic.skipped_empty),
             }
         )
     return row

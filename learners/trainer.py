@@ -24,6 +24,7 @@ from learners.advantages import (
     Advantages,
     SourceScores,
     episode_returns,
+    episodes_of,
     estimate,
     kl_controller,
 )
@@ -231,11 +232,8 @@ class Learner:
                 local.values = critic_values(self.critic, local.input_ids, local.attention_mask)
             batch.values = dp.gather_rows(local.values, batch)
         device = self.acc.device
-        sources = None
-        if algo.adv_estimator == "gdpo":  # each source's raw scores, not their sum
-            weights = [src.weight for src in self.cfg.rewards.sources]
-            scores = torch.from_numpy(np.asarray(batch.scores, np.float32))
-            sources = SourceScores(scores, weights, self.cfg.multiturn.env_reward_weight)
+        # gdpo: each source's raw scores, not their sum
+        sources = SourceScores.of(self.cfg, batch.scores) if algo.adv_estimator == "gdpo" else None
         return estimate(
             algo,
             outcome.to(device),
@@ -247,6 +245,7 @@ class Learner:
             self.kl_ctrl,
             batch.turn_rewards,
             sources,
+            episodes_of(group_index, batch.episodes),  # an episode counts once in its group
         )
 
     def update(

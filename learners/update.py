@@ -67,10 +67,12 @@ class StepStats:
     # share their prompt (learners/logprobs.py: computed once per packed row).
     shared_prefix_fraction: float = 0.0
     # Optimizer steps taken, and skipped for a loss or a gradient norm that was not finite
-    # (learners/finite.py): one each per minibatch.
+    # or for a minibatch without a token to learn from (learners/finite.py): one each per
+    # minibatch.
     optimizer_steps: int = 0
     skipped_nonfinite_loss: int = 0
     skipped_nonfinite_grad: int = 0
+    skipped_empty: int = 0
     # verl's rollout_corr/* metrics (algo.correction: rollout; learners/whole_step_correction.py)
     rollout_corr: dict[str, float] | None = None
 
@@ -135,7 +137,8 @@ def policy_update(
     pi_prox before the first loss, one no-grad pass computes them all
     (learners/whole_step_correction.py). Log-probs and entropies are computed at the loss mask's
     positions only (learners/logprobs.py). A minibatch whose loss or gradient norm is not
-    finite takes no step (``guarded_step``).
+    finite, or that holds no token to learn from (no row with a sampled token, or every
+    token rejected by the rollout correction), takes no step (``guarded_step``).
 
     Every loss term and statistic reads the positions of ``batch.loss_mask`` only: the
     sampled tokens (a multi-turn sample's observation tokens are 0 there, and ``collate``
@@ -215,8 +218,10 @@ class _Update:
                 sums["kl_loss"] += 0.0 if out.kl_loss is None else float(out.kl_loss.detach())
         grad, skip = 0.0, None
         if self.step:
-            hooks = self.hooks
-            grad, skip = guarded_step(optimizer, hooks.clip_grad, sums["loss"], hooks.any_rank)
+            hooks, empty = self.hooks, mb.tokens == 0  # the minibatch's, over every rank
+            grad, skip = guarded_step(
+                optimizer, hooks.clip_grad, sums["loss"], hooks.any_rank, empty
+            )
         self.clock.lap("optimizer_s")
         if self.batch.logp_ref is None or self.algo.kl.loss_coef == 0:
             sums["kl_loss"] = None
@@ -390,6 +395,7 @@ def _step_stats(
         optimizer_steps=sum(g["stepped"] for g in grads),
         skipped_nonfinite_loss=sum(g["skip"] == "nonfinite_loss" for g in grads),
         skipped_nonfinite_grad=sum(g["skip"] == "nonfinite_grad" for g in grads),
+        skipped_empty=sum(g["skip"] == "empty" for g in grads),
     )
 
 

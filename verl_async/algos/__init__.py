@@ -24,6 +24,7 @@ _EXPORTS = {
         "rloo_advantages",
     ),
     "correction.off_policy": ("Correction", "off_policy_correction"),
+    "episodes": ("Episodes",),
     "kl": (
         "KL_KINDS",
         "AdaptiveKLController",

@@ -36,6 +36,14 @@ Token-level estimators (rewards per token):
 
 Whitening is ``masked_whiten`` (mean-shifted, unbiased variance): it raises ValueError when
 the batch holds fewer than two kept tokens.
+
+Episodes: every estimator that compares a group (grpo_advantages, grpo_outcome_advantages,
+rloo_advantages, reinforce_plus_plus_baseline_advantages, gdpo_advantages) takes an optional
+``episodes`` (``Episodes``, episodes.py) for an agent episode that gave several samples.
+Its samples then count once: the statistics above run over episodes, an episode's score
+being its first sample's (every sample of an episode carries the episode's return; the
+caller puts it there), group sizes n count episodes, and each sample gets its episode's
+advantage. Without it, or when every episode is one sample, each sample is an episode.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from collections.abc import Sequence
 
 import torch
 
+from verl_async.algos.episodes import Episodes
 from verl_async.algos.masked import masked_center, masked_whiten
 
 GroupIndex = torch.Tensor | Sequence
@@ -70,7 +79,11 @@ def _group_sums(
 
 
 def grpo_advantages(
-    rewards: torch.Tensor, group_index: torch.Tensor, normalize_std: bool = True, eps: float = 1e-6
+    rewards: torch.Tensor,
+    group_index: torch.Tensor,
+    normalize_std: bool = True,
+    eps: float = 1e-6,
+    episodes: Episodes | None = None,
 ) -> torch.Tensor:
     """Group-relative advantages as the learner uses them.
 
@@ -79,7 +92,11 @@ def grpo_advantages(
     returns      [N] (r - mean_group) / (std_group + eps), or without the division
 
     Unlike ``grpo_outcome_advantages`` (verl), a group of one gets advantage 0.
+    ``episodes``: each episode counts once (module docstring).
     """
+    if episodes is not None:
+        once = episodes.once(rewards), episodes.once(group_index)
+        return episodes.spread(grpo_advantages(*once, normalize_std, eps))
     inverse, n_groups = group_ids(group_index.to(rewards.device))
     count, total = _group_sums(rewards, inverse, n_groups)
     centered = rewards - (total / count)[inverse]
@@ -92,15 +109,22 @@ def grpo_advantages(
 
 
 def grpo_outcome_advantages(
-    scores: torch.Tensor, index: GroupIndex, norm_by_std: bool = True, eps: float = 1e-6
+    scores: torch.Tensor,
+    index: GroupIndex,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+    episodes: Episodes | None = None,
 ) -> torch.Tensor:
     """verl's GRPO outcome advantage, one scalar per sample.
 
     scores [N] float, index [N] group keys -> [N]: (s - mean_g) / (std_g + eps) with the
     unbiased std (torch.std), or s - mean_g when ``norm_by_std`` is False (Dr.GRPO).
     A group of one is taken to have mean 0 and std 1. Broadcast over tokens with
-    ``adv[:, None] * mask``.
+    ``adv[:, None] * mask``. ``episodes``: each episode counts once (module docstring).
     """
+    if episodes is not None:
+        once = episodes.once(scores), episodes.once(index)
+        return episodes.spread(grpo_outcome_advantages(*once, norm_by_std, eps))
     inverse, n_groups = group_ids(index)
     inverse = inverse.to(scores.device)
     with torch.no_grad():
@@ -115,12 +139,17 @@ def grpo_outcome_advantages(
         return centered / (std[inverse] + eps)
 
 
-def rloo_advantages(scores: torch.Tensor, index: GroupIndex) -> torch.Tensor:
+def rloo_advantages(
+    scores: torch.Tensor, index: GroupIndex, episodes: Episodes | None = None
+) -> torch.Tensor:
     """verl's RLOO: scores [N], index [N] -> [N] leave-one-out advantages.
 
     For a group of n > 1: s_i * n / (n - 1) - mean_g * n / (n - 1) (= s_i minus the mean of
-    the other n - 1 scores). A group of one keeps its score unchanged.
+    the other n - 1 scores). A group of one keeps its score unchanged. ``episodes``: n
+    counts episodes, and the one left out is the sample's whole episode (module docstring).
     """
+    if episodes is not None:
+        return episodes.spread(rloo_advantages(episodes.once(scores), episodes.once(index)))
     inverse, n_groups = group_ids(index)
     inverse = inverse.to(scores.device)
     with torch.no_grad():
@@ -188,28 +217,61 @@ def reinforce_plus_plus_advantages(
         return normalize(returns, mask), returns
 
 
+def _minus_group_mean(scores: torch.Tensor, index: GroupIndex) -> torch.Tensor:
+    """scores [N] -> s_i - mean_g [N], the mean 0 for a group of one."""
+    inverse, n_groups = group_ids(index)
+    inverse = inverse.to(scores.device)
+    count, total = _group_sums(scores, inverse, n_groups)
+    mean = torch.where(count == 1, torch.zeros_like(total), total / count)
+    return scores - mean[inverse]
+
+
 def reinforce_plus_plus_baseline_advantages(
-    scores: torch.Tensor, index: GroupIndex, mask: torch.Tensor
+    scores: torch.Tensor, index: GroupIndex, mask: torch.Tensor, episodes: Episodes | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """verl's REINFORCE++-baseline: scores [N], index [N], mask [N, T] -> (adv, adv) [N, T].
 
     s_i - mean_g (mean 0 for a group of one) is put on every kept token of i, then
     whitened over all kept tokens of the batch (longer responses weigh more in the
-    statistics). verl returns the advantages as the returns too.
+    statistics). verl returns the advantages as the returns too. ``episodes``: mean_g is
+    over episodes, each counted once (module docstring); the whitening still reads tokens.
     """
-    inverse, n_groups = group_ids(index)
-    inverse = inverse.to(scores.device)
     with torch.no_grad():
-        count, total = _group_sums(scores, inverse, n_groups)
-        mean = torch.where(count == 1, torch.zeros_like(total), total / count)
-        tiled = (scores - mean[inverse])[:, None].expand_as(mask).to(scores.dtype)
+        if episodes is None:
+            centred = _minus_group_mean(scores, index)
+        else:
+            centred = episodes.spread(
+                _minus_group_mean(episodes.once(scores), episodes.once(index))
+            )
+        tiled = centred[:, None].expand_as(mask).to(scores.dtype)
         tiled = torch.where(mask.bool(), tiled, torch.zeros_like(tiled))
         adv = masked_whiten(tiled, mask)
         return adv, adv
 
 
+def _gdpo_sums(scores: torch.Tensor, index: GroupIndex, weights, eps: float) -> torch.Tensor:
+    """scores [N, K] -> S [N]: each column's GRPO advantage over the samples it scores
+    (0 for the others), weighted and summed."""
+    inverse, _ = group_ids(index)
+    inverse = inverse.to(scores.device)
+    weights = torch.as_tensor(weights, dtype=scores.dtype, device=scores.device)
+    total = scores.new_zeros(scores.shape[0])
+    for k in range(scores.shape[1]):
+        routed = ~torch.isnan(scores[:, k])
+        if routed.any():
+            adv_k = torch.zeros_like(total)
+            adv_k[routed] = grpo_outcome_advantages(scores[routed, k], inverse[routed], eps=eps)
+            total = total + weights[k] * adv_k
+    return total
+
+
 def gdpo_advantages(
-    scores: torch.Tensor, index: GroupIndex, weights, mask: torch.Tensor, eps: float = 1e-6
+    scores: torch.Tensor,
+    index: GroupIndex,
+    weights,
+    mask: torch.Tensor,
+    eps: float = 1e-6,
+    episodes: Episodes | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GDPO (arXiv 2601.05242; verl's ``gdpo``): scores [N, K] (one column per reward
     component, NaN where the component does not score the sample), index [N], weights [K],
@@ -220,18 +282,14 @@ def gdpo_advantages(
     adds nothing, and a group statistic is taken over the scored samples only. Then
     S_i = sum_k w_k * A_k[i] is put on every kept token of i and whitened over all kept
     tokens of the batch (fewer than two raise ValueError). Zero at masked positions.
+    ``episodes``: the A_k are taken over episodes, each counted once (module docstring).
     """
-    inverse, _ = group_ids(index)
-    inverse = inverse.to(scores.device)
-    weights = torch.as_tensor(weights, dtype=scores.dtype, device=scores.device)
     with torch.no_grad():
-        total = scores.new_zeros(scores.shape[0])
-        for k in range(scores.shape[1]):
-            routed = ~torch.isnan(scores[:, k])
-            if routed.any():
-                adv_k = torch.zeros_like(total)
-                adv_k[routed] = grpo_outcome_advantages(scores[routed, k], inverse[routed], eps=eps)
-                total = total + weights[k] * adv_k
+        if episodes is None:
+            total = _gdpo_sums(scores, index, weights, eps)
+        else:
+            once = episodes.once(scores), episodes.once(index)
+            total = episodes.spread(_gdpo_sums(*once, weights, eps))
         tiled = total[:, None].expand(mask.shape).to(scores.dtype)
         adv = masked_whiten(torch.where(mask.bool(), tiled, torch.zeros_like(tiled)), mask)
         return adv, adv
