@@ -18,10 +18,28 @@ Chosen by hash, not by a random generator: every episode of a group sees the sam
 on the same turns, and a run replays with its seed. ``chaos_reward`` is an ``exact``
 first-word reward whose every ``every``-th call (by the scoring process's count) returns
 1e39, NaN, inf, -inf or -1e39 in turn.
+
+User code and model text that must not end a run:
+
+- ``chaos_agent`` (the prompts of data source ``agent``): each episode, drawn by its
+  number in the generator process, answers with one call, stays silent (so a group mixes
+  silent episodes with calling ones), raises ``SystemExit`` after a call, raises
+  ``KeyboardInterrupt``, or makes two calls more than its ``max_calls`` (each a history
+  of its own, so the limit on samples is what stops it); the first ``SLOW_STARTS``
+  episodes of each process outlive ``multiturn.episode_timeout_s``.
+- the environment's tools, which the model calls by sampling whole-call words of the tiny
+  vocabulary (``CALL_WORDS``): ``exit_cli`` raises ``SystemExit``, ``interrupt`` (async)
+  raises ``KeyboardInterrupt``, ``python`` runs a sandboxed program that forks, calls
+  ``setsid``, fills /tmp and /dev/shm and ``exec``s ``sleep 61.5`` in the child; and one
+  word is a tool call nested 10,000 brackets deep, for the parser.
+
+Every one of these appends its kind to the faults file as it happens (a sandboxed program
+cannot: its wrapper does, before it runs).
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import math
@@ -30,6 +48,7 @@ import time
 import zlib
 
 from verl_async.envs import EnvRow, RetryEnv, Step
+from verl_async.tools.sandbox import python_tool
 
 SHARES = {"reset_raise": 80, "raise": 60, "hang": 50, "flood": 50, "many": 50, "reward": 50}
 HUGE_BYTES = 1 << 20
@@ -47,11 +66,11 @@ def record(path: str, kind: str) -> None:
         os.close(fd)
 
 
-def pick(seed: int, prompt, call: str) -> str:
+def pick(seed: int, prompt, call: str, shares: dict[str, int] = SHARES) -> str:
     """The fault (or "") for ``call`` of an episode of ``prompt``."""
     text = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
     h = zlib.crc32(f"{seed}|{text}|{call}".encode()) % 1000
-    for kind, share in SHARES.items():
+    for kind, share in shares.items():
         if h < share:
             return kind
         h -= share
@@ -111,3 +130,104 @@ def chaos_reward(
         return _POISON[(n // every) % len(_POISON)]
     words = response.split()
     return 1.0 if words and words[0] == ground_truth.strip() else 0.0
+
+
+# ---- user code and model text ---------------------------------------------------------
+
+AGENT_SHARES = {"agent_silent": 250, "agent_exit": 100, "agent_interrupt": 100,
+                "agent_over_limit": 80}  # fmt: skip
+SLOW_STARTS = 2  # episodes of each generator process that outlive their timeout
+LOOKUP = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+FORK = (  # a program without spaces (one word of the tiny vocabulary)
+    "o=__import__('os');p=o.fork();(p==0)and(o.setsid(),"
+    "open('/tmp/verl-async-chaos','w').write('x'*9999),"
+    "open('/dev/shm/verl-async-chaos','w').write('x'*999999),"
+    "o.execv('/bin/sleep',['sleep','61.5']));print('forked')"
+)
+LEFT_BEHIND = ("sleep 61.5", "/tmp/verl-async-chaos", "/dev/shm/verl-async-chaos")
+CALL_WORDS = [
+    '<tool_call>{"name":"exit_cli","arguments":{"code":2}}</tool_call>',
+    '<tool_call>{"name":"interrupt","arguments":{}}</tool_call>',
+    '<tool_call>{"name":"python","arguments":{"code":"' + FORK + '"}}</tool_call>',
+    "<tool_call>" + "[" * 10_000 + "</tool_call>",
+]
+TOOL_WORDS = ["tools", "exit_cli", "interrupt", "python", "lookup", "<tool_response>",
+              "</tool_response>", *CALL_WORDS]  # fmt: skip
+_episodes = itertools.count()  # this generator process's agent episodes so far
+
+
+async def chaos_agent(client, row, faults: str, seed: int, max_calls: int, timeout_s: float):
+    n = next(_episodes)
+    if n < SLOW_STARTS:  # at start-up: past the episode's deadline (it is cancelled there)
+        record(faults, "agent_slow_start")
+        await asyncio.sleep(timeout_s + 5)
+    kind = pick(seed, row.prompt, f"agent{n}", AGENT_SHARES)
+    if kind:
+        record(faults, kind)
+    if kind == "agent_silent":
+        return None
+    if kind == "agent_interrupt":
+        raise KeyboardInterrupt
+    if kind == "agent_over_limit":
+        record(faults, kind)  # a second error: the first call past the limit is refused
+        for i in range(max_calls + 2):  # raises openai.BadRequestError at max_calls + 1
+            await _ask(client, [{"role": "user", "content": f"{row.prompt} {i % 10}"}])
+    reply = await _ask(client, [{"role": "user", "content": row.prompt}])
+    if kind == "agent_exit":
+        raise SystemExit(2)
+    return None if reply else None
+
+
+async def _ask(client, messages) -> str:
+    reply = await client.chat.completions.create(model="policy", messages=messages, tools=[LOOKUP])
+    return reply.choices[0].message.content or ""
+
+
+class ExitCli:
+    """A wrapped command-line program whose argument parser exits."""
+
+    def __init__(self, faults: str) -> None:
+        self.faults = faults
+
+    def exit_cli(self, code: int) -> str:
+        """Run the command-line program.
+
+        Args:
+            code: The status it exits with.
+        """
+        record(self.faults, "tool_exit")
+        raise SystemExit(code)
+
+    __call__ = exit_cli
+
+
+class Interrupt:
+    """A coroutine tool that raises KeyboardInterrupt."""
+
+    def __init__(self, faults: str) -> None:
+        self.faults = faults
+
+    async def interrupt(self) -> str:
+        """Interrupt."""
+        record(self.faults, "tool_interrupt")
+        raise KeyboardInterrupt
+
+    __call__ = interrupt
+
+
+class ChaosPython:
+    """The sandboxed ``python`` tool, recording each call before it runs."""
+
+    def __init__(self, faults: str, **limits) -> None:
+        self.faults, self.tool = faults, python_tool(**limits)
+
+    async def python(self, code: str) -> str:
+        """Run a Python 3 program and return what it printed.
+
+        Args:
+            code: The complete Python program to run.
+        """
+        record(self.faults, "python")
+        return await self.tool(code)
+
+    __call__ = python

@@ -1,5 +1,9 @@
 """Chaos: a multi-turn run through real processes whose environment hangs, raises and
-floods, whose reward function returns NaN, ±inf and 1e39 now and then, while a driver
+floods, whose tools raise SystemExit and KeyboardInterrupt or run sandboxed programs that
+fork, setsid and fill /tmp, whose agents exit, interrupt, stay silent beside calling ones,
+go past their call limit or outlive their timeout at start-up, whose model writes tool
+calls nested 10,000 deep, whose reward function returns NaN, ±inf and 1e39 now and then,
+while a driver
 SIGKILLs a random role (a generator, the learner, the buffer, a generator's reward
 worker) at random points. The one command must end by itself (exit code 0) with every
 step trained, every group and prompt trained exactly once (``trained.jsonl``), finite
@@ -40,6 +44,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from benchmarks.custom_learner import command
+from tests.chaos import LEFT_BEHIND, TOOL_WORDS
 from verl_async.checkpoint import list_checkpoints, verify
 
 from .conftest import ROOT, cmdline, committed_steps, processes_mentioning, steps_done
@@ -56,6 +61,8 @@ MODULES = {  # role -> what its command line holds (python -m MODULE)
 # its wait for a batch, where it rebuilds the weight-sync group with a new generator.
 STEPS_AFTER = {"generator": ETA + 2, "reward_worker": 1}
 WAIT_S = 300.0  # any one thing the driver waits for; the run is paced by the driver
+AGENT_EVERY = 4  # every fourth prompt is an agent's (data source "agent")
+EPISODE_TIMEOUT_S = 20.0
 
 
 def _rows(path: Path) -> list[dict]:
@@ -92,14 +99,30 @@ class Chaos:
     def overrides(self, restarts: int, generator_restarts: int) -> list[str]:
         data = self.tmp / "prompts.jsonl"
         lines = (ROOT / "configs/data/max_digit.jsonl").read_text().splitlines()
-        data.write_text("\n".join(lines[: B * self.steps]) + "\n")
+        rows = [json.loads(line) for line in lines[: B * self.steps]]
+        for i, row in enumerate(rows):
+            row["data_source"] = "agent" if i % AGENT_EVERY == 0 else "max_digit"
+        data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        faults = str(self.faults)
+        tools = [
+            {"function": "tests.chaos:ExitCli", "args": {"faults": faults}},
+            {"function": "tests.chaos:Interrupt", "args": {"faults": faults}},
+            {"function": "tests.chaos:ChaosPython", "args": {
+                "faults": faults, "python": "/usr/bin/python3", "wall_s": 10.0}},
+        ]  # fmt: skip
         env = {
             "env": "tests.chaos:ChaosEnv",
             "args": {
-                "faults": str(self.faults), "seed": self.seed, "hang_s": 6.0,
+                "faults": faults, "seed": self.seed, "hang_s": 6.0,
                 "max_attempts": 3, "feedback": "wrong", "extract": "first_word",
                 "right_reward": 0.0, "wrong_reward": -0.25,
             },
+            "tools": tools,
+        }  # fmt: skip
+        agent = {
+            "agent": "tests.chaos:chaos_agent", "data_sources": ["agent"], "max_calls": 3,
+            "args": {"faults": faults, "seed": self.seed, "max_calls": 3,
+                     "timeout_s": EPISODE_TIMEOUT_S},
         }  # fmt: skip
         chaos = {
             "name": "chaos", "kind": "function", "function": "tests.chaos:chaos_reward",
@@ -119,7 +142,12 @@ class Chaos:
             f"trainer.max_restarts={restarts}",
             f"generators.max_restarts={generator_restarts}",
             "multiturn.step_timeout_s=3",
+            f"multiturn.episode_timeout_s={EPISODE_TIMEOUT_S}",
             f"multiturn.environments={json.dumps([env])}",
+            f"multiturn.agents={json.dumps([agent])}",
+            "multiturn.tool_parser=hermes",
+            "multiturn.tool_template=tiny_tools",
+            f"model.tiny.extra_words={json.dumps(['wrong', *TOOL_WORDS])}",
             f"rewards.sources={json.dumps([correct, chaos])}",
         ]
 
@@ -242,6 +270,11 @@ class Chaos:
             time.sleep(0.2)
         left = [cmdline(p) for p in processes_mentioning(str(self.run_dir))]
         assert not left, (self.where(), left)
+        # Nor what a sandboxed program forked, setsid and exec'd, nor its files.
+        sleeping = [p for p in _all_processes() if LEFT_BEHIND[0] in cmdline(p)]
+        assert not sleeping, (self.where(), sleeping)
+        kept = [path for path in LEFT_BEHIND[1:] if os.path.exists(path)]
+        assert not kept, (self.where(), kept)
 
     def audit(self) -> dict:
         """Every verdict of the run; returns its figures."""
@@ -258,7 +291,8 @@ class Chaos:
         assert sorted(groups) == list(range(B * steps)) and repeated == 0, (where, groups)
         assert sorted(prompts) == list(range(B * steps)), (where, prompts)
         samples = [s for t in trail for s in t["samples"]]
-        assert len(samples) == len(set(samples)) == B * steps * GROUP, where
+        # An agent's episode may give several samples (a call past its limit's history).
+        assert len(samples) == len(set(samples)) >= B * steps * GROUP, where
         for row in rows:
             bad = {k: v for k, v in row.items() if isinstance(v, float) and not np.isfinite(v)}
             assert not bad, (where, row["step"], bad)
@@ -292,9 +326,14 @@ class Chaos:
         )
         total = lambda key: sum(r.get(key, 0) for r in rows)  # noqa: E731
         errors, timeouts = total("multiturn/tool_errors"), total("multiturn/tool_timeouts")
-        env_errors = sum(injected[k] for k in ("reset_raise", "raise", "flood", "many", "reward"))
-        assert 0 < errors <= env_errors, (where, errors, injected)
-        assert timeouts > 0 and injected["hang"] > 0, (where, timeouts, injected)
+        erring = ("reset_raise", "raise", "flood", "many", "reward", "tool_exit",
+                  "tool_interrupt", "python", "agent_exit", "agent_interrupt", "agent_over_limit")  # fmt: skip
+        assert 0 < errors <= sum(injected[k] for k in erring), (where, errors, injected)
+        timing_out = injected["hang"] + injected["agent_slow_start"]
+        assert 0 < timeouts <= timing_out + errors, (where, timeouts, injected)
+        for kind in (*erring[5:], "hang", "agent_silent", "agent_slow_start"):
+            assert injected[kind] > 0, (where, kind, injected)  # every kind happened
+        assert total("multiturn/tool_parse_errors") > 0, where  # the nested call, at least
         failed = total("reward_failed/chaos")
         # A killed reward worker fails the one request it had (one group) or the next.
         worst = injected["reward_fn"] + GROUP * killed["reward_worker"]
@@ -304,6 +343,8 @@ class Chaos:
         for text in (
             "chaos: reset raised", "chaos: step raised", "timed out",
             "observation messages", "finite in float32 or None", "reward source 'chaos' failed",
+            "tool exit_cli: error: SystemExit: 2", "tool interrupt: error: KeyboardInterrupt",
+            "raised SystemExit: 2", "raised KeyboardInterrupt", "passed multiturn.episode_timeout_s",
         ):  # fmt: skip
             assert text in generator_log, (where, text)
         return {
@@ -324,6 +365,10 @@ class Chaos:
                 "reward_failed/correct": total("reward_failed/correct"),
             },
         }
+
+
+def _all_processes() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
 
 
 def _seed() -> int:
