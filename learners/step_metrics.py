@@ -209,6 +209,8 @@ class GeneratorTiming:
             "leases_expired": stats.leases_expired,
             "leases_renewed": stats.leases_renewed,
             "rollouts_dropped": stats.rollouts_dropped,
+            "rollouts_refused": stats.rollouts_refused,
+            "groups_ended": stats.groups_ended,
         }
 
 

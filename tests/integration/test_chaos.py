@@ -297,6 +297,8 @@ class Chaos:
             bad = {k: v for k, v in row.items() if isinstance(v, float) and not np.isfinite(v)}
             assert not bad, (where, row["step"], bad)
             assert row["skipped_steps/nonfinite_loss"] == row["skipped_steps/nonfinite_grad"] == 0
+            # No rollout the buffer had to refuse: nothing a generator sent was malformed.
+            assert row["rollouts_refused"] == row["groups_ended"] == 0, (where, row["step"])
         # Finite weights in every checkpoint, each one verified.
         checkpoints = list_checkpoints(run_dir)
         assert checkpoints and checkpoints[-1].name == f"step_{steps:08d}", where

@@ -35,6 +35,8 @@ def test_per_step_generator_timing_is_the_difference_of_the_totals():
         "leases_expired": 0,
         "leases_renewed": 0,
         "rollouts_dropped": 0,
+        "rollouts_refused": 0,
+        "groups_ended": 0,
     }
     row = timing.row(_stats(250.123, 5.0, 0.5, leases_expired=3, leases_renewed=40))
     assert row == {
@@ -44,6 +46,8 @@ def test_per_step_generator_timing_is_the_difference_of_the_totals():
         "leases_expired": 3,  # running totals, as the buffer counts them
         "leases_renewed": 40,
         "rollouts_dropped": 0,
+        "rollouts_refused": 0,
+        "groups_ended": 0,
     }
 
 
