@@ -216,7 +216,10 @@ class Learner:
         The model passes run on this rank's rows (``local``) and are gathered back, so
         rewards and advantages are computed over the whole step on every rank."""
         group_index = batch.group_index.cpu()
-        outcome = combine(batch.scores, group_index.numpy(), self.cfg.rewards.sources, self.running)
+        episodes = episodes_of(group_index, batch.episodes)  # an episode counts once in its group
+        first = None if episodes is None else episodes.first[episodes.of_sample].numpy()
+        rewards_cfg = self.cfg.rewards.sources
+        outcome = combine(batch.scores, group_index.numpy(), rewards_cfg, self.running, first)
         outcome = torch.from_numpy(np.asarray(outcome, np.float32))  # [N]
         batch.rewards = episode_returns(outcome, batch.turn_rewards)
         algo, temperature, dp = self.algo, self.cfg.generators.temperature, self.dp
@@ -245,7 +248,7 @@ class Learner:
             self.kl_ctrl,
             batch.turn_rewards,
             sources,
-            episodes_of(group_index, batch.episodes),  # an episode counts once in its group
+            episodes,
         )
 
     def update(

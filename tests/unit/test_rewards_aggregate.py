@@ -35,6 +35,20 @@ def test_group_uses_the_unbiased_std_per_group():
     assert rewards[0] == pytest.approx(1.5, rel=1e-5)  # population std would give 1.732
 
 
+def test_group_counts_an_episode_of_several_samples_once():
+    """Episode 0 of group 7 gave three samples (all scored 1), episode 1 one (scored 0):
+    the group's mean is 0.5 over its two episodes, not 0.75 over four samples."""
+    scores = np.array([[1.0], [1.0], [1.0], [0.0]])
+    first = np.array([0, 0, 0, 3])  # each sample's episode's first sample
+    rewards = combine(scores, np.array([7, 7, 7, 7]), [src("a", 1.0, "group")], {}, first)
+    std = math.sqrt(0.5)  # [1, 0]: unbiased std over the episodes
+    np.testing.assert_allclose(rewards, [0.5 / (std + EPS)] * 3 + [-0.5 / (std + EPS)])
+    # One sample per episode: the same as without the map.
+    alone = combine(scores, np.array([7, 7, 7, 7]), [src("a", 1.0, "group")], {})
+    same = combine(scores, np.array([7, 7, 7, 7]), [src("a", 1.0, "group")], {}, np.arange(4))
+    np.testing.assert_array_equal(alone, same)
+
+
 def test_group_skips_unrouted_samples_and_a_group_of_one():
     scores = np.array([[2.0], [4.0], [NAN], [3.0]])
     rewards = combine(scores, np.array([0, 0, 0, 1]), [src("a", 3.0, "group")], {})

@@ -6,7 +6,9 @@
                none     x
                group    (x - mean_g) / (std_g + 1e-6)   over the routed samples of i's group,
                         std_g UNBIASED (ddof=1, like algorithms.grpo_advantages; a group of
-                        one has std 0, and x - mean_g = 0)
+                        one has std 0, and x - mean_g = 0); an agent's episode that gave
+                        several samples (the same score on each) counts once, as in the
+                        estimators' group baselines
                running  (x - mean) / (std + 1e-6)       over every routed score of s so far,
                         this batch included (the stats are updated first), std POPULATION
                         (ddof=0, Welford)
@@ -71,8 +73,17 @@ class RunningStats:
         self.m2 = float(state["m2"])
 
 
-def group_normalize(column: np.ndarray, group_index: np.ndarray) -> np.ndarray:
-    """(x - group mean) / (unbiased group std + 1e-6) over the non-NaN entries; NaN stays."""
+def group_normalize(
+    column: np.ndarray, group_index: np.ndarray, first: np.ndarray | None = None
+) -> np.ndarray:
+    """(x - group mean) / (unbiased group std + 1e-6) over the non-NaN entries; NaN stays.
+    ``first``: a sample's index -> the index of its episode's first sample, when some
+    episode gave several samples: the group's mean and std are then taken over one sample
+    per episode, and every sample gets its episode's value."""
+    if first is not None:
+        once = np.unique(first)
+        normalised = group_normalize(column[once], group_index[once])
+        return normalised[np.searchsorted(once, first)]
     out = np.full_like(column, np.nan, dtype=np.float64)
     routed = ~np.isnan(column)
     for g in np.unique(group_index[routed]):
@@ -95,11 +106,13 @@ def combine(
     group_index: np.ndarray,
     sources: Sequence[RewardSource],
     running: dict[str, RunningStats],
+    first: np.ndarray | None = None,
 ) -> np.ndarray:
     """[N, S] raw scores -> [N] rewards (float64); see the module docstring for the formula.
 
     ``running`` holds one ``RunningStats`` per source name using ``normalize: running`` (a
-    missing one is created); they are updated in place.
+    missing one is created); they are updated in place. ``first`` [N]: each sample's
+    episode's first sample, when an episode gave several (None: each sample is one).
     """
     scores = np.asarray(scores, np.float64).reshape(-1, len(sources))
     group_index = np.asarray(group_index)
@@ -107,7 +120,7 @@ def combine(
     for s, src in enumerate(sources):
         column = scores[:, s]
         if src.normalize == "group":
-            column = group_normalize(column, group_index)
+            column = group_normalize(column, group_index, first)
         elif src.normalize == "running":
             column = running_normalize(column, running.setdefault(src.name, RunningStats()))
         # NaN (not routed) adds nothing; a sample no source scores ends at 0.
