@@ -261,3 +261,221 @@ def test_vllm_parsers_swallow_what_the_audits_report(tokenizers, parsers):
     ]
     # All three: an unknown name is a call like any other.
     assert vllm("hermes", qwen, GOOD_HERMES.replace('"add"', '"nope"'))[0][0] == "nope"
+
+
+# ---- degenerate text: one error line in bounded time, never an exception --------------------
+# A repetition collapse writes the same few tokens until the turn's end: brackets thousands
+# deep, a tag thousands of times. Each parse below takes milliseconds; the timeout (the test's
+# call only, not vLLM's import) is what a quadratic reading or a recursion would miss by far.
+
+DEEP, MANY, MB = 10_000, 10_000, 1_000_000
+OPENS = {  # where each family's call has begun, and the turn goes on inside it
+    "hermes": '<tool_call>\n{"name": "add", "arguments": {"a": ',
+    "llama3_json": '<|python_tag|>{"name": "add", "parameters": {"a": ',
+    "qwen3_coder": "<tool_call>\n<function=add>\n<parameter=a>\n",
+}
+SHORT_CALLS = {  # the shortest whole call each family reads, for turns of MANY of them
+    "hermes": '<tool_call>{"name":"add","arguments":{}}</tool_call>',
+    "llama3_json": '{"name":"add","parameters":{}};',
+    "qwen3_coder": "<function=add></function>",
+}
+
+
+def call_with(family, value):
+    """A whole call to add whose argument ``a`` is ``value``: JSON text for the JSON
+    families, the parameter's text for qwen3_coder."""
+    if family == "qwen3_coder":
+        return qwen3_coder_call("add", {"a": value})
+    if family == "hermes":
+        return f'<tool_call>\n{{"name": "add", "arguments": {{"a": {value}}}}}\n</tool_call>'
+    return f'{{"name": "add", "parameters": {{"a": {value}}}}}'
+
+
+TOO_DEEP = {"hermes": "nested deeper than 32 levels", "llama3_json": "nested deeper than 32 levels"}
+OPEN_IN_QWEN3 = {**TOO_DEEP, "qwen3_coder": "not closed: the turn ended inside the call"}
+TOO_MANY = "tool calls in one turn; at most 64 are read"
+UNCLOSED = {  # a call opened and never closed, over and over (llama3_json: JSON objects)
+    "hermes": "<tool_call>",
+    "llama3_json": '{"name": "add", "parameters": ',
+    "qwen3_coder": "<tool_call>\n<function=add>\n",
+}
+HOSTILE = {
+    # name: (the turn for a family, words of its one error, or of each family's)
+    "brackets_deep_in_an_open_call": (lambda f: OPENS[f] + "[" * DEEP, OPEN_IN_QWEN3),
+    "braces_deep_in_an_open_call": (lambda f: OPENS[f] + '{"a": ' * DEEP, OPEN_IN_QWEN3),
+    "a_closed_call_nested_deep": (lambda f: call_with(f, "[" * DEEP + "]" * DEEP), TOO_DEEP),
+    "a_megabyte_of_text": (lambda f: "x" * MB, "characters long"),
+    "a_megabyte_in_an_open_call": (lambda f: OPENS[f] + "x" * MB, "characters long"),
+    "a_megabyte_in_one_call": (lambda f: call_with(f, '"' + "x" * MB + '"'), "characters long"),
+    "ten_thousand_calls": (lambda f: SHORT_CALLS[f] * MANY, TOO_MANY),
+    "ten_thousand_unclosed_openings": (
+        lambda f: UNCLOSED[f] * MANY,
+        {"hermes": TOO_MANY, "llama3_json": "nested deeper", "qwen3_coder": TOO_MANY},
+    ),
+    "nul_in_an_argument": (
+        lambda f: call_with(f, "x\x00y" if f == "qwen3_coder" else '"x\\u0000y"'),
+        "holds NUL or an unpaired surrogate",
+    ),
+    "an_escaped_lone_surrogate": (
+        lambda f: call_with(f, '"\\ud800"'),
+        "holds NUL or an unpaired surrogate",
+    ),
+    "a_raw_lone_surrogate": (lambda f: call_with(f, '"\ud800x"'), "not valid Unicode"),
+}
+
+
+@pytest.mark.timeout(10, func_only=True)
+@pytest.mark.parametrize("case", list(HOSTILE))
+@pytest.mark.parametrize("family", ["hermes", "llama3_json", "qwen3_coder"])
+def test_degenerate_text_is_one_parse_error_in_bounded_time(parsers, family, case):
+    make, words = HOSTILE[case]
+    text, words = make(family), words.get(family, "") if isinstance(words, dict) else words
+    turn = parsers[family].parse(text, turn=1)
+    assert turn.calls == [] and turn.content == text
+    assert len(turn.errors) == 1 and words in turn.errors[0], turn.errors
+
+
+@pytest.mark.timeout(10, func_only=True)
+@pytest.mark.parametrize("family", ["hermes", "llama3_json"])
+def test_json_that_python_refuses_to_decode_is_one_parse_error(parsers, family):
+    # json raises ValueError (not JSONDecodeError) for an integer of more than 4300 digits;
+    # qwen3_coder's values are text, so there it is a string the argument check refuses.
+    text = call_with(family, "1" * 5000)
+    turn = parsers[family].parse(text)
+    assert turn.calls == [] and turn.errors == [
+        "tool call 1: invalid JSON (Exceeds the limit (4300 digits) for integer string "
+        "conversion: value has 5000 digits; use sys.set_int_max_str_digits() to increase the limit)"
+    ]
+
+
+@pytest.mark.timeout(10, func_only=True)
+@pytest.mark.parametrize("family", ["hermes", "qwen3_coder"])
+def test_deep_brackets_outside_the_call_tags_are_text_and_the_call_still_runs(parsers, family):
+    prose = "[" * DEEP + "{" * DEEP + "\n"
+    call = GOOD_HERMES if family == "hermes" else qwen3_coder_call(*ADD)
+    turn = parsers[family].parse(prose + call)
+    assert calls_of(turn) == [ADD] and turn.errors == []
+
+
+@pytest.mark.timeout(10, func_only=True)
+def test_llama_prose_nested_deep_is_text(parsers):
+    for text in ("so " + "[" * DEEP, "so " + "{" * DEEP, "so " + '{"a": ' * DEEP):
+        turn = parsers["llama3_json"].parse(text)
+        assert (turn.calls, turn.errors, turn.content) == ([], [], text)
+
+
+@pytest.mark.timeout(10, func_only=True)
+def test_llama_prose_with_more_calls_than_are_read_is_one_error(parsers):
+    text = "Here: " + " ".join(['{"name": "add", "parameters": {"a": 1}}'] * MANY)
+    turn = parsers["llama3_json"].parse(text)
+    assert turn.calls == []
+    assert turn.errors == ["more than 64 tool calls in one turn; at most 64 are read, so none "
+                           "of them runs"]  # fmt: skip
+
+
+# ---- the bounds, at their edges ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["hermes", "llama3_json", "qwen3_coder"])
+def test_max_calls_are_read_and_one_more_is_an_error(parsers, family):
+    from verl_async.tools.parsers import MAX_CALLS
+
+    call = {
+        "hermes": GOOD_HERMES,
+        "llama3_json": '{"name": "add", "parameters": {"a": 2, "b": 0.5}};',
+        "qwen3_coder": qwen3_coder_call(*ADD),
+    }[family]
+    turn = parsers[family].parse("\n".join([call] * MAX_CALLS))
+    assert calls_of(turn) == [ADD] * MAX_CALLS and turn.errors == []
+    over = parsers[family].parse("\n".join([call] * (MAX_CALLS + 1)))
+    assert over.calls == [] and len(over.errors) == 1
+    assert "tool calls in one turn; at most 64 are read" in over.errors[0]
+
+
+@pytest.mark.parametrize("family", ["hermes", "llama3_json", "qwen3_coder"])
+def test_arguments_nested_max_json_depth_levels_pass_and_one_more_is_an_error(parsers, family):
+    from verl_async.tools.parsers import MAX_JSON_DEPTH
+
+    def nested(levels):  # the value of "a" that makes the arguments ``levels`` deep
+        return "[" * (levels - 1) + "]" * (levels - 1)
+
+    fits = parsers[family].parse(call_with(family, nested(MAX_JSON_DEPTH)))
+    assert [c.name for c in fits.calls] == ["add"] and fits.errors == []
+    assert fits.calls[0].arguments()["a"] == json.loads(nested(MAX_JSON_DEPTH))
+    deep = parsers[family].parse(call_with(family, nested(MAX_JSON_DEPTH + 1)))
+    assert deep.calls == [] and len(deep.errors) == 1
+    assert f"nested deeper than {MAX_JSON_DEPTH} levels" in deep.errors[0]
+
+
+def test_a_turn_of_max_turn_chars_is_read_and_one_more_is_an_error(parsers):
+    from verl_async.tools.parsers import MAX_TURN_CHARS
+
+    text = "x" * (MAX_TURN_CHARS - len(GOOD_HERMES)) + GOOD_HERMES
+    assert calls_of(parsers["hermes"].parse(text)) == [ADD]
+    turn = parsers["hermes"].parse(text + "x")
+    assert turn.calls == [] and turn.errors == [
+        f"the turn is {MAX_TURN_CHARS + 1} characters long; tool calls are read from turns "
+        f"of at most {MAX_TURN_CHARS}"
+    ]
+
+
+@pytest.mark.timeout(10, func_only=True)
+def test_qwen3_coder_calls_too_large_for_its_parser_are_one_error(parsers):
+    from verl_async.tools.parsers import MAX_QWEN3_WORK
+
+    # 256 parameters of 100 characters: vLLM alone takes seconds over it (the docstring's
+    # measurements); the same parameters short, or few long ones, are read.
+    many = qwen3_coder_call("search", {f"p{i}": "x" * 100 for i in range(256)})
+    assert many.count("<parameter=") * len(many) > MAX_QWEN3_WORK
+    turn = parsers["qwen3_coder"].parse(many)
+    assert turn.calls == [] and len(turn.errors) == 1
+    assert turn.errors[0].startswith("the calls are too large to read")
+    few = qwen3_coder_call("search", {"query": "x" * 100_000})
+    assert parsers["qwen3_coder"].parse(few).errors == []
+
+
+@pytest.mark.parametrize("family", ["hermes", "llama3_json"])
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-1e999"])
+def test_a_number_that_is_not_finite_is_malformed(parsers, family, number):
+    turn = parsers[family].parse(call_with(family, number))
+    assert turn.calls == [] and len(turn.errors) == 1 and "which is not JSON" in turn.errors[0]
+
+
+# ---- whatever a parser raises costs the turn's calls, not the caller ---------------------------
+
+
+class Raising:
+    """vLLM's parser, or an audit, that raises ``exc`` (a stand-in: real text cannot be
+    counted on to reach each of these)."""
+
+    def __init__(self, exc):
+        self.exc = exc
+
+    def __call__(self, *args):
+        raise self.exc
+
+    extract_tool_calls = __call__
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [RecursionError("deep"), MemoryError(), SystemExit(3), ValueError("odd"), GeneratorExit()],
+    ids=lambda e: type(e).__name__,
+)
+@pytest.mark.parametrize("where", ["_audit", "_parser"])
+def test_what_a_parser_or_an_audit_raises_is_an_error_line(parsers, monkeypatch, where, exc):
+    parser = parsers["hermes"]
+    monkeypatch.setattr(parser, where, Raising(exc))
+    turn = parser.parse(GOOD_HERMES)
+    assert turn.calls == [] and turn.content == GOOD_HERMES and len(turn.errors) == 1
+    assert type(exc).__name__ in turn.errors[0]
+
+
+@pytest.mark.parametrize("where", ["_audit", "_parser"])
+def test_keyboard_interrupt_is_passed_on(parsers, monkeypatch, where):
+    # The operator's Ctrl-C, not the text's doing: a parser that swallowed it would leave a
+    # run that ignores it while it parses.
+    parser = parsers["hermes"]
+    monkeypatch.setattr(parser, where, Raising(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        parser.parse(GOOD_HERMES)

@@ -1,7 +1,7 @@
 """Tool calls parsed out of a model's turn: vLLM's maintained parsers, and a second reading
 of the turn for the malformed calls they swallow.
 
-    parser = ToolCallParser("hermes", tokenizer, toolset)  # imports vLLM: 10 s or more
+    parser = ToolCallParser("hermes", tokenizer, schemas)  # imports vLLM: 10 s or more
     turn = parser.parse(text, turn=2)
     turn.calls    [ToolCall(id="call_2_0", name="add", arguments_json='{"a": 1}')]
     turn.errors   ["tool call 2: invalid JSON (Expecting ',' delimiter at line 2 column 30)"]
@@ -37,13 +37,36 @@ one line of ``errors``: the caller counts them (``multiturn/tool_parse_errors``)
 the model. The rules added here:
 
   - a turn with a malformed call runs none of its calls (vLLM's hermes does so already): a
-    half-understood turn is never half executed;
+    half-understood turn is never half executed, and vLLM is not asked to read it;
   - a call to a name that is not a tool stays in ``calls`` and is reported in ``errors``; the
     caller answers it with an error tool message, as it answers a call that fails;
-  - arguments that are not a JSON object are malformed;
+  - arguments that are not a JSON object are malformed, and so are arguments no tool should be
+    handed: nested deeper than MAX_JSON_DEPTH, a string (or key) holding NUL or an unpaired
+    surrogate, a number that is not finite (NaN, Infinity, 1e999);
   - ids are ``call_<turn>_<index>``, so an episode replays to the same trajectory;
   - the vLLM parser's logger is set to CRITICAL: a model learning the format writes malformed
     calls by the thousand, and ``errors`` already says what each one got wrong.
+
+Degenerate text (a repetition collapse: brackets a thousand deep, a tag repeated to the end
+of the turn) costs the turn's calls and nothing else. What such text did before the bounds
+below (measured): json's C decoder recurses once per level and raised RecursionError out of
+the audit at about a thousand levels; json raises ValueError for an integer of more than
+4300 digits; vLLM's qwen3_coder converts a call's arguments again at each parameter (a call
+of 256 parameters in 33k characters: 6 s) and takes seconds for a thousand <function=...>
+tags. So, before anything is read:
+
+  - MAX_TURN_CHARS: a longer turn is one error, not read at all;
+  - a turn that is not valid Unicode (an unpaired surrogate; decoded ids never give one) is
+    one error;
+  - MAX_CALLS: a turn with more call openings (``<tool_call>``, ``<function=``, JSON objects)
+    is one error, as is a qwen3_coder turn past MAX_QWEN3_WORK;
+  - JSON is decoded once per call from where it starts (linear in the turn), and nesting
+    past MAX_JSON_DEPTH is an error whatever depth the decoder would have reached;
+
+and whatever the audit or vLLM raises, ``BaseException`` included (RecursionError,
+MemoryError, SystemExit), is one error line of that turn. KeyboardInterrupt is the one
+exception passed on: it is the operator stopping the process, not something the text did,
+and a parser that swallowed it would make a run ignore Ctrl-C while it parses.
 
 A parser is not thread-safe (vLLM's keep state while parsing): one per generator loop.
 """
@@ -52,15 +75,33 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from verl_async.config_base import ConfigError
-from verl_async.tools.schemas import ToolSet, json_type
+from verl_async.tools.schemas import json_type
 
 PARSERS = ("hermes", "llama3_json", "qwen3_coder")
+# A turn of 128k tokens at about 4 characters a token; vLLM's qwen3_coder reads this much in
+# about a second. Longer is a runaway generation, whatever it holds.
+MAX_TURN_CHARS = 2**19
+# Far more calls than a turn needs (multiturn.max_parallel_calls of them run); more is a
+# repetition collapse, and qwen3_coder's time grows with the square of the number.
+MAX_CALLS = 64
+# vLLM's qwen3_coder converts a call's arguments again at each <parameter=...> tag, about a
+# microsecond a character each time: a turn whose calls sum more parameters x characters (the
+# call's) than this, about a second of its time, is one error. Four parameters in a call of
+# 64k characters fit, as does one parameter in a turn of MAX_TURN_CHARS.
+MAX_QWEN3_WORK = 2**20
+# Levels of nesting in a call's arguments (tools take flat or shallow objects). json's decoder
+# recurses once per level up to the interpreter's recursion limit (1000), so a bound far
+# below it gives every call the same verdict however deep the caller's stack is.
+MAX_JSON_DEPTH = 32
+_BAD_CHARS = re.compile(r"[\x00\ud800-\udfff]")  # NUL, and surrogates (unpaired in a str)
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -69,7 +110,7 @@ class ToolCall:
 
     id: str  # call_<turn>_<index>
     name: str
-    arguments_json: str  # a JSON object
+    arguments_json: str  # a JSON object at most MAX_JSON_DEPTH deep: json.loads never recurses out
 
     def arguments(self) -> dict[str, Any]:
         return json.loads(self.arguments_json)
@@ -101,12 +142,12 @@ class ToolCallParser:
         self,
         name: str,
         tokenizer: Any,
-        tools: ToolSet | Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]],
         key: str = "tool_parser",
     ) -> None:
         check_parser_name(name, key)
         self.name = name
-        schemas = tools.schemas() if isinstance(tools, ToolSet) else [dict(s) for s in tools]
+        schemas = [dict(s) for s in tools]
         self.tool_names = [s["function"]["name"] for s in schemas]
         self._audit = _AUDITS[name]
         self._parser, self._request = _vllm_parser(name, tokenizer, schemas, key)
@@ -114,8 +155,20 @@ class ToolCallParser:
     def parse(self, text: str, turn: int = 0) -> ParsedTurn:
         """The calls in ``text``, a whole turn as decoded, numbered for ``turn``. Special
         tokens may be kept or skipped: these families' tags are plain text or added tokens
-        that are not special, and llama3_json's <|python_tag|> is optional."""
-        attempts, errors = self._audit(text)
+        that are not special, and llama3_json's <|python_tag|> is optional. Never raises
+        (but KeyboardInterrupt): whatever goes wrong is an error line (module docstring)."""
+        try:
+            return self._parse(text, turn)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 (model text costs its turn, never the loop)
+            return ParsedTurn(text or None, [], [f"the turn could not be read ({_brief(exc)})"])
+
+    def _parse(self, text: str, turn: int) -> ParsedTurn:
+        problem = _turn_problem(text)
+        attempts, errors = (0, [problem]) if problem else self._audit(text)
+        if errors:  # malformed: none of the turn's calls runs, and vLLM need not read it
+            return ParsedTurn(text or None, [], errors)
         info = self._extract(text, errors)
         found = info.tool_calls if info is not None else []
         if len(found) < attempts and not errors:  # vLLM dropped what the audit let pass
@@ -123,8 +176,8 @@ class ToolCallParser:
         for tc in found:
             problem = _arguments_problem(tc.function.arguments)
             if problem:
-                errors.append(f"tool call to '{tc.function.name}': {problem}")
-        if errors:  # malformed: none of the turn's calls runs
+                errors.append(f"tool call to {_shown(tc.function.name)}: {problem}")
+        if errors:
             return ParsedTurn(text or None, [], errors)
         calls = [
             ToolCall(f"call_{turn}_{i}", tc.function.name, tc.function.arguments)
@@ -132,7 +185,7 @@ class ToolCallParser:
         ]
         known = ", ".join(self.tool_names) or "none"
         errors = [
-            f"tool call to '{c.name}': no such tool (the tools are {known})"
+            f"tool call to {_shown(c.name)}: no such tool (the tools are {known})"
             for c in calls
             if c.name not in self.tool_names
         ]
@@ -142,8 +195,10 @@ class ToolCallParser:
     def _extract(self, text: str, errors: list[str]) -> Any:
         try:
             return self._parser.extract_tool_calls(text, self._request)
-        except Exception as exc:  # a parser's bug ends a turn's calls, never the episode
-            errors.append(f"the {self.name} parser failed ({type(exc).__name__}: {exc})")
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 (a parser's bug ends a turn's calls only)
+            errors.append(f"the {self.name} parser failed ({_brief(exc)})")
             return None
 
 
@@ -171,14 +226,70 @@ def _vllm_parser(
     return parser, request
 
 
+def _turn_problem(text: str) -> str | None:
+    """Why the turn is not read at all (see MAX_TURN_CHARS), or None."""
+    if len(text) > MAX_TURN_CHARS:
+        return (
+            f"the turn is {len(text)} characters long; tool calls are read from turns of at "
+            f"most {MAX_TURN_CHARS}"
+        )
+    surrogate = _SURROGATE.search(text)
+    if surrogate:
+        at = surrogate.start()
+        return f"the turn is not valid Unicode (an unpaired surrogate at character {at})"
+    return None
+
+
 def _arguments_problem(arguments_json: str) -> str | None:
-    try:
-        arguments = json.loads(arguments_json)
-    except json.JSONDecodeError:
-        return "the arguments are not JSON"
+    arguments, problem = _decode(arguments_json)
+    if problem:
+        return f"the arguments are not JSON ({problem})"
     if not isinstance(arguments, dict):
         return f"the arguments must be a JSON object, got {json_type(arguments)}"
+    return _value_problem(arguments)
+
+
+def _decode(body: str) -> tuple[Any, str | None]:
+    """``body`` as JSON, or why not (json raises ValueError for an integer of more than 4300
+    digits, RecursionError for nesting near the recursion limit)."""
+    try:
+        return json.loads(body), None
+    except json.JSONDecodeError as exc:
+        return None, f"{exc.msg} at line {exc.lineno} column {exc.colno}"
+    except ValueError as exc:
+        return None, _cut(str(exc))
+    except RecursionError:
+        return None, f"nested deeper than {MAX_JSON_DEPTH} levels"
+
+
+def _value_problem(value: Any) -> str | None:
+    """What makes decoded arguments unfit to hand a tool (module docstring), or None."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth >= MAX_JSON_DEPTH:
+                return f"the arguments are nested deeper than {MAX_JSON_DEPTH} levels"
+            children = [*item, *item.values()] if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+        elif isinstance(item, str) and _BAD_CHARS.search(item):
+            return "a string in the arguments holds NUL or an unpaired surrogate, which is not text"
+        elif isinstance(item, float) and not math.isfinite(item):
+            return f"a number in the arguments is {item}, which is not JSON"
     return None
+
+
+def _brief(exc: BaseException) -> str:
+    return _cut(f"{type(exc).__name__}: {exc}")
+
+
+def _cut(message: str, limit: int = 200) -> str:
+    """An error line stays short whatever the text held (a name, an exception's message)."""
+    return message if len(message) <= limit else message[: limit - 3] + "..."
+
+
+def _shown(name: Any) -> str:
+    return _cut(repr(name), 80)
 
 
 # ---- audits: (attempted calls, problems) read from the turn itself --------------------------
@@ -186,6 +297,7 @@ def _arguments_problem(arguments_json: str) -> str | None:
 
 Audit = Callable[[str], tuple[int, list[str]]]
 
+_TOOL_CALL = "<tool_call>"
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 _PYTHON_TAG = "<|python_tag|>"
 _QWEN3_BLOCK = re.compile(
@@ -200,6 +312,9 @@ _QWEN3_PARAMETER = re.compile(r"<parameter=([^>]*)>")
 def _hermes_audit(text: str) -> tuple[int, list[str]]:
     """Each <tool_call> block (closed, or open to the end as vLLM reads it) must be JSON with
     a "name" and "arguments"."""
+    opened = text.count(_TOOL_CALL)
+    if opened > MAX_CALLS:
+        return opened, [_too_many(opened)]
     bodies = _HERMES_BLOCK.findall(text)
     return len(bodies), _numbered(_json_call_problem(b, "arguments") for b in bodies)
 
@@ -212,22 +327,46 @@ def _llama_audit(text: str) -> tuple[int, list[str]]:
     if body.startswith(_PYTHON_TAG):
         body = body[len(_PYTHON_TAG) :].lstrip()
     elif not body.startswith("{"):
-        return 0, []
-    objects = _json_objects(body)
+        return _llama_prose(text)
+    objects = _json_objects(body, MAX_CALLS + 1)
+    if len(objects) > MAX_CALLS:
+        return len(objects), [_too_many(f"more than {MAX_CALLS}")]
     return len(objects), _numbered(
         _json_call_problem(o, "parameters", "arguments") for o in objects
     )
 
 
+def _llama_prose(text: str) -> tuple[int, list[str]]:
+    """vLLM reads calls out of prose too, from its first "{" to the first object that is not
+    a call; only their number is checked here (each read copies the rest of the turn)."""
+    read = 0
+    for source in _json_objects(text, MAX_CALLS + 1):
+        call, problem = _decode(source)
+        is_call = isinstance(call, dict) and "name" in call
+        if problem or not (is_call and ("parameters" in call or "arguments" in call)):
+            break
+        read += 1
+    return (read, [_too_many(f"more than {MAX_CALLS}")]) if read > MAX_CALLS else (0, [])
+
+
 def _qwen3_audit(text: str) -> tuple[int, list[str]]:
     """Each <tool_call> block (or bare <function=...>, which vLLM also takes) must name its
     function, be closed, and close its last parameter (vLLM drops one left open)."""
+    opened = max(text.count(_TOOL_CALL), text.count("<function="))
+    if opened > MAX_CALLS:
+        return opened, [_too_many(opened)]
     blocks = []
     for m in _QWEN3_BLOCK.finditer(text):
         if m["bare"] is None:
             blocks.append((m["body"], bool(m["end"])))
         else:
             blocks.append((m["bare"] + m["bare_end"], bool(m["bare_end"])))
+    work = sum(body.count("<parameter=") * len(body) for body, _ in blocks)
+    if work > MAX_QWEN3_WORK:
+        return len(blocks), [
+            f"the calls are too large to read: their parameters times their characters sum "
+            f"to {work}, more than {MAX_QWEN3_WORK}"
+        ]
     return len(blocks), _numbered(_qwen3_problem(body, closed) for body, closed in blocks)
 
 
@@ -238,31 +377,36 @@ _AUDITS: dict[str, Audit] = {
 }
 
 
+def _too_many(count: int | str) -> str:
+    return f"{count} tool calls in one turn; at most {MAX_CALLS} are read, so none of them runs"
+
+
 def _json_call_problem(body: str, *argument_keys: str) -> str | None:
-    try:
-        call = json.loads(body)
-    except json.JSONDecodeError as exc:
-        return f"invalid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
+    call, problem = _decode(body)
+    if problem:
+        return f"invalid JSON ({problem})"
     form = f'{{"name": ..., "{argument_keys[0]}": {{...}}}}'
     if not isinstance(call, dict):
         return f"expected a JSON object {form}, got {json_type(call)}"
     if not isinstance(call.get("name"), str):
         return f'no "name" string (a call is {form})'
-    if not any(k in call for k in argument_keys):
+    key = next((k for k in argument_keys if k in call), None)
+    if key is None:
         return f'no "{argument_keys[0]}" (a call is {form})'
-    return None
+    return _value_problem(call[key])
 
 
-def _json_objects(body: str) -> list[str]:
-    """The JSON objects vLLM's llama3_json parser reads from ``body``: from each "{" past the
-    last object read; one that does not decode runs to the end (and ends the reading)."""
+def _json_objects(body: str, limit: int) -> list[str]:
+    """The JSON objects vLLM's llama3_json parser reads from ``body``, ``limit`` at most:
+    from each "{" past the last object read; one that does not decode runs to the end (and
+    ends the reading). Each object is decoded once from where it starts: linear in ``body``."""
     decoder = json.JSONDecoder()
     objects: list[str] = []
     pos = 0
-    while (start := body.find("{", pos)) != -1:
+    while len(objects) < limit and (start := body.find("{", pos)) != -1:
         try:
             _, pos = decoder.raw_decode(body, start)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # bad JSON, a huge integer, deep nesting
             objects.append(body[start:])
             break
         objects.append(body[start:pos])
@@ -272,14 +416,15 @@ def _json_objects(body: str) -> list[str]:
 def _qwen3_problem(body: str, closed: bool) -> str | None:
     function = _QWEN3_FUNCTION.search(body)
     if function is None:
-        return "no <function=NAME> (a call is <function=NAME><parameter=KEY>VALUE</parameter></function>)"
+        form = "<function=NAME><parameter=KEY>VALUE</parameter></function>"
+        return f"no <function=NAME> (a call is {form})"
     if not function.group(1).strip():
         return "<function=> has no name"
     if not closed and "</function>" not in body:
         return "not closed: the turn ended inside the call"
     parameters = list(_QWEN3_PARAMETER.finditer(body))
     if parameters and "</parameter>" not in body[parameters[-1].end() :]:
-        return f"parameter '{parameters[-1].group(1)}' is not closed with </parameter>"
+        return f"parameter {_shown(parameters[-1].group(1))} is not closed with </parameter>"
     return None
 
 
