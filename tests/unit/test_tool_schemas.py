@@ -1,7 +1,8 @@
 """Tools as OpenAI function schemas (verl_async/tools/schemas.py): derived by transformers'
 get_json_schema from typed, docstringed functions (plain, async, a callable object, an
-environment's public methods), written explicitly as in YAML, refused with the key named;
-calls checked against the schema and run."""
+environment class's public methods), written explicitly as in YAML, refused with the key
+named; a call's arguments checked against the schema and its result made the tool message's
+text, as generators/tool_calls.py runs a call."""
 
 import asyncio
 import re
@@ -12,11 +13,11 @@ from tests.unit import tool_fns
 from verl_async.config_base import ConfigError
 from verl_async.tools.schemas import (
     ToolCallError,
-    ToolSet,
+    check_arguments,
     check_schema,
     load_tool,
-    run_call,
-    tools_of,
+    method_tools,
+    result_text,
 )
 
 KEY = "multiturn.tools[2]"
@@ -34,8 +35,16 @@ ADD_SCHEMA = {
 }
 
 
-def run(coro):
-    return asyncio.run(coro)
+def run(tool, arguments, instance=None):
+    """A call as the generator makes one: the arguments checked, the function called (an
+    environment's method on ``instance``, by name), awaited when the tool is async, and its
+    result as text."""
+    kwargs = check_arguments(tool, arguments)
+    fn = tool.fn if instance is None else getattr(instance, tool.name)
+    result = fn(**kwargs)
+    if tool.is_async:
+        result = asyncio.run(result)
+    return result_text(tool, result)
 
 
 def test_a_plain_function_gets_transformers_schema():
@@ -45,7 +54,7 @@ def test_a_plain_function_gets_transformers_schema():
         "type": "function",
         "function": {**ADD_SCHEMA, "return": {"type": "number"}},
     }
-    assert run(run_call(tool, {"a": 2, "b": 0.5})) == "2.5"  # not a str: JSON
+    assert run(tool, {"a": 2, "b": 0.5}) == "2.5"  # not a str: JSON
 
 
 def test_an_async_function_is_awaited_and_its_result_is_json():
@@ -59,27 +68,27 @@ def test_an_async_function_is_awaited_and_its_result_is_json():
         "nullable": True,
         "description": "At most this many results.",
     }
-    assert run(run_call(tool, {"query": "tea", "limit": None})) == '["note about tea"]'
+    assert run(tool, {"query": "tea", "limit": None}) == '["note about tea"]'
 
 
 def test_a_callable_object_is_named_after_its_attribute():
     tool = load_tool("tests.unit.tool_fns:count", key=KEY)
     assert tool.name == "count"
     assert tool.schema["function"]["description"] == "Count up."
-    assert run(run_call(tool, {"step": 2})) == "count=2"  # a str result stays as it is
+    assert run(tool, {"step": 2}) == "count=2"  # a str result stays as it is
     assert tool_fns.count.calls == 2
 
 
-def test_an_environment_exposes_its_public_methods_bound_to_the_instance():
-    env = tool_fns.Inventory()
-    tools = ToolSet(tools_of(env))
+def test_an_environment_class_exposes_its_public_methods_called_on_an_instance():
+    tools = {t.name: t for t in method_tools(tool_fns.Inventory)}
     # reset/step/close, _helper and the property are not tools (the property would raise).
-    assert tools.names == ["look", "put"]
-    assert tools["put"].parameters["required"] == ["item"]
+    assert list(tools) == ["look", "put"]
+    assert tools["put"].parameters["required"] == ["item"]  # no "self"
     assert tools["look"].is_async and tools["look"].parameters["properties"] == {}
-    assert run(run_call(tools["put"], {"item": "key", "n": 2})) == "key: 2"
-    assert run(run_call(tools["look"], {})) == '{"key": 2}'
-    assert env.items == {"key": 2}  # the tool changed this instance
+    env, other = tool_fns.Inventory(), tool_fns.Inventory()
+    assert run(tools["put"], {"item": "key", "n": 2}, env) == "key: 2"
+    assert run(tools["look"], {}, env) == '{"key": 2}'
+    assert env.items == {"key": 2} and other.items == {}  # the call changed that instance
 
 
 def test_an_explicit_schema_is_taken_whole_or_as_its_function_part():
@@ -158,7 +167,7 @@ def test_a_tool_that_cannot_be_loaded_or_described_is_refused(spec, words):
 
 def test_a_schema_covers_a_function_taking_any_keywords():
     tool = load_tool("tests.unit.tool_fns:takes_any", key=KEY, schema=ADD_SCHEMA)
-    assert run(run_call(tool, {"a": 1})) == '{"a": 1}'
+    assert run(tool, {"a": 1}) == '{"a": 1}'
 
 
 @pytest.mark.parametrize(
@@ -181,20 +190,8 @@ def test_an_environment_method_without_a_schema_is_refused_naming_it():
             return x
 
     with pytest.raises(ConfigError, match=r"Env\.poke") as err:
-        tools_of(Env(), key="multiturn.environments[0]")
+        method_tools(Env, key="multiturn.environments[0]")
     assert "multiturn.environments[0]" in str(err.value)
-
-
-def test_a_tool_set_refuses_two_tools_of_one_name_and_hands_out_copies():
-    add = load_tool("tests.unit.tool_fns:add", key=KEY)
-    with pytest.raises(ConfigError, match=r"'multiturn.tools'.*named 'add'"):
-        ToolSet([add, load_tool("tests.unit.tool_fns:add", key=KEY)], key="multiturn.tools")
-    tools = ToolSet([add, load_tool("tests.unit.tool_fns:search", key=KEY)])
-    assert tools.names == ["add", "search"] and "add" in tools and len(tools) == 2
-    schemas = tools.schemas()
-    assert [s["function"]["name"] for s in schemas] == ["add", "search"]
-    schemas[0]["function"]["name"] = "changed"
-    assert tools["add"].schema["function"]["name"] == "add"
 
 
 @pytest.mark.parametrize(
@@ -212,24 +209,27 @@ def test_a_tool_set_refuses_two_tools_of_one_name_and_hands_out_copies():
 def test_arguments_that_do_not_fit_the_schema_are_a_tool_call_error(arguments, words):
     tool = load_tool("tests.unit.tool_fns:add", key=KEY)
     with pytest.raises(ToolCallError) as err:
-        run(run_call(tool, arguments))
+        check_arguments(tool, arguments)
     assert str(err.value).startswith("add: ") and words in str(err.value)
 
 
 def test_every_problem_of_a_call_is_named_at_once():
     tool = load_tool("tests.unit.tool_fns:add", key=KEY)
     with pytest.raises(ToolCallError, match="unknown argument.*; missing required argument"):
-        run(run_call(tool, {"c": 1}))
+        check_arguments(tool, {"c": 1})
 
 
-def test_what_the_tool_raises_is_the_callers():
+def test_untyped_properties_take_any_value_and_what_the_tool_raises_is_the_callers():
     tool = load_tool("tests.unit.tool_fns:add", key=KEY, schema={"name": "add_any", "parameters": {
         "type": "object", "properties": {"a": {}, "b": {}}, "required": ["a"]}})  # fmt: skip
+    assert check_arguments(tool, {"a": "x", "b": 1}) == {"a": "x", "b": 1}
     with pytest.raises(TypeError, match="can only concatenate"):
-        run(run_call(tool, {"a": "x", "b": 1}))  # untyped properties: anything passes the check
+        run(tool, {"a": "x", "b": 1})
 
 
 def test_a_result_that_is_not_json_is_refused_with_the_tools_name():
     tool = load_tool("tests.unit.tool_fns:returns_a_set", key=KEY)
     with pytest.raises(TypeError, match="tool 'returns_a_set' returned a set"):
-        run(run_call(tool, {}))
+        run(tool, {})
+    assert result_text(tool, {"a": [1, None]}) == '{"a": [1, null]}'
+    assert result_text(tool, "ünïcode") == "ünïcode"  # a string as it is, not JSON-quoted

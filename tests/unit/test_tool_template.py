@@ -14,14 +14,13 @@ from tests.unit.chat_tokenizers import llama3_1, qwen2_5, smollm2_tools
 from tests.unit.test_render import SMOLLM2_TEMPLATE, bpe_tokenizer, encode, episode
 from verl_async.config_base import ConfigError
 from verl_async.tools.chat_templates import chat_template, shipped_templates
-from verl_async.tools.schemas import ToolSet, load_tool
+from verl_async.tools.schemas import load_tool
 
-TOOLS = ToolSet(
-    [
-        load_tool("tests.unit.tool_fns:add", key="tools[0]"),
-        load_tool("tests.unit.tool_fns:search", key="tools[1]"),
-    ]
-)
+TOOLS = [
+    load_tool("tests.unit.tool_fns:add", key="tools[0]"),
+    load_tool("tests.unit.tool_fns:search", key="tools[1]"),
+]
+SCHEMAS = [tool.schema for tool in TOOLS]  # what the chat template's tools= takes
 SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 0.5}}\n</tool_call>'
 TWO_CALLS = CALL + '\n<tool_call>\n{"name": "search", "arguments": {"query": "tea"}}\n</tool_call>'
@@ -63,7 +62,7 @@ def test_without_tools_the_shipped_template_is_smollm2s(messages, generation_pro
 @pytest.mark.parametrize("factory", [smollm2_tools, qwen2_5, llama3_1])
 def test_the_prompt_lists_every_tools_name_and_description(factory):
     tok = factory()
-    text = render(tok, CONVERSATIONS[0], tools=TOOLS.schemas(), add_generation_prompt=True)
+    text = render(tok, CONVERSATIONS[0], tools=SCHEMAS, add_generation_prompt=True)
     for tool in TOOLS:
         assert f'"name": "{tool.name}"' in text
         assert tool.schema["function"]["description"] in text
@@ -77,8 +76,8 @@ def test_the_shipped_template_follows_qwen25s_layout_with_smollm2s_system_prompt
         *RESULTS,
         {"role": "user", "content": "And now?"},
     ]
-    ours = render(smollm2_tools(), messages, tools=TOOLS.schemas(), add_generation_prompt=True)
-    qwen = render(qwen2_5(), messages, tools=TOOLS.schemas(), add_generation_prompt=True)
+    ours = render(smollm2_tools(), messages, tools=SCHEMAS, add_generation_prompt=True)
+    qwen = render(qwen2_5(), messages, tools=SCHEMAS, add_generation_prompt=True)
     qwen_system = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
     assert ours.startswith(f"<|im_start|>system\n{SMOLLM2_SYSTEM}\n\n# Tools\n")
     assert ours == qwen.replace(qwen_system, SMOLLM2_SYSTEM)
@@ -90,7 +89,7 @@ def test_the_shipped_template_follows_qwen25s_layout_with_smollm2s_system_prompt
     ) in ours
     # A given system message replaces the default one, tools still listed after it.
     system = [{"role": "system", "content": "Be brief."}, CONVERSATIONS[0][0]]
-    assert render(smollm2_tools(), system, tools=TOOLS.schemas()).startswith(
+    assert render(smollm2_tools(), system, tools=SCHEMAS).startswith(
         "<|im_start|>system\nBe brief.\n\n# Tools\n"
     )
 
@@ -106,8 +105,7 @@ def test_structured_tool_calls_render_as_the_text_a_model_writes():
         {"role": "assistant", "content": "", "tool_calls": [call, as_string]},
     ]
     plain = [CONVERSATIONS[0][0], {"role": "assistant", "content": TWO_CALLS}]
-    schemas = TOOLS.schemas()
-    assert render(tok, structured, tools=schemas) == render(tok, plain, tools=schemas)
+    assert render(tok, structured, tools=SCHEMAS) == render(tok, plain, tools=SCHEMAS)
 
 
 @pytest.mark.parametrize(
@@ -122,7 +120,7 @@ def test_structured_tool_calls_render_as_the_text_a_model_writes():
 def test_tool_results_as_deltas_equal_the_full_render(factory, eos, call, prompt):
     tok = factory()
     eos_id = tok.convert_tokens_to_ids(eos)
-    r = ToolRenderer(tok, {eos_id}, TOOLS.schemas())
+    r = ToolRenderer(tok, {eos_id}, SCHEMAS)
     assert "Search the notes." in tok.decode(r.prompt_ids(prompt))  # the schemas are there
     turns = [call, "2.5, and one note about tea.", "Done."]
     observations = [RESULTS, [{"role": "user", "content": "Anything else?"}]]
@@ -134,7 +132,7 @@ def test_tool_results_as_deltas_equal_the_full_render(factory, eos, call, prompt
 
 def test_the_smollm2_tool_delta_is_one_user_turn_of_responses():
     tok = smollm2_tools()
-    r = ToolRenderer(tok, {tok.convert_tokens_to_ids("<|im_end|>")}, TOOLS.schemas())
+    r = ToolRenderer(tok, {tok.convert_tokens_to_ids("<|im_end|>")}, SCHEMAS)
     assert tok.decode(r.observation_ids(RESULTS)) == (
         "\n<|im_start|>user\n<tool_response>\n2.5\n</tool_response>\n"
         '<tool_response>\n["note about tea"]\n</tool_response><|im_end|>\n'
@@ -147,7 +145,7 @@ def test_without_tools_in_the_render_the_full_render_is_another_conversation():
     would) do not match a full render without them."""
     tok = smollm2_tools()
     eos_id = tok.convert_tokens_to_ids("<|im_end|>")
-    with_tools = ToolRenderer(tok, {eos_id}, TOOLS.schemas())
+    with_tools = ToolRenderer(tok, {eos_id}, SCHEMAS)
     plain = Renderer(tok, True, {eos_id})
     prompt = CONVERSATIONS[0]
     inc = with_tools.prompt_ids(prompt) + encode(tok, CALL) + [eos_id]

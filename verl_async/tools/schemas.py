@@ -1,5 +1,5 @@
 """Tools as OpenAI function schemas: where a tool comes from, what its schema says, how a
-call is checked and run.
+call's arguments are checked and its result written.
 
 A tool is a Python callable plus its schema, ``{"type": "function", "function": {"name",
 "description", "parameters"}}``: the form ``apply_chat_template(messages, tools=...)``, vLLM's
@@ -12,24 +12,24 @@ tool parsers and TRL's ``tools=`` all take. Three ways to get one, each ending i
                                                  section, as TRL derives it from ``tools=[fn]``
     load_tool("pkg.mod:fn", key=..., schema={})  the schema written in the config (YAML),
                                                  whole or just its ``function`` part, checked
-    tools_of(env)                                an environment's public methods bound to the
-                                                 instance, as TRL's ``environment_factory``
-                                                 exposes them
+    build_tool("pkg.mod:factory", args, key=...) the callable a factory builds from the
+                                                 config's ``args`` (the sandbox's ``python``)
+    method_tools(EnvClass)                       an environment's public methods, as TRL's
+                                                 ``environment_factory`` exposes them: each
+                                                 ``Tool.fn`` is the unbound method, called on
+                                                 the episode's instance by name
 
-``ToolSet`` holds the tools of an episode by name; ``schemas()`` is what the chat template's
-``tools=`` takes.
-
-``run_call(tool, arguments)`` checks the arguments against the schema (an unknown or missing
-argument, a value of the wrong JSON type: ``ToolCallError``), calls the function (awaiting it
-if it is async) and turns its result into the text of the tool message: a string as it is,
-anything else as JSON. What the tool itself raises is the caller's to catch, as are the
-timeout and the concurrency limit the config asked for (``Tool.timeout_s``,
-``Tool.max_concurrent``): where a call runs (an environment's thread, a sandbox) is the
-caller's choice.
+A call is the caller's to run (generators/tool_calls.py): ``check_arguments(tool, arguments)``
+checks them against the schema (an unknown or missing argument, a value of the wrong JSON
+type: ``ToolCallError``), the caller calls ``tool.fn`` with them as keyword arguments
+(awaiting it when ``Tool.is_async``) on a thread or loop of its choosing, within the
+timeout and concurrency limit the config asked for (``Tool.timeout_s``,
+``Tool.max_concurrent``), catching what the tool raises; ``result_text(tool, result)`` makes
+its result the text of the tool message: a string as it is, anything else as JSON.
 
 Config errors (a function that cannot be imported, a schema that cannot be derived or is
-malformed, two tools of one name) raise ``ConfigError`` naming the key, as
-``multiturn.tools[2].schema.function.name``.
+malformed) raise ``ConfigError`` naming the key, as
+``multiturn.tools[2].schema.function.name``; the caller refuses two tools of one name.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import json
 import math
 import re
 import types
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,7 +74,7 @@ class Tool:
     name: str
     schema: dict[str, Any]  # {"type": "function", "function": {name, description, parameters}}
     fn: Callable[..., Any]
-    is_async: bool  # fn returns a coroutine, awaited by run_call
+    is_async: bool  # fn returns a coroutine, for the caller to await
     max_concurrent: int | None = None  # calls of this tool running at once; None: no limit
     timeout_s: float | None = None  # a call's deadline; None: the caller's default
 
@@ -82,41 +82,6 @@ class Tool:
     def parameters(self) -> dict[str, Any]:
         """The JSON schema of the arguments (an object schema)."""
         return self.schema["function"].get("parameters") or {"type": "object", "properties": {}}
-
-
-class ToolSet:
-    """Tools by name, in the order given; two tools of one name are refused."""
-
-    def __init__(self, tools: Iterable[Tool], key: str = "tools") -> None:
-        self._tools: dict[str, Tool] = {}
-        for tool in tools:
-            if tool.name in self._tools:
-                raise ConfigError(
-                    f"bad value for '{key}': two tools are named '{tool.name}'; a model calls "
-                    "tools by name, so names must be unique"
-                )
-            self._tools[tool.name] = tool
-
-    def __getitem__(self, name: str) -> Tool:
-        return self._tools[name]
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._tools
-
-    def __iter__(self) -> Iterator[Tool]:
-        return iter(self._tools.values())
-
-    def __len__(self) -> int:
-        return len(self._tools)
-
-    @property
-    def names(self) -> list[str]:
-        return list(self._tools)
-
-    def schemas(self) -> list[dict[str, Any]]:
-        """The schemas for ``apply_chat_template(..., tools=...)`` (copies: a template or a
-        parser that edits them cannot change the tools)."""
-        return [copy.deepcopy(tool.schema) for tool in self]
 
 
 # ---- where a tool comes from ---------------------------------------------------------------
@@ -174,28 +139,12 @@ def build_tool(
     return _make_tool(fn, derive_schema(fn, f"{key}.function"), max_concurrent, None)
 
 
-def tools_of(instance: Any, key: str = "environment") -> list[Tool]:
-    """The tools an environment instance exposes: its public methods (listed on the class,
-    so properties are not evaluated; ``reset``, ``step``, ``close`` and ``get_reward`` left
-    out), bound to the instance, schemas derived from their hints and docstrings."""
-    cls = type(instance)
-    names = [
-        name
-        for name, _ in inspect.getmembers(cls, predicate=inspect.isfunction)
-        if not name.startswith("_") and name not in NOT_TOOLS
-    ]
-    where = f"{key} ({cls.__module__}.{cls.__qualname__})"
-    return [
-        _make_tool(method, derive_schema(method, f"{where}.{name}"), None, None)
-        for name in names
-        for method in [getattr(instance, name)]
-    ]
-
-
 def method_tools(cls: type, key: str = "environment") -> list[Tool]:
-    """The tools ``tools_of`` gives for any instance of ``cls``, known before one is built
-    (the schemas a prompt needs): each ``Tool.fn`` is the unbound method, which the caller
-    calls on the episode's instance by name."""
+    """The tools an environment class exposes: its public methods (listed on the class, so
+    properties are not evaluated; ``reset``, ``step``, ``close`` and ``get_reward`` left out),
+    schemas derived from their hints and docstrings, known before an instance is built (the
+    schemas a prompt needs). Each ``Tool.fn`` is the unbound method, which the caller calls
+    on the episode's instance by name."""
     names = [
         name
         for name, _ in inspect.getmembers(cls, predicate=inspect.isfunction)
@@ -369,7 +318,7 @@ def _describe(fn: Any) -> str:
     return getattr(fn, "__qualname__", None) or type(fn).__qualname__
 
 
-# ---- running a call ------------------------------------------------------------------------
+# ---- a call's arguments and its result -----------------------------------------------------
 
 
 def check_arguments(tool: Tool, arguments: Any) -> dict[str, Any]:
@@ -400,15 +349,6 @@ def check_arguments(tool: Tool, arguments: Any) -> dict[str, Any]:
     if problems:
         raise ToolCallError(f"{tool.name}: " + "; ".join(problems))
     return arguments
-
-
-async def run_call(tool: Tool, arguments: dict[str, Any]) -> str:
-    """Check ``arguments`` (ToolCallError), call the tool with them as keyword arguments
-    (awaited if it returns an awaitable) and give the result as the tool message's text."""
-    result = tool.fn(**check_arguments(tool, arguments))
-    if inspect.isawaitable(result):
-        result = await result
-    return result_text(tool, result)
 
 
 def result_text(tool: Tool, result: Any) -> str:
