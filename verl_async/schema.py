@@ -204,6 +204,7 @@ class EnvironmentConfig(_Section):
 
 
 MAX_AGENT_CALLS = 256  # the bound of ``multiturn.agents[i].max_calls``
+MAX_TURN_CALLS = 64  # the calls a parser reads in one turn (verl_async/tools/parsers.py)
 
 
 class AgentConfig(_Section):
@@ -269,9 +270,10 @@ class MultiTurnConfig(_Section):
     tools: empty, the tokenizer's own (it must take ``tools``); ``chatml_tools``, the
     shipped ChatML tool template (the hermes convention, for models whose template has no
     tool support, such as SmolLM2); or the path of a Jinja file."""
-    max_parallel_calls: PosInt = 4
+    max_parallel_calls: Annotated[int, msgspec.Meta(ge=1, le=MAX_TURN_CALLS)] = 4
     """Tool calls of one turn that run (at once); each call past it is answered with an
-    error message and counted as a tool error."""
+    error message and counted as a tool error. At most 64: a turn with more calls than
+    that is a parse error (the parsers read no more), so a larger bound would never run."""
     max_tool_response_tokens: PosInt = 256
     """Tokens one tool result may take; a longer one is cut (marked, and counted as a
     tool error). The whole observation is still bounded by ``max_observation_tokens``."""

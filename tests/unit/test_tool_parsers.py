@@ -479,3 +479,10 @@ def test_keyboard_interrupt_is_passed_on(parsers, monkeypatch, where):
     monkeypatch.setattr(parser, where, Raising(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
         parser.parse(GOOD_HERMES)
+
+
+def test_the_config_bounds_parallel_calls_by_what_a_parser_reads():
+    from verl_async.schema import MAX_TURN_CALLS
+    from verl_async.tools.parsers import MAX_CALLS
+
+    assert MAX_TURN_CALLS == MAX_CALLS
