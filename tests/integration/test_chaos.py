@@ -62,7 +62,7 @@ MODULES = {  # role -> what its command line holds (python -m MODULE)
 STEPS_AFTER = {"generator": ETA + 2, "reward_worker": 1}
 WAIT_S = 300.0  # any one thing the driver waits for; the run is paced by the driver
 AGENT_EVERY = 4  # every fourth prompt is an agent's (data source "agent")
-EPISODE_TIMEOUT_S = 20.0
+EPISODE_TIMEOUT_S = 10.0
 
 
 def _rows(path: Path) -> list[dict]:
