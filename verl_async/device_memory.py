@@ -88,14 +88,21 @@ class DeviceMemory:
             return _refuse(offer, "this process has no CUDA device")
         if ipc.device >= torch.cuda.device_count():
             return _refuse(offer, f"this process does not see cuda:{ipc.device}")
+        device = torch.device("cuda", ipc.device)
         try:
-            storage = torch.UntypedStorage._new_shared_cuda(
-                ipc.device, ipc.handle, ipc.size, ipc.offset, ipc.ref_counter_handle,
-                ipc.ref_counter_offset, ipc.event_handle or None, ipc.event_sync_required,
-            )  # fmt: skip
+            # CUDA must be initialised in this process, with a context on the handle's
+            # device, before a handle is opened: ``_new_shared_cuda`` does neither (the
+            # rebuild of a shared CUDA tensor in torch.multiprocessing initialises CUDA
+            # first), and a member spawned fresh has not touched CUDA yet.
+            torch.cuda.init()
+            with torch.cuda.device(device):  # this process's current device stays its own
+                torch.empty(1, device=device)  # makes the device's context now
+                storage = torch.UntypedStorage._new_shared_cuda(
+                    ipc.device, ipc.handle, ipc.size, ipc.offset, ipc.ref_counter_handle,
+                    ipc.ref_counter_offset, ipc.event_handle or None, ipc.event_sync_required,
+                )  # fmt: skip
         except Exception as exc:  # a handle of another GPU or process space: CUDA's error
             return _refuse(offer, f"its handle does not open here ({str(exc)[:120]})")
-        device = torch.device("cuda", ipc.device)
         view = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
         head = bytes(view[: len(offer.token)].cpu().numpy())
         if not hmac.compare_digest(head, offer.token.encode()):

@@ -57,3 +57,39 @@ def test_a_forged_handle_is_refused_and_a_real_one_accepted(caplog):
     data = torch.arange(256, dtype=torch.uint8, device="cuda")
     assert memory.write([data]) == 256
     assert torch.equal(memory.buffer[:256], data)
+
+
+def test_a_member_initialises_cuda_on_the_device_before_it_opens_the_handle(monkeypatch):
+    """A member spawned fresh has not touched CUDA: ``accept`` initialises it and makes the
+    handle's device current before ``_new_shared_cuda`` (which does neither) runs. CUDA's
+    calls are recorded here in order; the handle then fails to open and is refused."""
+    calls = []
+
+    class Device:  # torch.cuda.device: the current device inside the block
+        def __init__(self, device):
+            self.index = torch.device(device).index
+
+        def __enter__(self):
+            calls.append(f"enter cuda:{self.index}")
+
+        def __exit__(self, *exc):
+            calls.append("exit")
+
+    def empty(*shape, device=None, **kw):
+        calls.append(f"empty on {device}")
+        return torch.zeros(0)
+
+    def opened(*args):
+        calls.append(f"open handle of device {args[0]}")
+        raise RuntimeError("invalid resource handle")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "init", lambda: calls.append("init"))
+    monkeypatch.setattr(torch.cuda, "device", Device)
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared_cuda", opened, raising=False)
+    assert DeviceMemory.accept(_offer(device=1)) is None
+    assert calls == [
+        "init", "enter cuda:1", "empty on cuda:1", "open handle of device 1", "exit"
+    ]  # fmt: skip
