@@ -9,12 +9,20 @@ was handed, here through a queue where a run uses the buffer) and sends back a c
 of every bucket; the sender compares them with its own. Writes ``DIR/ipc.json``: route,
 bytes, seconds of each update (the first one sets up the channel and is left out of the
 median), and whether every byte arrived.
+
+A member that dies (a crash inside CUDA leaves no Python traceback, and the sender then
+sees only its collective fail, "Connection closed by peer") is reported as what it was:
+its exit code or signal and the traceback faulthandler wrote to ``DIR/member_fault.txt``,
+in ``ipc.json`` (``member_died``) and the summary line.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import multiprocessing as mp
+import queue
+import signal
 import statistics
 import time
 from pathlib import Path
@@ -53,6 +61,43 @@ def _checksums(buf: torch.Tensor) -> int:
     """A position-weighted sum of a uint8 tensor's bytes (a moved or changed byte shows)."""
     weights = torch.arange(buf.numel(), device=buf.device) % 251 + 1
     return int((buf.to(torch.int64) * weights).sum())
+
+
+def in_child(fault_path: str, target, *args) -> None:
+    """A child process's body: ``target(*args)`` with faulthandler writing the Python stack
+    of every thread to ``fault_path`` if the process dies of a fatal signal (SIGSEGV,
+    SIGABRT, SIGBUS, SIGFPE, SIGILL), which no ``except`` sees."""
+    with open(fault_path, "w") as faults:
+        faulthandler.enable(file=faults, all_threads=True)
+        target(*args)
+
+
+def death_of(child, fault_path: Path, wait_s: float = 10.0) -> str | None:
+    """How ``child`` died, or None while it lives or after a clean exit: its exit code or
+    signal, then the traceback faulthandler left (waits up to ``wait_s`` for the exit: a
+    peer's collective can fail a moment before the process is gone)."""
+    child.join(wait_s)
+    code = child.exitcode
+    if code is None or code == 0:
+        return None
+    how = f"exit code {code}"
+    if code < 0:
+        how = f"signal {signal.Signals(-code).name}"
+    trace = fault_path.read_text(errors="replace").strip() if fault_path.is_file() else ""
+    return f"{how}; " + (f"faulthandler: {trace}" if trace else "no traceback was written")
+
+
+def _get(results, child, timeout_s: float):
+    """The member's next report, or ``ChildProcessError`` as soon as it is seen dead."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return results.get(timeout=1.0)
+        except queue.Empty:
+            if not child.is_alive():
+                raise ChildProcessError("the member exited before it reported") from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the member sent no report within {timeout_s:.0f} s") from None
 
 
 def member(port: int, wire: list, bucket_bytes: int, device: str, offers, sums) -> None:
@@ -94,31 +139,42 @@ def ipc_check(out: Path, dry: bool) -> int:
     offers, sums = ctx.Queue(), ctx.Queue()
     port = free_port("127.0.0.1")
     wire = [[s.name, s.dtype, list(s.shape)] for s in specs]
-    child = ctx.Process(target=member, args=(port, wire, bucket_bytes, device, offers, sums))
+    out.mkdir(parents=True, exist_ok=True)
+    faults = out / "member_fault.txt"
+    body = (member, port, wire, bucket_bytes, device, offers, sums)
+    child = ctx.Process(target=in_child, args=(str(faults), *body))
     child.start()
+    times, routes, identical, error = [], set(), True, None
     try:
         group = join_group("127.0.0.1", port, 0, 2, "gloo", 120, device=torch.device(device))
         group.reserve(nbytes)
         offers.put(msgspec.to_builtins(group.offer) if group.offer is not None else None)
         packed = [pack_bucket(b, tensors) for b in buckets]
         sent = sum(_checksums(t.detach().reshape(-1).view(torch.uint8)) for t in tensors.values())
-        times, routes, identical = [], set(), True
         for _ in range(REPEATS + 1):
             t0 = time.perf_counter()
             routes.add(send_update(group, packed))  # returns once every member has read it
             times.append(time.perf_counter() - t0)
-            identical &= sums.get(timeout=120) == sent
+            identical &= _get(sums, child, 120) == sent
         child.join(60)
         group.close()
+    except Exception as exc:  # noqa: BLE001 - the member's death explains it, if it died
+        error = f"{type(exc).__name__}: {str(exc)[:300]}"
     finally:
+        died = death_of(child, faults)
         if child.is_alive():
             child.kill()
+    if died or error:
+        what = f"the member process died ({died})" if died else f"the update failed ({error})"
+        result = {"member_died": died, "sender_error": error, "identical": False}
+        (out / "ipc.json").write_text(json.dumps(result, indent=1))
+        print(f"summary: {what}")
+        return 1
     result = {
         "device": torch.cuda.get_device_name(0) if not dry else "cpu",
         "route": ",".join(sorted(routes)), "bytes": nbytes, "update_s": times[1:],
         "first_update_s": times[0], "identical": identical,
     }  # fmt: skip
-    out.mkdir(parents=True, exist_ok=True)
     (out / "ipc.json").write_text(json.dumps(result, indent=1))
     med = statistics.median(times[1:])
     print(
