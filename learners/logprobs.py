@@ -70,6 +70,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from learners.fused_head import head_values
+
 CHUNK_TOKENS = 1024  # positions whose logits exist at once: 1024 x 49,152 x 4 B = 200 MB
 PACK_TOKENS = 2048  # the longest packed row: its attention mask is S x S
 SHARE_WHEN = 0.8  # pack when the packed rows hold at most this share of the padded positions
@@ -83,11 +85,15 @@ class PassOptions:
     share_prefix: bool = True  # rows that begin alike compute their prefix once
     padding_free: bool = False  # rows end to end, no padding computed
     pack_tokens: int = PACK_TOKENS  # the longest packed row (sdpa and eager)
+    fused_head: bool = False  # the head fused with its log-probs (learners/fused_head.py)
 
     @classmethod
     def of(cls, learner) -> PassOptions:
         """The options a ``LearnerConfig`` sets."""
-        return cls(learner.logprob_chunk_tokens, learner.share_prefix, learner.padding_free)
+        return cls(
+            learner.logprob_chunk_tokens, learner.share_prefix, learner.padding_free,
+            fused_head=learner.fused_head,
+        )  # fmt: skip
 
 
 @dataclass
@@ -193,14 +199,13 @@ def token_stats(
         pack = _packing(model, input_ids, attention_mask, keep, options)
     if pack is not None:
         return _packed_stats(model, input_ids, keep, pack, temperature, entropy, options, tokens)
-    chunk = options.chunk_tokens
     logp, ent = _sliced(
-        model, input_ids, keep, temperature, entropy, chunk, attention_mask=attention_mask
+        model, input_ids, keep, temperature, entropy, options, attention_mask=attention_mask
     )
     return TokenStats(logp, ent, computed=n * t, real=tokens, tokens=tokens)
 
 
-def _sliced(model, input_ids, keep, temperature, entropy, chunk_tokens, **inputs):
+def _sliced(model, input_ids, keep, temperature, entropy, options: PassOptions, **inputs):
     """One forward pass of ids [N, T] (``inputs``: the model's other arguments) with the
     hidden states sliced to the columns ``keep`` [N, T-1] needs and the log-softmax at the
     targets computed from them: (log-probs, entropies or None), [N, T-1] each, 0 where
@@ -209,8 +214,8 @@ def _sliced(model, input_ids, keep, temperature, entropy, chunk_tokens, **inputs
     cols = keep.any(dim=0).nonzero().flatten()  # columns with a masked position
     kept = _Kept(keep[:, cols], input_ids[:, 1:][:, cols][keep[:, cols]], temperature, entropy)
     forward = partial(model, input_ids=input_ids, logits_to_keep=cols, **inputs)
-    if chunk_tokens > 0:
-        values = _chunked_values(_inner(model), forward, kept, chunk_tokens)
+    if options.chunk_tokens > 0 or options.fused_head:
+        values = _chunked_values(_inner(model), forward, kept, options)
     else:
         values = _full_values(forward, kept)
 
@@ -237,11 +242,13 @@ class _Kept:
         return 2 if self.entropy else 1
 
 
-def _chunked_values(inner, forward, kept: _Kept, chunk_tokens: int) -> torch.Tensor:
+def _chunked_values(inner, forward, kept: _Kept, options: PassOptions) -> torch.Tensor:
     """[M, 1] log-probs, or [M, 2] with the entropies, of the masked positions: the
     model's ``forward`` with its head (of ``inner``, the transformers model) replaced by
-    the chunked log-softmax."""
+    the chunked log-softmax, or with ``options.fused_head`` by the fused head
+    (learners/fused_head.py, chunks of ``chunk_tokens`` positions, 0: one)."""
     head = inner.get_output_embeddings()
+    chunk_tokens = options.chunk_tokens
     calls = []
 
     def head_forward(hidden: torch.Tensor) -> torch.Tensor:  # hidden: [N, K, H]
@@ -249,6 +256,11 @@ def _chunked_values(inner, forward, kept: _Kept, chunk_tokens: int) -> torch.Ten
         output, so FSDP2's hooks on the root module's outputs see the backward pass."""
         calls.append(1)
         chosen = hidden[kept.keep]  # [M, H]
+        if options.fused_head:
+            return head_values(
+                chosen, head.weight, head.bias, kept.targets, kept.temperature, kept.entropy,
+                chunk_tokens,
+            )  # fmt: skip
         parts = []
         for start in range(0, len(chosen), chunk_tokens):
             args = (
@@ -468,9 +480,7 @@ def _packed_stats(
     inputs = {"position_ids": pack.positions}
     if pack.attend is not None:
         inputs["attention_mask"] = pack.attend
-    logp, ent = _sliced(
-        model, pack.ids, packed_keep, temperature, entropy, options.chunk_tokens, **inputs
-    )
+    logp, ent = _sliced(model, pack.ids, packed_keep, temperature, entropy, options, **inputs)
 
     def place(values: torch.Tensor) -> torch.Tensor:  # [B, S-1] -> [N, T-1]
         full = torch.zeros((n, t - 1), dtype=values.dtype, device=device)

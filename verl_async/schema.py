@@ -336,6 +336,14 @@ class LearnerConfig(_Section):
     this many, each recomputed in backward, so the [tokens x vocabulary] logits never
     exist whole (prime-rl's fused_lm_head_token_chunk_size; learners/logprobs.py). Same
     values and gradients; 0: the model's own head over every kept position at once."""
+    fused_head: bool = False
+    """Fuse the head with its log-probs and entropies (learners/fused_head.py): one
+    autograd function runs the head and the log-softmax in chunks of
+    ``logprob_chunk_tokens`` positions (0: one chunk) and keeps no logits for the
+    backward, which recomputes each chunk once and forms the gradients of the hidden
+    states and the head's weight directly (the chunked head recomputes every chunk but
+    the first through activation checkpointing). Same values and gradients to float
+    rounding."""
     padding_free: bool = False
     """Pack a pass's rows end to end (several rows or prompt groups per packed row, each
     token at its position in its own row) so no padding is computed: a block-diagonal
