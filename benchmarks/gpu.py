@@ -1,15 +1,26 @@
-"""Learner step throughput under FSDP2 on CUDA, and the gather + broadcast of its weights.
+"""Learner step throughput on CUDA as the learner runs it, and the gather + broadcast of
+its weights.
 
     python benchmarks/gpu.py                                 # one GPU
+    python benchmarks/gpu.py --fsdp2                         # one GPU, sharded anyway
     torchrun --nproc-per-node N benchmarks/gpu.py            # N GPUs, one FSDP2 job
     python benchmarks/gpu.py --device cpu --layers 2 --hidden 128 --vocab 64 --seq-len 32
                                                              # code-path check on CPU (gloo)
 
 The step is the learner's own code: a ``Batch`` message is collated into pinned host
 memory, copied to the device, and trained with ``learners.update.policy_update`` (pi_prox
-recomputation, then ``algo.minibatches`` decoupled-PPO steps) on a Llama whose decoder
-layers and root are wrapped with FSDP2 ``fully_shard`` (the wrapping Accelerate's FSDP2
-plugin applies). Weights are bf16 on CUDA, float32 on CPU.
+recomputation, then ``algo.minibatches`` decoupled-PPO steps) on a random Llama made and
+placed as learners/setup.py makes and places the policy: Accelerate's ``prepare`` (bf16
+autocast over float32 weights) on one rank, FSDP2 over several or with
+``--cpu-offload``. ``--fsdp2`` shards one rank anyway, the comparison that says what
+FSDP2 costs where there is nothing to shard.
+
+Each of ``--steps`` timed steps (after two warm-up steps, with the garbage collector's
+objects frozen first, as a learner's steps should run) reports its wall seconds, its
+phases' device seconds from CUDA events (pi_prox, forwards, backwards, optimizer) and
+the collector's seconds; the summary gives medians and the spread. MFU counts the
+update's FLOPs as benchmarks/step_measure.py derives them (matrix weights and causal
+attention; the input embedding is a lookup) and reports the former count beside it.
 
 Publication is timed as the learner does it: bucket by bucket, ``full_tensor()`` of the
 bucket's parameters on every rank, then rank 0 packs it and broadcasts it over a
@@ -25,6 +36,7 @@ Only CUDA runs are benchmark figures; ``--device cpu`` exists so the script cann
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -34,30 +46,34 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, machine  # noqa: E402
+from step_measure import (  # noqa: E402
+    PHASES,
+    GcTimer,
+    ModelShape,
+    PhaseTimer,
+    old_step_flops,
+    profile_step,
+    step_flops,
+)
 
 
-def init_distributed(device: str) -> tuple[int, int, torch.device]:
-    rank = int(os.environ.get("RANK", 0))
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    if world == 1:
-        from verl_async.runtime import free_port
+def accelerator_for(args, learner):
+    """The learner's Accelerator (learners/setup.py's ``run_learner``): under torchrun it
+    sets up the job's process group; one rank has none unless FSDP2 asks for one."""
+    from accelerate import Accelerator
 
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port("127.0.0.1")))
-    if device == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local)
-        dev = torch.device("cuda", local)
-    else:
-        dev = torch.device("cpu")
-    dist.init_process_group(
-        "nccl" if device == "cuda" else "gloo", rank=rank, world_size=world, device_id=None
-    )
-    return rank, world, dev
+    from learners.setup import process_group_kwargs
+
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    return Accelerator(
+        cpu=not cuda, mixed_precision="bf16" if cuda else "no",
+        kwargs_handlers=process_group_kwargs(learner),
+    )  # fmt: skip
 
 
 def _heads(hidden: int) -> int:
@@ -73,13 +89,13 @@ def _kv_heads(hidden: int) -> int:
     return max(d for d in range(1, want + 1) if heads % d == 0)
 
 
-def build_model(args, cfg, dev: torch.device, dtype: torch.dtype):
+def build_model(args, cfg, dev: torch.device):
     """A random Llama of the arguments' shape, made what the learner trains (``cfg``'s
     Liger kernels, checkpointing, LoRA, compiled layers: learners/setup.py's
-    ``actor_model``), then sharded as the learner shards it."""
+    ``actor_model``); placed and sharded by ``place``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from learners.setup import actor_model, fsdp2
+    from learners.setup import actor_model
 
     config = LlamaConfig(
         vocab_size=args.vocab,
@@ -94,8 +110,29 @@ def build_model(args, cfg, dev: torch.device, dtype: torch.dtype):
     torch.manual_seed(0)
     with torch.device(dev):
         model = LlamaForCausalLM(config)  # float32 parameters, as the learner keeps them
-    model = actor_model(cfg, model, main=False)
-    return fsdp2(model, dtype)  # the learner's sharding; dtype is the compute dtype
+    return actor_model(cfg, model, main=False), config
+
+
+def place(args, accelerator, model, dtype: torch.dtype):
+    """(model, optimizer, sharding) as the learner of this many ranks has them
+    (learners/setup.py's ``prepare``), or FSDP2 at one rank with ``--fsdp2``."""
+    from learners.setup import adamw, fsdp2, own_process_group, prepare
+
+    def make_optimizer(m):
+        return adamw(m, lr=1e-6, weight_decay=0.0)  # the learner's
+
+    one = accelerator.num_processes == 1
+    if one and (args.fsdp2 or args.cpu_offload):
+        own_process_group()  # FSDP2 shards over a process group, here a group of one
+    if args.fsdp2 and one and not args.cpu_offload:
+        model = fsdp2(model, dtype)
+        return model, make_optimizer(model), "FSDP2 at one rank"
+    dtype_name = str(dtype).removeprefix("torch.")
+    model, optimizer = prepare(accelerator, model, make_optimizer, dtype_name, args.cpu_offload)
+    if not one or args.cpu_offload:
+        offload = " with CPU offload" if args.cpu_offload else ""
+        return model, optimizer, f"FSDP2 over {accelerator.num_processes} rank(s){offload}"
+    return model, optimizer, "one rank, Accelerate, not sharded"
 
 
 def batch_message(args, rank: int):
@@ -129,8 +166,6 @@ def batch_message(args, rank: int):
     return body, [bytes(b) for b in frames.buffers]
 
 
-PARTS = ("prox_s", "forward_s", "backward_s", "optimizer_s")
-
 # Dense bf16 peak of the accelerators we know (vendor data sheets); --peak-tflops otherwise.
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 
@@ -145,21 +180,6 @@ def _gpu_kind(dev: torch.device) -> str:
 def sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-
-
-def profile_step(step, dev: torch.device) -> None:
-    """One more step under torch.profiler: the operators by device time, then by host time
-    (host time near the step's wall time and device time well under it: launch-bound)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        step()
-        sync(dev)
-    table = prof.key_averages().table
-    if dev.type == "cuda":
-        print(table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=50))
-    print(table(sort_by="cpu_time_total", row_limit=10, max_name_column_width=50))
 
 
 def time_finite_checks(model, optimizer, any_rank, dev: torch.device, n: int) -> dict:
@@ -186,7 +206,7 @@ def time_finite_checks(model, optimizer, any_rank, dev: torch.device, n: int) ->
     return times
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--layers", type=int, default=16)
@@ -199,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--response-len", type=int, default=0, help="of --seq-len (default: half of it)"
     )
-    ap.add_argument("--steps", type=int, default=5, help="timed steps (after 2 warm-up steps)")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps (after 2 warm-up steps)")
     ap.add_argument(
         "--lora-rank",
         type=int,
@@ -210,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         "--chunk-tokens", type=int, default=1024,
         help="learner.logprob_chunk_tokens (0: the head over every kept position at once)",
     )  # fmt: skip
+    ap.add_argument("--fused-head", action="store_true", help="learner.fused_head")
     ap.add_argument("--padding-free", action="store_true", help="learner.padding_free")
     ap.add_argument(
         "--ragged", action="store_true", help="response lengths drawn from 1/4 to all of it"
@@ -217,64 +238,80 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", action="store_true", help="learner.compile")
     ap.add_argument("--checkpointing", action="store_true", help="gradient checkpointing")
     ap.add_argument("--liger", action="store_true", help="Liger's RoPE, RMSNorm, SwiGLU (CUDA)")
+    ap.add_argument("--cpu-offload", action="store_true", help="learner.cpu_offload")
+    ap.add_argument("--fsdp2", action="store_true", help="FSDP2 even at one rank")
+    ap.add_argument(
+        "--overlap", action="store_true",
+        help="also time steps whose batch is copied on a side stream during the previous one",
+    )  # fmt: skip
     ap.add_argument("--bucket-mb", type=int, default=64)
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="for MFU (default: known GPUs)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs/gpu")
-    ap.add_argument("--profile", action="store_true", help="print one step's operator profile")
-    args = ap.parse_args(argv)
+    ap.add_argument("--profile", action="store_true", help="profile one more step")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("summary: skipped, no CUDA device (use --device cpu for a code-path check)")
         return 0
 
     from learners.batching import collate, copy_to_device, wait_for_copy
-    from learners.publish import gathered_buckets
-    from learners.setup import adamw
     from learners.update import UpdateHooks, policy_update
-    from verl_async import lora
     from verl_async.algos import grpo_advantages
-    from verl_async.runtime import free_port
     from verl_async.schema import AlgoConfig, LearnerConfig, LoraConfig, ModelConfig, RunConfig
-    from verl_async.weight_sync import (
-        join_group,
-        pack_bucket,
-        param_specs,
-        plan_buckets,
-        send_update,
-    )
 
-    rank, world, dev = init_distributed(args.device)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     learner = LearnerConfig(
         logprob_chunk_tokens=args.chunk_tokens, padding_free=args.padding_free,
         gradient_checkpointing=args.checkpointing, compile=args.compile, liger=args.liger,
+        cpu_offload=args.cpu_offload, fused_head=args.fused_head,
     )  # fmt: skip
+    accelerator = accelerator_for(args, learner)
+    rank, world, dev = accelerator.process_index, accelerator.num_processes, accelerator.device
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     lora_cfg = ModelConfig(lora=LoraConfig(rank=args.lora_rank))
-    model = build_model(args, RunConfig(model=lora_cfg, learner=learner), dev, dtype)
-    optimizer = adamw(model, lr=1e-6, weight_decay=0.0)  # the learner's
+    model, config = build_model(args, RunConfig(model=lora_cfg, learner=learner), dev)
+    shape = ModelShape.of(model, config)
+    model, optimizer, sharding = place(args, accelerator, model, dtype)
     algo = AlgoConfig(correction="decoupled", minibatches=2)
     body, frames = batch_message(args, rank)
 
-    def clip_grad() -> float:
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    def clip_grad() -> float:  # learners/trainer.py's Learner.clip_grad
+        if world == 1:
+            norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
-    hooks = UpdateHooks(backward=torch.Tensor.backward, clip_grad=clip_grad)
-    parts: list[dict] = []  # each timed step's split (StepStats' timing fields)
+    phases = PhaseTimer(cuda=dev.type == "cuda")
+    phases.attach(model, optimizer)
+    hooks = UpdateHooks(
+        backward=phases.wrap("backward", accelerator.backward),
+        clip_grad=phases.wrap("optimizer", clip_grad),
+    )
+    collector = GcTimer()
+    collector.install()
+    pin = dev.type == "cuda"
 
     def train_step(batch) -> None:
         rewards = torch.from_numpy(batch.scores[:, 0])  # one source, weight 1
         adv = grpo_advantages(rewards, batch.group_index.cpu()).to(dev)
         model.train()
-        s = policy_update(model, optimizer, batch, adv, algo, hooks, learner=learner)
-        parts.append({k: getattr(s, k, None) for k in PARTS})
+        policy_update(model, optimizer, batch, adv, algo, hooks, learner=learner)
 
-    def timed_steps(overlap: bool) -> list[float]:
+    def timed_steps(overlap: bool) -> tuple[list[float], list[dict]]:
         """Steps fed from pinned host memory: the copy inline before each step, or (the
-        learner's prefetch) issued on a side stream while the previous step computes."""
+        learner's prefetch) issued on a side stream while the previous step computes.
+        Each timed step: its wall seconds, and its phases' and the collector's seconds."""
         side = torch.cuda.Stream(dev) if overlap else None
         pending = copy_to_device(collate(body, frames, pad_id=0, pin=pin), dev, side)
-        times = []
+        times, splits = [], []
         for i in range(2 + args.steps):  # two warm-up steps (with --compile: compiling)
+            if i == 2:  # what the warm-up left is the long-lived heap: out of the collector's way
+                gc.collect()
+                gc.freeze()
+                collector.running = True
             sync(dev)
             t0 = time.perf_counter()
             if overlap:
@@ -284,22 +321,97 @@ def main(argv: list[str] | None = None) -> int:
                 batch = collate(body, frames, pad_id=0, pin=pin).to(dev)
             train_step(batch)
             sync(dev)
+            wall = time.perf_counter() - t0
+            split = phases.read()
+            split["gc"], split["gc_full"] = collector.take()
             if i >= 2:
-                times.append(time.perf_counter() - t0)
+                times.append(wall)
+                splits.append(split)
             else:
-                parts.pop()
-                warmup.append(time.perf_counter() - t0)
-        return times
+                warmup.append(wall)
+        collector.running = False
+        gc.unfreeze()
+        return times, splits
 
-    pin = dev.type == "cuda"
     warmup: list[float] = []  # the warm-up steps' seconds: first shapes, compilation
-    step_times = timed_steps(overlap=False)
-    overlap_times = timed_steps(overlap=True) if dev.type == "cuda" else []
-    tokens = sum(p + r for p, r in zip(body.prompt_lengths, body.response_lengths, strict=True))
-    tokens *= world
+    step_times, splits = timed_steps(overlap=False)
+    overlap_times = timed_steps(overlap=True)[0] if args.overlap and pin else []
+    profiled = None
     if args.profile and rank == 0:
-        profile_step(lambda: train_step(collate(body, frames, pad_id=0, pin=pin).to(dev)), dev)
-        parts.pop()
+        profiled = profile_step(
+            lambda: train_step(collate(body, frames, pad_id=0, pin=pin).to(dev)), dev
+        )
+        phases.read()
+    publish_times, nbytes = time_publish(args, model, dev, rank)
+    from learners.distributed import DataParallel
+
+    check_times = time_finite_checks(
+        model, optimizer, DataParallel(rank, world).any_rank, dev, min(args.steps, 5)
+    )
+    if rank == 0:
+        rows = [p + r for p, r in zip(body.prompt_lengths, body.response_lengths, strict=True)]
+        resp_tokens = sum(body.response_lengths) * world
+        lora = bool(args.lora_rank)
+        k = algo.minibatches
+        flops = step_flops(shape, rows * world, resp_tokens, k, lora)  # rank 0's rows x world
+        old = old_step_flops(shape, sum(rows) * world, resp_tokens, k, lora)
+        result = {
+            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+            "sharding": sharding,
+            "lora_rank": args.lora_rank,
+            "options": {
+                "chunk_tokens": args.chunk_tokens,
+                "fused_head": args.fused_head,
+                "padding_free": args.padding_free,
+                "compile": args.compile,
+                "checkpointing": args.checkpointing,
+                "liger": args.liger,
+                "cpu_offload": args.cpu_offload,
+            },  # fmt: skip
+            "world_size": world,
+            "params": shape.all_params,
+            "matrix_params": shape.matrix_params,
+            "dtype": str(dtype),
+            "tokens_per_step": sum(rows) * world,
+            "response_tokens_per_step": resp_tokens,
+            "flops_per_step": flops,
+            "old_flops_per_step": old,
+            "step_s": step_times,
+            "phases_s": splits,
+            "warmup_s": warmup,
+            "publish_s": publish_times,
+            "publish_bytes": nbytes,
+            "finite_check_s": check_times,
+            "peak_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if pin else 0.0,
+            "overlapped_step_s": overlap_times,
+            "profile": profiled,
+        }
+        result.update(rates(args, result, dev, world))
+        result["step_s_median"] = statistics.median(step_times)
+        result["phases_median_s"] = {
+            k: statistics.median(s[k] for s in splits) for k in (*PHASES, "gc")
+        }
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gpu.json").write_text(json.dumps(result, indent=1))
+        report(args, result)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+def time_publish(args, model, dev: torch.device, rank: int) -> tuple[list[float], int]:
+    """Seconds of each publication after the first (which allocates the buckets), and
+    the bytes one sends."""
+    from learners.publish import gathered_buckets
+    from verl_async import lora
+    from verl_async.runtime import free_port
+    from verl_async.weight_sync import (
+        join_group,
+        pack_bucket,
+        param_specs,
+        plan_buckets,
+        send_update,
+    )
 
     group = None
     if rank == 0:
@@ -308,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
             "127.0.0.1", free_port("127.0.0.1"), 0, 1, backend, 60, shared_memory=False
         )
     publish_times, nbytes = [], 0
-    for _ in range(1 + args.steps):
+    for _ in range(1 + min(args.steps, 5)):
         sync(dev)
         t0 = time.perf_counter()
         state = model.state_dict()
@@ -323,95 +435,90 @@ def main(argv: list[str] | None = None) -> int:
         nbytes = sum(b.nbytes for b in buckets)
         sync(dev)
         publish_times.append(time.perf_counter() - t0)
-    publish_times = publish_times[1:]  # the first one allocates the buckets
-    from learners.distributed import DataParallel
+    return publish_times[1:], nbytes
 
-    check_times = time_finite_checks(
-        model, optimizer, DataParallel(rank, world).any_rank, dev, args.steps
+
+def spread(values: list[float]) -> str:
+    """Median, then the range and the steps more than 1.5x the median."""
+    med = statistics.median(values)
+    slow = sum(v > 1.5 * med for v in values) if med > 0 else 0
+    return f"{med:.3f} ({min(values):.3f}-{max(values):.3f}, {slow} over 1.5x)"
+
+
+def rates(args, result: dict, dev: torch.device, world: int) -> dict:
+    """Throughput and MFU from the median step, per device."""
+    step_s = statistics.median(result["step_s"])
+    peak_tflops = args.peak_tflops or PEAK_BF16_TFLOPS.get(_gpu_kind(dev), 0.0)
+    per_device = result["flops_per_step"] / step_s / world / 1e12
+    old = result["old_flops_per_step"] / step_s / world / 1e12
+    return {
+        "tflops_per_device": per_device,
+        "mfu": per_device / peak_tflops if peak_tflops else None,
+        "old_mfu": old / peak_tflops if peak_tflops else None,
+    }
+
+
+def report(args, result: dict) -> None:
+    """The run's table on standard output, ending with the summary line."""
+    tokens, world = result["tokens_per_step"], result["world_size"]
+    step_s = statistics.median(result["step_s"])
+    print(f"machine: {machine()}; ranks: {world}; device: {result['device']}")
+    adapter = f", LoRA rank {args.lora_rank} on q/k/v/o" if args.lora_rank else ""
+    print(
+        f"model: {result['params'] / 1e6:.0f}M parameters ({result['matrix_params'] / 1e6:.0f}M "
+        f"in matrices but the head){adapter}, {result['dtype']}; {tokens} tokens per step "
+        f"({args.samples} x {args.seq_len} per rank, {result['response_tokens_per_step']} of "
+        f"them response tokens); {result['sharding']}"
     )
-
-    if rank == 0:
-        step_s = statistics.median(step_times)
-        pub_s = statistics.median(publish_times)
-        params = sum(p.numel() for p in model.parameters())  # global sizes (DTensor)
-        peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else 0.0
-        # The work the update needs: ~6 FLOPs per parameter and token (forward and
-        # backward), ~2 more for the pi_prox pass over the later minibatches' rows; the
-        # output head's parameters count on response tokens only (nothing reads the
-        # logits of other positions). With LoRA the frozen weights get no gradient of their
-        # own: 4 FLOPs instead of 6 (the adapters' share is left out).
-        k = algo.minibatches
-        head = model.get_output_embeddings().weight.numel()
-        resp_tokens = sum(body.response_lengths) * world
-        per_token = (4 if args.lora_rank else 6) + 2 * (k - 1) / k
-        flops = per_token * ((params - head) * tokens + head * resp_tokens)
-        per_device = flops / step_s / world / 1e12
-        peak_tflops = args.peak_tflops or PEAK_BF16_TFLOPS.get(_gpu_kind(dev), 0.0)
-        result = {
-            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-            "lora_rank": args.lora_rank,
-            "options": {
-                "chunk_tokens": args.chunk_tokens,
-                "padding_free": args.padding_free,
-                "compile": args.compile,
-                "checkpointing": args.checkpointing,
-                "liger": args.liger,
-            },  # fmt: skip
-            "world_size": world,
-            "params": params,
-            "dtype": str(dtype),
-            "tokens_per_step": tokens,
-            "response_tokens_per_step": resp_tokens,
-            "step_s": step_times,
-            "warmup_s": warmup,
-            "publish_s": publish_times,
-            "publish_bytes": nbytes,
-            "finite_check_s": check_times,
-            "peak_gib": peak,
-            "overlapped_step_s": overlap_times,
-            "parts_s": parts,
-            "tflops_per_device": per_device,
-            "mfu": per_device / peak_tflops if peak_tflops else None,
-        }
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "gpu.json").write_text(json.dumps(result, indent=1))
-        print(f"machine: {machine()}; ranks: {world}; device: {result['device']}")
-        adapter = f", LoRA rank {args.lora_rank} on q/k/v/o" if args.lora_rank else ""
+    print("| | median s (min-max, slow steps) | rate |")
+    print("|---|---|---|")
+    n = len(result["step_s"])
+    print(
+        f"| learner step ({result['sharding']}), {n} steps | {spread(result['step_s'])} "
+        f"| {tokens / step_s:,.0f} tokens/s |"
+    )
+    splits = result["phases_s"]
+    clock = "CUDA events" if result["device"] != "cpu" else "host clock"
+    for phase in PHASES:
+        values = [s[phase] for s in splits]
+        share = statistics.median(values) / step_s
+        print(f"| of which {phase} ({clock}) | {spread(values)} | {share:.1%} of the step |")
+    gc_s = [s["gc"] for s in splits]
+    print(
+        f"| garbage collector during the steps (host) | {spread(gc_s)} "
+        f"| {sum(s['gc_full'] for s in splits)} full passes in {n} steps |"
+    )
+    if result["overlapped_step_s"]:
+        over_s = statistics.median(result["overlapped_step_s"])
         print(
-            f"model: {params / 1e6:.0f}M parameters{adapter}, {dtype}; {tokens} tokens per step "
-            f"({args.samples} x {args.seq_len} per rank, {resp_tokens} of them response tokens)"
+            f"| same, batch copied on a side stream during the previous step "
+            f"| {spread(result['overlapped_step_s'])} "
+            f"| {tokens / over_s:,.0f} tokens/s ({over_s / step_s:.2f}x the step) |"
         )
-        print("| | median s | rate |")
-        print("|---|---|---|")
-        print(f"| learner step (FSDP2) | {step_s:.3f} | {tokens / step_s:,.0f} tokens/s |")
-        if parts and parts[0]["prox_s"] is not None:  # a learner that reports its parts
-            split = ", ".join(
-                f"{k[:-2]} {statistics.median(p[k] for p in parts):.3f}" for k in PARTS
-            )
-            print(f"| of which (median s) | {split} | |")
-        if overlap_times:
-            over_s = statistics.median(overlap_times)
-            print(
-                f"| same, batch copied on a side stream during the previous step | {over_s:.3f} "
-                f"| {tokens / over_s:,.0f} tokens/s ({over_s / step_s:.2f}x the step) |"
-            )
+    if result["profile"]:
+        prof = result["profile"]
+        kernels = "" if prof["device_s"] is None else f"; {prof['device_s']:.3f} s in kernels"
         print(
-            f"| gather shards + broadcast ({nbytes / 2**20:.0f} MiB) | {pub_s:.3f} "
-            f"| {nbytes / pub_s / 1e9:.2f} GB/s |"
+            f"| one step under torch.profiler (wall) | {prof['host_s']:.3f} "
+            f"| {prof['launches']} kernel launches{kernels} |"
         )
-        for what, times in check_times.items():
-            check_s = statistics.median(times)
-            print(
-                f"| finite check of the {what} | {check_s:.4f} | {check_s / step_s:.2%} of a step |"
-            )
-        mfu = f", MFU {result['mfu']:.1%}" if result["mfu"] else ""
-        print(
-            f"summary: {tokens / step_s:,.0f} tokens/s per step on {world} x {result['device']} "
-            f"({per_device:.3g} TFLOP/s per device{mfu}); "
-            f"publish {pub_s * 1000:.0f} ms ({pub_s / step_s:.1%} of a step); peak {peak:.1f} GiB"
-        )
-    dist.destroy_process_group()
-    return 0
+    pub_s, nbytes = statistics.median(result["publish_s"]), result["publish_bytes"]
+    print(
+        f"| gather shards + broadcast ({nbytes / 2**20:.0f} MiB) | {pub_s:.3f} "
+        f"| {nbytes / pub_s / 1e9:.2f} GB/s |"
+    )
+    for what, times in result["finite_check_s"].items():
+        check_s = statistics.median(times)
+        print(f"| finite check of the {what} | {check_s:.4f} | {check_s / step_s:.2%} of a step |")
+    mfu = ""
+    if result["mfu"] is not None:
+        mfu = f", MFU {result['mfu']:.1%} (former count {result['old_mfu']:.1%})"
+    print(
+        f"summary: {tokens / step_s:,.0f} tokens/s per step on {world} x {result['device']} "
+        f"({result['sharding']}; {result['tflops_per_device']:.3g} TFLOP/s per device{mfu}); "
+        f"publish {pub_s * 1000:.0f} ms ({pub_s / step_s:.1%} of a step); "
+        f"peak {result['peak_gib']:.1f} GiB"
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Everything one GPU lease should measure, in one command of at most ~8 minutes.
 
-    python benchmarks/gpu_check.py [--out runs/gpu_check] [--budget-s 480] [--only PART,...]
+    python benchmarks/gpu_check.py [--out runs/gpu_check] [--budget-s 440] [--only PART,...]
     python benchmarks/gpu_check.py --dry-run     # the same plan at tiny sizes on the CPU
 
 The parts run one after another, each in its own process under its own time limit, in
@@ -9,25 +9,36 @@ order of what matters most (a lease cut short still leaves the first ones):
 - ``ipc``: the weight update of a Qwen2.5-0.5B-shaped model (bf16, 0.99 GB) from the
   learner's process to a generator's process on the same GPU, through the weight-sync
   group's same-device channel (CUDA IPC; a memory file on the CPU): seconds per update,
-  every byte compared with what was sent.
+  every byte compared with what was sent. A member process that dies is reported by its
+  exit code or signal and its faulthandler traceback.
 - ``e2e-tiny``: the whole loop on one GPU: ``verl-async train`` with the buffer, a
   transformers-engine generator and the learner sharing ``cuda:0``
   (``placement.colocate``), bf16, the tiny model on the tiny task (which it learns
   within a few dozen steps on a CPU): reward first and last, step time, weight-sync
   time, the learner's peak GPU memory and the log-prob gap between the generator's and
   the learner's (``rollout_logp_diff_max``).
-- ``learner-*``: ``benchmarks/gpu.py`` (the learner's own FSDP2 step) at Qwen2.5-0.5B's
-  and SmolLM2-135M's shapes: against full logits, then the default chunked log-probs,
-  then with each option (compile, padding-free packing, Liger's kernels) and all of them
-  together; then responses of unequal lengths without and with padding-free packing:
-  MFU, step time, warm-up (compile) seconds, peak memory.
+- ``learner-*-chunked`` and ``learner-*-fsdp2``, at Qwen2.5-0.5B's and SmolLM2-135M's
+  shapes: ``benchmarks/gpu.py``, the step a one-rank learner runs (Accelerate, not
+  sharded, the chunked head; also with the batch copied on a side stream), then the same
+  step under FSDP2 at one rank. Each of 10 timed steps: wall seconds, device seconds of
+  its phases (pi_prox, forwards, backwards, optimizer) from CUDA events, the garbage
+  collector's seconds; medians and spread, MFU (matrix weights and causal attention) with
+  the former count beside it, peak memory.
+- ``profile``: one SmolLM2-shaped step under torch.profiler: kernel launches per step,
+  wall and kernel seconds, the operators by device and by host time.
+- the other ``learner-*`` variants at both shapes: the fused head, full logits, each
+  option (compile, padding-free packing, Liger's kernels) alone and all together, then
+  responses of unequal lengths without and with padding-free packing.
 - ``e2e-smollm2``: the whole loop again with a random model of SmolLM2-135M's shape.
-- ``profile``: one SmolLM2-shaped step's operators by device and by host time.
 
 Liger's kernels need ``liger-kernel`` (a small pure-Python wheel, with Triton); where it
 is missing its two parts fail and the rest run. With a 15-minute lease: ``--budget-s
-480`` (the default) leaves time for the machine's start and a rerun of what failed
-(``--only PART,...``; a prefix such as ``learner`` selects a family).
+440`` (the default on a GPU; ``--budget-s 450`` took 475 s on an H200, the command's own
+start and the last part's end being outside the budget) keeps the command within 8
+minutes and leaves time for the machine's start and a rerun of what failed (``--only
+PART,...``; a prefix such as ``learner`` selects a family). The parts' own limits add up
+to more than the budget: what it leaves out is the end of the list, recorded as "no
+time". A dry run has no budget unless given one (its parts' limits bound it).
 
 Writes ``OUT/results.json`` (every part: command, exit code, seconds, its figures) and
 ``OUT/summary.md`` (one table) after each part, and each part's own output under
@@ -63,16 +74,25 @@ TINY_LEARNER = (
     "--device cpu --layers 2 --hidden 64 --intermediate 128 --vocab 512 "
     "--samples 16 --seq-len 32 --response-len 8"
 )
-# The learner's options, one flag set each (benchmarks/gpu.py). "full logits" is the
-# learner before chunking: the head over every kept position at once.
+# The learner's options, one flag set each (benchmarks/gpu.py), most telling first:
+# "chunked" is the production path (one rank: Accelerate, no sharding; the default
+# chunked head), timed also with the batch copied on a side stream; "fsdp2" the same step
+# sharded at one rank; "full-logits" the learner before chunking (the head over every
+# kept position at once).
 VARIANTS = {
+    "chunked": "--overlap",
+    "fsdp2": "--fsdp2",
+    "fused-head": "--fused-head",
     "full-logits": "--chunk-tokens 0",
-    "chunked": "",
     "compile": "--compile",
     "padding-free": "--padding-free",
     "liger": "--liger",
     "all": "--compile --padding-free --liger",
+    "ragged": "--ragged",
+    "ragged-padding-free": "--ragged --padding-free",
 }
+FIRST = ("chunked", "fsdp2")  # at every shape before any other variant runs
+STEPS = 10  # timed steps of each learner part (3 in a dry run)
 # SmolLM2-135M's shape as the tiny model's fields (a random model with the tiny vocabulary).
 SMOLLM2_TINY = [
     "model.tiny.hidden_size=576", "model.tiny.num_layers=30", "model.tiny.num_heads=9",
@@ -103,46 +123,53 @@ def e2e_part(name: str, out: Path, dry: bool, steps: int, extra: list[str], time
     return Part(name, argv, timeout_s, figures="metrics.jsonl")
 
 
-def learner_parts(out: Path, dry: bool) -> list[Part]:
-    """benchmarks/gpu.py with each option (``VARIANTS``), then ragged responses without
-    and with padding-free packing, at each shape (Qwen first: its target is the higher)."""
+def learner_part(out: Path, dry: bool, shape: str, dims: str, variant: str) -> Part | None:
+    """benchmarks/gpu.py at one shape with one variant's flags (None: not on a CPU)."""
+    flags = VARIANTS[variant]
+    if dry and "--liger" in flags:  # Liger's kernels are Triton's: CUDA only
+        if variant == "liger":
+            return None
+        flags = flags.replace("--liger", "")
+    name = f"learner-{shape}-{variant}"
+    argv = [sys.executable, "benchmarks/gpu.py", *dims.split(), *flags.split()]
+    argv += ["--steps", str(3 if dry else STEPS), "--out", str(out / name)]
+    limit = 240 if dry else (120 if "--compile" in flags else 60)  # compiling: two shapes
+    if "--overlap" in flags:
+        limit *= 2  # the steps run twice
+    return Part(name, argv, limit, figures="gpu.json")
+
+
+def learner_parts(out: Path, dry: bool) -> tuple[list[Part], list[Part]]:
+    """(the production path and FSDP2 at one rank at each shape; every other variant at
+    each shape), Qwen first: its target is the higher."""
     shapes = {"tiny": TINY_LEARNER} if dry else {"qwen0.5b": QWEN, "smollm2": SMOLLM2}
-    runs = [
-        *VARIANTS.items(),
-        ("ragged", "--ragged"),
-        ("ragged-padding-free", "--ragged --padding-free"),
+    first = [learner_part(out, dry, s, d, v) for s, d in shapes.items() for v in FIRST]
+    rest = [
+        learner_part(out, dry, s, d, v)
+        for s, d in shapes.items()
+        for v in VARIANTS
+        if v not in FIRST
     ]
-    parts = []
-    for shape, dims in shapes.items():
-        for variant, flags in runs:
-            if dry and "--liger" in flags:  # Liger's kernels are Triton's: CUDA only
-                if variant == "liger":
-                    continue
-                flags = flags.replace("--liger", "")
-            name = f"learner-{shape}-{variant}"
-            argv = [sys.executable, "benchmarks/gpu.py", *dims.split(), *flags.split()]
-            argv += ["--steps", "3", "--out", str(out / name)]
-            compiles = "--compile" in flags  # the first two step shapes compile
-            limit = 240 if dry else (120 if compiles else 60)
-            parts.append(Part(name, argv, limit, figures="gpu.json"))
-    return parts
+    return first, [p for p in rest if p is not None]
 
 
 def plan(args) -> list[Part]:
     """The parts in the order they run: what matters most first."""
     out, dry = args.out, args.dry_run
     ipc = [sys.executable, "benchmarks/gpu_check.py", "--ipc", "--out", str(out / "ipc")]
+    dims = TINY_LEARNER if dry else SMOLLM2
+    profile = [sys.executable, "benchmarks/gpu.py", *dims.split(), "--steps", "1", "--profile"]
+    first, rest = learner_parts(out, dry)
     parts = [
         Part("ipc", ipc + (["--dry-run"] if dry else []), 60 if dry else 90, figures="ipc.json"),
         e2e_part("e2e-tiny", out, dry, 8 if dry else 100, [], 150 if dry else 120),
-        *learner_parts(out, dry),
+        *first,
+        Part("profile", profile + ["--out", str(out / "profile")], 60, figures="gpu.json"),
+        *rest,
     ]
     if not dry:
         smollm2 = [*SMOLLM2_TINY, "learner.lr=1e-4"]
         parts.append(e2e_part("e2e-smollm2", out, dry, 30, smollm2, 120))
-    dims = TINY_LEARNER if dry else SMOLLM2
-    argv = [sys.executable, "benchmarks/gpu.py", *dims.split(), "--steps", "1", "--profile"]
-    parts.append(Part("profile", argv + ["--out", str(out / "profile")], 60, figures="gpu.json"))
     if args.only:
         wanted = set(args.only.split(","))
         parts = [p for p in parts if p.name in wanted or p.name.split("-")[0] in wanted]
@@ -182,8 +209,9 @@ def read_figures(path: Path) -> dict:
     if path.suffix == ".json":
         data = json.loads(path.read_text())
         keep = (
-            "device", "params", "mfu", "tflops_per_device", "peak_gib", "step_s",
-            "update_s", "bytes", "route", "identical", "options", "warmup_s",
+            "device", "sharding", "params", "mfu", "old_mfu", "tflops_per_device", "peak_gib",
+            "step_s_median", "step_s", "phases_median_s", "profile", "update_s", "bytes",
+            "route", "identical", "member_died", "sender_error", "options", "warmup_s",
         )  # fmt: skip
         return {k: v for k, v in data.items() if k in keep}
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
@@ -202,6 +230,9 @@ def read_figures(path: Path) -> dict:
     }
 
 
+BRIEF = ("device", "params", "options", "step_s")  # in results.json, not in the table
+
+
 def summary_md(results: list[dict], dry: bool) -> str:
     lines = [
         f"# gpu_check{' (dry run, CPU)' if dry else ''}",
@@ -212,7 +243,8 @@ def summary_md(results: list[dict], dry: bool) -> str:
         "|---|---|---:|---|",
     ]
     for r in results:
-        figs = ", ".join(f"{k} {_short(v)}" for k, v in r["figures"].items())
+        shown = {k: v for k, v in r["figures"].items() if k not in BRIEF and v is not None}
+        figs = ", ".join(f"{k} {_short(v)}" for k, v in shown.items())
         lines.append(f"| {r['part']} | {r['rc']} | {r['seconds']} | {figs} |")
     return "\n".join(lines) + "\n"
 
@@ -221,14 +253,19 @@ def _short(v) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     if isinstance(v, list) and v and isinstance(v[0], float):
-        return "[" + ", ".join(f"{x:.4g}" for x in v[:5]) + "]"
+        return "[" + ", ".join(f"{x:.4g}" for x in v[:5]) + (", ...]" if len(v) > 5 else "]")
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} {_short(x)}" for k, x in v.items()) + "}"
     return str(v)[:80]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=ROOT / "runs/gpu_check")
-    ap.add_argument("--budget-s", type=float, default=480.0, help="all parts together")
+    ap.add_argument(
+        "--budget-s", type=float, default=None,
+        help="all parts together (default: 440 on a GPU, none in a dry run)",
+    )  # fmt: skip
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU")
     ap.add_argument("--only", default="", help="comma-separated part names or prefixes")
     ap.add_argument("--ipc", action="store_true", help="run the ipc part in this process")
@@ -244,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         print("summary: skipped, no CUDA device (--dry-run runs the plan on the CPU)")
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
-    deadline = time.monotonic() + args.budget_s
+    budget = args.budget_s or (float("inf") if args.dry_run else 440.0)
+    deadline = time.monotonic() + budget
     results = []
     for part in plan(args):
         left = deadline - time.monotonic()

@@ -190,29 +190,42 @@ def test_learner_scaling(tmp_path):
     assert all(r["tokens_per_s"] > 0 for r in results["one"] + results["two"])
 
 
-@pytest.mark.parametrize("lora_rank", [0, 8])
-def test_gpu_script_code_path_on_cpu(tmp_path, lora_rank):
-    """The CUDA benchmark's code (FSDP2 step, gather, bucketed send) on CPU with gloo; with
-    LoRA only the adapters are published."""
+@pytest.mark.parametrize(
+    ("lora_rank", "flags", "sharding"),
+    [(0, [], "one rank, Accelerate, not sharded"), (8, [], "one rank, Accelerate, not sharded"),
+     (0, ["--fsdp2", "--fused-head"], "FSDP2 at one rank")],
+)  # fmt: skip
+def test_gpu_script_code_path_on_cpu(tmp_path, lora_rank, flags, sharding):
+    """The CUDA benchmark's code (the one-rank learner's step, or FSDP2 at one rank, with
+    the chunked or the fused head; gather, bucketed send) on CPU with gloo; with LoRA only
+    the adapters are published. Each timed step reports its phases."""
     _run(
         "gpu.py",
         ["--device", "cpu", "--layers", "1", "--hidden", "128", "--intermediate", "256"]
-        + ["--vocab", "64", "--seq-len", "16", "--samples", "8", "--steps", "1"]
-        + ["--lora-rank", str(lora_rank), "--out", str(tmp_path)],
+        + ["--vocab", "64", "--seq-len", "16", "--samples", "8", "--steps", "2"]
+        + ["--lora-rank", str(lora_rank), "--out", str(tmp_path), *flags],
     )
     result = json.loads((tmp_path / "gpu.json").read_text())
     assert result["tokens_per_step"] == 8 * 16 and result["lora_rank"] == lora_rank
+    assert result["sharding"] == sharding
+    assert result["options"]["fused_head"] == ("--fused-head" in flags)
     # float32: the whole model, or the layer's four adapters (A: r x 128; B: 128 x r for q
     # and o, 64 x r for k and v, whose one key-value head is 64 wide)
     adapters = 4 * (lora_rank * 128) + 2 * (128 * lora_rank) + 2 * (64 * lora_rank)
     assert result["publish_bytes"] == (4 * adapters if lora_rank else 4 * result["params"])
+    assert len(result["step_s"]) == len(result["phases_s"]) == 2
+    for split in result["phases_s"]:  # each phase ran, within its step's wall time
+        assert all(split[k] > 0 for k in ("prox", "forward", "backward", "optimizer"))
+    assert all(sum(p[k] for k in ("prox", "forward", "backward", "optimizer")) <= wall
+               for p, wall in zip(result["phases_s"], result["step_s"], strict=True))  # fmt: skip
 
 
 def test_gpu_check_dry_run(tmp_path):
     """The GPU lease's one script runs its whole plan at tiny sizes on the CPU: the
     same-device weight channel (a memory file here) delivers every byte, the one-device
-    loop trains, and every learner variant and the profile finish with their figures."""
-    out = _run("gpu_check.py", ["--dry-run", "--out", str(tmp_path)], timeout=900)
+    loop trains, every learner variant (the production path, FSDP2 at one rank, the fused
+    head among them) and the profile finish with their figures."""
+    out = _run("gpu_check.py", ["--dry-run", "--out", str(tmp_path)], timeout=1500)
     assert "parts passed" in out.splitlines()[-1]
     results = {r["part"]: r for r in json.loads((tmp_path / "results.json").read_text())}
     assert all(r["rc"] == 0 for r in results.values()), results
@@ -221,8 +234,22 @@ def test_gpu_check_dry_run(tmp_path):
     e2e = results["e2e-tiny"]["figures"]
     assert e2e["steps"] == 8 and e2e["rollout_logp_diff_max"] < 1e-3
     variants = [p for p in results if p.startswith("learner-tiny-")]
-    assert len(variants) >= 4 and all(results[p]["figures"]["step_s"] for p in variants)
-    assert (tmp_path / "summary.md").read_text().count("| learner-tiny-") == len(variants)
+    assert {"learner-tiny-chunked", "learner-tiny-fsdp2", "learner-tiny-fused-head"} <= set(
+        variants
+    )
+    assert list(results)[2:4] == ["learner-tiny-chunked", "learner-tiny-fsdp2"]  # first
+    for p in variants:
+        figures = results[p]["figures"]
+        assert len(figures["step_s"]) == 3 and figures["step_s_median"] > 0
+        assert set(figures["phases_median_s"]) == {"prox", "forward", "backward", "optimizer", "gc"}
+        assert figures["mfu"] is None  # no peak known for a CPU
+    assert results["learner-tiny-chunked"]["figures"]["sharding"].startswith("one rank")
+    assert results["learner-tiny-fsdp2"]["figures"]["sharding"] == "FSDP2 at one rank"
+    assert results["learner-tiny-fused-head"]["figures"]["options"]["fused_head"] is True
+    profile = results["profile"]["figures"]["profile"]
+    assert profile["launches"] == 0 and profile["device_s"] is None and profile["host_s"] > 0
+    summary = (tmp_path / "summary.md").read_text()
+    assert summary.count("| learner-tiny-") == len(variants)
 
 
 def _json_lines(script: str, args: list[str], timeout: float = 600) -> list[dict]:
