@@ -69,6 +69,11 @@ def _log_softmax(h, weight, bias, temperature):
     return torch.log_softmax(logits, dim=-1)
 
 
+def _entropy(p: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """-sum_j p_j log p_j of each row of [C, V], as [C, 1], without a [C, V] product."""
+    return -torch.bmm(p.unsqueeze(1), logp.unsqueeze(2)).squeeze(-1)
+
+
 def _in(dtype, weight, bias):
     """The head's weight and bias in the product's dtype (cast once per pass)."""
     return weight.to(dtype), None if bias is None else bias.to(dtype)
@@ -91,7 +96,7 @@ class FusedHead(torch.autograd.Function):
                 logp = _log_softmax(hidden[start:end], w, b, temperature)
                 out[start:end, 0] = logp.gather(-1, targets[start:end, None]).squeeze(-1)
                 if entropy:
-                    out[start:end, 1] = -(logp.exp() * logp).sum(-1)
+                    out[start:end, 1] = _entropy(logp.exp(), logp).squeeze(-1)
                 del logp
         ctx.save_for_backward(hidden, weight, bias, targets)
         ctx.settings = (temperature, entropy, chunk, dtype)
@@ -111,17 +116,19 @@ class FusedHead(torch.autograd.Function):
             for start in range(0, len(hidden), chunk):
                 end = start + chunk
                 h, t = hidden[start:end], targets[start:end]
+                # In place where it can be: a chunk's [C, V] float32 tensors are the
+                # backward's peak (log p, p, dz).
                 logp = _log_softmax(h, w, b, temperature)
                 p = logp.exp()
                 g = grad_out[start:end].to(p.dtype)
-                dz = -g[:, :1] * p  # d log p_t / dz = onehot(t) - p
+                dz = p * -g[:, :1]  # d log p_t / dz = onehot(t) - p
                 dz.scatter_add_(1, t[:, None], g[:, :1])
-                if entropy:
-                    ent = -(p * logp).sum(-1, keepdim=True)
-                    dz -= g[:, 1:2] * p * (logp + ent)
+                if entropy:  # dH/dz = -p (log p + H)
+                    logp.add_(_entropy(p, logp)).mul_(p)
+                    dz.addcmul_(logp, g[:, 1:2], value=-1.0)
                 del logp, p
                 if temperature != 1.0:
-                    dz = dz / temperature
+                    dz.div_(temperature)
                 dz = dz.to(dtype)
                 if need_h:
                     grad_h[start:end] = (dz @ w).to(hidden.dtype)
