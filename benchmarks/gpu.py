@@ -131,7 +131,8 @@ def place(args, accelerator, model, dtype: torch.dtype):
     model, optimizer = prepare(accelerator, model, make_optimizer, dtype_name, args.cpu_offload)
     if not one or args.cpu_offload:
         offload = " with CPU offload" if args.cpu_offload else ""
-        return model, optimizer, f"FSDP2 over {accelerator.num_processes} rank(s){offload}"
+        n = accelerator.num_processes
+        return model, optimizer, f"FSDP2 over {n} rank{'s' if n > 1 else ''}{offload}"
     return model, optimizer, "one rank, Accelerate, not sharded"
 
 
