@@ -51,6 +51,7 @@ from learners.step_metrics import (
     note_new_graphs,
     step_row,
 )
+from learners.teacher import score_step
 from learners.update import StepStats, UpdateHooks, policy_update, prox_pass
 from learners.whole_step_correction import metric_names
 from verl_async import lora
@@ -79,6 +80,7 @@ class Learner:
         critic=None,
         critic_optimizer=None,
         reference=None,
+        teachers=None,
     ) -> None:
         self.ctx = ctx
         self.cfg = ctx.cfg
@@ -95,6 +97,8 @@ class Learner:
         self.critic_optimizer = critic_optimizer
         self.reference = reference  # algo.kl.in_reward or algo.kl.loss_coef > 0
         self.kl_ctrl = kl_controller(self.cfg.algo.kl)  # checkpointed
+        self.teachers = teachers  # distillation.enabled (learners/teacher.py)
+        self.distill_row: dict = {}  # the last step's distill/* metrics
         self.actor_hooks = self.update_hooks(model, self.cfg.learner.grad_clip)
         self.critic_hooks = (
             None if critic is None else self.update_hooks(critic, self.cfg.critic.grad_clip)
@@ -227,6 +231,8 @@ class Learner:
         if self.reference is not None:
             local.logp_ref = reference_logprobs(self.reference, local, temperature, passes)
             batch.logp_ref = dp.gather_rows(local.logp_ref, batch)
+        if self.teachers is not None:  # sets local.logp_teacher and batch.logp_teacher
+            self.distill_row = score_step(self.teachers, batch, local, dp, self.cfg.distillation)
         if algo.kl.in_reward:  # the KL of the policy the update starts from
             local.logp_prox, _ = prox_pass(self.model, local, temperature, options=passes)
             batch.logp_prox = dp.gather_rows(local.logp_prox, batch)
@@ -293,6 +299,7 @@ class Learner:
             step=not warming,
             temperature=cfg.generators.temperature,
             learner=cfg.learner,
+            distill=cfg.distillation,
         )
         if cfg.learner.compile and self.acc.is_main_process:
             self.graphs = note_new_graphs(self.graphs, self.steps_done)
@@ -301,7 +308,7 @@ class Learner:
         if self.skips is not None:
             self.skips.report(self.steps_done, stats, critic_stats)
         corr, stats.rollout_corr = stats.rollout_corr, None
-        stats = dp.mean_stats(stats, weight, sums=("loss", "pg_loss", "kl_loss"))
+        stats = dp.mean_stats(stats, weight, sums=("loss", "pg_loss", "kl_loss", "distill_loss"))
         if corr is not None:  # verl's rollout_corr/* over every rank's rows
             names = metric_names(self.algo.rollout_correction.settings())
             stats.rollout_corr = dp.mean_metrics(corr, weight, names)
@@ -439,6 +446,8 @@ class Learner:
         )
         row.update(algo_metrics(batch, stats, critic_stats, adv, self.kl_ctrl))
         row.update(multiturn_metrics(batch))
+        if stats.distill_loss is not None:
+            row.update(self.distill_row, **{"distill/loss": stats.distill_loss})
         row.update(self.gen_timing.row(batch.buffer_stats))  # the generators since the last batch
         row["prompts_skipped"] = batch.prompts_skipped
         if self.cfg.algo.filter_groups.enable and batch.filtered is not None:
