@@ -214,3 +214,35 @@ def test_teacher_routing_by_data_source():
     only = msgspec.structs.replace(d, teachers=d.teachers[:1])
     with pytest.raises(ConfigError, match="no teacher serves data source 'other'"):
         only.teacher_of("other")
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_naming_both(tmp_path):
+    from learners.teacher import check_tokenizer
+    from verl_async.launch.tiny_model import VOCAB, build_tokenizer
+
+    student, same, other = tmp_path / "student", tmp_path / "same", tmp_path / "other"
+    build_tokenizer(student)
+    build_tokenizer(same)
+    build_tokenizer(other, [*VOCAB, "teacher-only"])
+    check_tokenizer(str(student), str(same), "twin")  # the same vocabulary passes
+    with pytest.raises(ConfigError) as err:
+        check_tokenizer(str(student), str(other), "wide")
+    assert str(other) in str(err.value) and str(student) in str(err.value)
+    assert "teacher 'wide'" in str(err.value) and "1 (token, id) pairs" in str(err.value)
+
+
+def test_unserved_data_source_is_refused_at_launch(tmp_path):
+    from verl_async.launch.prepare import check_data
+
+    data = tmp_path / "p.jsonl"
+    data.write_text(
+        json.dumps({"prompt": "a b", "answer": "b", "data_source": "gsm8k"}) + "\n"
+        + json.dumps({"prompt": "c d", "answer": "d", "data_source": "math"}) + "\n"
+    )  # fmt: skip
+    cfg = load_config(
+        "configs/tiny.yaml",
+        [f"data.path={data}", "distillation.enabled=true",
+         "distillation.teachers=[{name: t, data_sources: [gsm8k]}]"],
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="no teacher serves data source 'math'"):
+        check_data(cfg)
