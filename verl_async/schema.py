@@ -419,9 +419,8 @@ class DistillationConfig(_Section):
     """Score every sampled token with a teacher and add the distillation term."""
     loss_mode: DistillLossMode = "k3"
     """Per-token divergence: kl/k1, abs, mse/k2, low_var_kl/k3 (reverse-KL estimators on the
-    sampled token), or forward_kl_topk (forward KL over the teacher's ``topk`` tokens)."""
-    topk: PosInt = 32
-    """Tokens per position the teacher reports for forward_kl_topk."""
+    sampled token); forward_kl_topk (forward KL over the teacher's top-k tokens) is refused:
+    the learner does not run it yet (docs/distillation.md)."""
     use_task_rewards: bool = True
     """Keep the task's policy loss (rewards, entropy bonus, KL term) beside the distillation
     term; false: the distillation term alone is the loss."""
@@ -429,9 +428,6 @@ class DistillationConfig(_Section):
     """Weight of the distillation term when ``use_task_rewards`` (1 without)."""
     loss_max_clamp: PosFloat | None = None
     """Each token's divergence clamped to [-c, c] (null: not clamped)."""
-    log_prob_min_clamp: Annotated[float, msgspec.Meta(lt=0)] | None = None
-    """forward_kl_topk: both models' top-k log-probs clamped below at this value (null: not
-    clamped)."""
     use_policy_gradient: bool = False
     """true: the negated divergence is each token's advantage in a PPO-clip loss (the
     Thinking Machines recipe; with k1 the advantage is teacher minus student log-prob);

@@ -86,13 +86,13 @@ def topk_id(case: dict) -> str:
 def test_forward_kl_topk_equals_verl(case):
     cfg = settings(
         loss_mode="forward_kl_topk", use_policy_gradient=case["use_policy_gradient"],
-        loss_max_clamp=case["loss_max_clamp"], log_prob_min_clamp=case["log_prob_min_clamp"],
+        loss_max_clamp=case["loss_max_clamp"],
     )  # fmt: skip
     logits = TOPK["student_logits"].clone().requires_grad_(True)
     logp = TOPK["log_prob"].clone().requires_grad_(True)
     ids = TOPK["teacher_topk_ids"].long()
     student = student_topk_logp(logits, ids)
-    top = forward_kl_topk(student, TOPK["teacher_topk_log_probs"], cfg.log_prob_min_clamp)
+    top = forward_kl_topk(student, TOPK["teacher_topk_log_probs"], case["log_prob_min_clamp"])
     # verl's logits processor returns the sum before its clamp at 0 (applied afterwards)
     raw = torch.tensor(case["per_token_loss"], dtype=torch.float64)
     torch.testing.assert_close(top.loss.double(), raw.clamp_min(0.0), rtol=1e-6, atol=1e-6)

@@ -29,7 +29,9 @@ order:
      loss, entropy bonus and KL term all dropped, as verl drops its whole ppo_loss).
 
 The masked positions never reach a value or a gradient: everything is aggregated over the
-mask. Pure torch; the learner's teacher pass (learners/teacher.py) supplies t (and t_k).
+mask. Pure torch; the learner's teacher pass (learners/teacher.py) supplies t. The learner
+does not run forward_kl_topk yet (the config refuses it): its functions here are verl's,
+tested, waiting for a log-prob pass that gives the student's s_k with their gradient.
 """
 
 from __future__ import annotations
@@ -44,8 +46,6 @@ from verl_async.algos.losses import GlobalBatch
 from verl_async.algos.policy_losses import LossInputs, LossOutput, policy_loss
 
 ESTIMATOR_MODES = BASE_KL_KINDS  # kl, k1, abs, mse, k2, low_var_kl, k3
-TOPK_MODE = "forward_kl_topk"
-DISTILL_MODES = (*ESTIMATOR_MODES, TOPK_MODE)
 DUAL_CLIP = 3.0  # verl reads clip_ratio_c from the distillation settings, which have none
 
 
