@@ -1,7 +1,7 @@
 """On-policy distillation through the real processes: ``verl-async train
 configs/tiny_distill.yaml`` (buffer, generator, learner with a tiny teacher of another seed
-loaded beside the student) for a few asynchronous steps. Every group is trained exactly
-once, no sample is ever staler than the bound, every sampled token is scored by the
+loaded beside the student) for a few asynchronous steps, with one learner rank and with two
+(each scores its own rows, the log-probs gathered). Every group is trained exactly once, no sample is ever staler than the bound, every sampled token is scored by the
 teacher, and the per-token reverse KL to it is reported each step."""
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+
+import pytest
 
 from .conftest import run_cli
 
@@ -19,12 +21,13 @@ def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def test_distillation_run_trains_every_group_once(tmp_path):
+@pytest.mark.parametrize("learners", ["[cpu]", "[cpu, cpu]"])
+def test_distillation_run_trains_every_group_once(tmp_path, learners):
     run_dir = tmp_path / "run"
     res = run_cli(
         ["train", "configs/tiny_distill.yaml", "--run-dir", str(run_dir),
          f"trainer.total_steps={STEPS}", f"learner.groups_per_step={GROUPS}",
-         "checkpoint.every_steps=0"],
+         "checkpoint.every_steps=0", f"placement.learners={learners}"],
         timeout=300,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
