@@ -83,6 +83,27 @@ JSON schema (all tensors are nested lists of floats, [B, T] row-major):
               reward, overlong_reward, overlong}]
     reward is read from the manager's float32 reward tensor; overlong_reward from its
     reward_extra_info (float64 here).
+
+With --part distillation the script writes tests/fixtures/verl_1dda039_distillation.json
+instead (the same recipe; verl.trainer.distillation's own functions):
+
+  inputs: {main (as above), topk: B=3, T=4, V=12 {student_logits, teacher_topk_log_probs and
+          teacher_topk_ids (the teacher's top K=5, ids as floats), log_prob, old_log_prob,
+          response_mask (lengths 4, 2, 3)}}
+  distillation:
+    estimators: [{loss_mode, use_policy_gradient, loss_max_clamp, loss_agg_mode, loss,
+                  grad_log_prob, raises}]: distillation_loss(ActorConfig, DistillationConfig,
+                  {"log_probs": main.log_prob}, data) with main.ref_log_prob as the teacher,
+                  main.old_log_prob as old_log_probs, main.rollout_is_weights, GLOBAL_INFO and
+                  clip_ratio_low 0.15 / clip_ratio_high 0.25; raises: "ValueError: ..." where
+                  verl's config refuses the combination (k1 without use_policy_gradient).
+    topk: [{log_prob_min_clamp, loss_max_clamp, use_policy_gradient, loss_agg_mode,
+            per_token_loss, student_mass, teacher_mass, loss, grad_student_logits,
+            grad_log_prob}]: the FSDP logits processor compute_forward_kl_topk on the student
+            logits (per_token_loss is its output, before the registered loss clamps it at 0),
+            then distillation_loss as above.
+  Tensors go through verl's padding-free layout with a one-token prompt per row; gradients
+  are read back at the response positions.
 """
 
 from __future__ import annotations
