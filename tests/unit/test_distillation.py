@@ -246,3 +246,37 @@ def test_unserved_data_source_is_refused_at_launch(tmp_path):
     )  # fmt: skip
     with pytest.raises(ConfigError, match="no teacher serves data source 'math'"):
         check_data(cfg)
+
+
+def test_teachers_score_sampled_tokens_routed_by_data_source(tmp_path):
+    # Two tiny teachers of other seeds: "a" goes to the first, every other source to the
+    # second. Each row's log-probs are its own teacher's, at sampled tokens only.
+    from learners.critic import load_reference, reference_logprobs
+    from learners.distributed import DataParallel
+    from learners.logprobs import PassOptions
+    from learners.teacher import LocalTeachers, score_step
+    from verl_async.launch.tiny_model import build_tiny_model
+    from verl_async.schema import TinyModelConfig
+
+    from .learner_samples import Sample, batch
+
+    paths = [build_tiny_model(tmp_path / f"t{s}", TinyModelConfig(seed=s)) for s in (1, 2)]
+    models = [load_reference(str(p), torch.device("cpu"), torch.float32) for p in paths]
+    cfg = DistillationConfig(
+        enabled=True,
+        teachers=[TeacherConfig(name="ta", data_sources=["a"]), TeacherConfig(name="rest")],
+    )
+    step = batch([Sample(0, 1.0, (1, 1, 1)), Sample(1, 0.0, (1, 0, 1)), Sample(2, 1.0, (1, 1))])
+    step.sample_sources = ["a", "b", "a"]
+    teachers = LocalTeachers(models, cfg, temperature=1.0, options=PassOptions())
+    row = score_step(teachers, step, step, DataParallel(), cfg)
+    mask = step.loss_mask
+    own = [reference_logprobs(m, step, 1.0) for m in models]
+    for r, t in enumerate([0, 1, 0]):
+        torch.testing.assert_close(step.logp_teacher[r], own[t][r])
+    assert (step.logp_teacher[mask == 0] == 0).all()
+    assert not torch.equal(own[0][1], own[1][1])  # the two teachers do differ
+    assert row["distill/ta/tokens"] == 5 and row["distill/rest/tokens"] == 2
+    assert row["distill/scored_fraction"] == 1.0
+    gap = (step.behav_logprobs - own[1])[1][mask[1] > 0].mean()
+    assert row["distill/rest/reverse_kl"] == pytest.approx(float(gap))
