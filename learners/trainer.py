@@ -1,7 +1,7 @@
 """Learner process (one Accelerate job): the RL loop, one short named step at a time.
 
     restore (when resuming) -> republish the restored weights
-    for step s:  collect -> compute_advantages -> update -> publish_weights
+    for step s:  collect -> score_teachers -> compute_advantages -> update -> publish_weights
                  -> checkpoint (every checkpoint.every_steps) -> log_metrics
 
 The learner version at step s is s: weights are published after every step, so the
@@ -155,6 +155,7 @@ class Learner:
                 t0 = time.monotonic()
                 batch, local = self.collect(batches)
                 self.mark_start_up(step == steps.start, "first batch")
+                self.score_teachers(batch, local)
                 advantages = self.compute_advantages(batch, local)
                 stats, critic_stats = self.update(batch, local, advantages)
                 sync_s = self.publish_weights()
@@ -210,6 +211,14 @@ class Learner:
         batch = batches.get()
         return batch, self.dp.local(batch)
 
+    def score_teachers(self, batch: TrainBatch, local: TrainBatch) -> None:
+        """Distillation (learners/teacher.py): the teachers' log-probs of the step's sampled
+        tokens, on this rank's rows, gathered (``batch.logp_teacher``); the update reads them."""
+        if self.teachers is not None:
+            self.distill_row = score_step(
+                self.teachers, batch, local, self.dp, self.cfg.distillation
+            )
+
     def compute_advantages(self, batch: TrainBatch, local: TrainBatch) -> Advantages:
         """Combine the reward sources into one outcome reward per sample, then the
         estimator's per-token advantages (with a multi-turn sample's turn rewards), with
@@ -231,8 +240,6 @@ class Learner:
         if self.reference is not None:
             local.logp_ref = reference_logprobs(self.reference, local, temperature, passes)
             batch.logp_ref = dp.gather_rows(local.logp_ref, batch)
-        if self.teachers is not None:  # sets local.logp_teacher and batch.logp_teacher
-            self.distill_row = score_step(self.teachers, batch, local, dp, self.cfg.distillation)
         if algo.kl.in_reward:  # the KL of the policy the update starts from
             local.logp_prox, _ = prox_pass(self.model, local, temperature, options=passes)
             batch.logp_prox = dp.gather_rows(local.logp_prox, batch)
