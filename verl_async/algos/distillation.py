@@ -17,8 +17,8 @@ order:
 
   1. loss_max_clamp c (if set): each token's value clamped to [-c, c].
   2. As a loss (``use_policy_gradient`` false): aggregated like any loss term (``agg_loss``
-     with the run's ``loss_agg_mode`` and denominators). k1 is refused there: its
-     gradient does not depend on the teacher.
+     with the run's ``loss_agg_mode`` and denominators). The config refuses k1 (and kl)
+     there: its gradient does not depend on the teacher.
      As a reward (true; Thinking Machines' recipe): the vanilla PPO-clip loss with
      advantage -value.detach() per token (for k1 that is t - s: the teacher's log-prob
      minus the student's, no discount, no baseline), the clip range
