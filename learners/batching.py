@@ -82,6 +82,7 @@ class TrainBatch:
     # [N, T-1] pi_prox, when needed before the update (policy_update then takes it as given)
     logp_prox: torch.Tensor | None = None
     logp_ref: torch.Tensor | None = None  # [N, T-1] the reference policy (algo.kl; its KL loss)
+    logp_teacher: torch.Tensor | None = None  # [N, T-1] the teachers' (distillation)
     values: torch.Tensor | None = None  # [N, T-1] the critic's, before its update (gae)
 
     def to(self, device: torch.device) -> TrainBatch:

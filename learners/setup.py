@@ -1,5 +1,6 @@
 """Build the learner: Accelerator, actor and optimizer, critic and reference when the
-algorithm needs them, the weight-sync group; then run the loop (learners/trainer.py).
+algorithm needs them, the distillation teachers, the weight-sync group; then run the loop
+(learners/trainer.py).
 
 One learner device: a plain Accelerate process. Several (``placement.learners``): the
 launcher starts them as one torchrun job; Accelerate sets up the process group (NCCL on
@@ -17,6 +18,8 @@ import sys
 import torch
 
 from learners.critic import load_critic, load_reference
+from learners.logprobs import PassOptions
+from learners.teacher import LocalTeachers
 from learners.trainer import Learner
 from verl_async import lora
 from verl_async.algos import get_policy_loss
@@ -74,9 +77,18 @@ def run_learner(ctx: RunContext) -> None:
             m, lr=cfg.critic.lr, weight_decay=cfg.critic.weight_decay
         ), cfg.model.dtype, offload)  # fmt: skip
         allocate_state(critic_optimizer)
-    if cfg.algo.uses_reference:  # frozen: the compute dtype on CUDA, float32 on CPU
-        dtype = getattr(torch, cfg.model.dtype) if torch.cuda.is_available() else torch.float32
-        reference = load_reference(cfg.algo.kl.ref_path or ep.model_path, accelerator.device, dtype)
+    # Frozen models (reference, teachers): the compute dtype on CUDA, float32 on CPU.
+    frozen = getattr(torch, cfg.model.dtype) if torch.cuda.is_available() else torch.float32
+    if cfg.algo.uses_reference:
+        reference = load_reference(
+            cfg.algo.kl.ref_path or ep.model_path, accelerator.device, frozen
+        )
+    teachers = None
+    if cfg.distillation.enabled:  # each checked against the student's tokenizer first
+        teachers = LocalTeachers.load(
+            cfg.distillation, ep.model_path, accelerator.device, frozen,
+            cfg.generators.temperature, PassOptions.of(cfg.learner),
+        )  # fmt: skip
     group = None
     if main:
         mark(ctx.path, "learner", "models ready")
@@ -98,7 +110,7 @@ def run_learner(ctx: RunContext) -> None:
     stop_on_signals()
     learner = Learner(
         ctx, accelerator, model, optimizer, group, pad_id, scheduler,
-        critic, critic_optimizer, reference,
+        critic, critic_optimizer, reference, teachers,
     )  # fmt: skip
     try:
         learner.train()

@@ -1,7 +1,7 @@
 """Learner process (one Accelerate job): the RL loop, one short named step at a time.
 
     restore (when resuming) -> republish the restored weights
-    for step s:  collect -> compute_advantages -> update -> publish_weights
+    for step s:  collect -> score_teachers -> compute_advantages -> update -> publish_weights
                  -> checkpoint (every checkpoint.every_steps) -> log_metrics
 
 The learner version at step s is s: weights are published after every step, so the
@@ -51,6 +51,7 @@ from learners.step_metrics import (
     note_new_graphs,
     step_row,
 )
+from learners.teacher import score_step
 from learners.update import StepStats, UpdateHooks, policy_update, prox_pass
 from learners.whole_step_correction import metric_names
 from verl_async import lora
@@ -79,6 +80,7 @@ class Learner:
         critic=None,
         critic_optimizer=None,
         reference=None,
+        teachers=None,
     ) -> None:
         self.ctx = ctx
         self.cfg = ctx.cfg
@@ -95,6 +97,8 @@ class Learner:
         self.critic_optimizer = critic_optimizer
         self.reference = reference  # algo.kl.in_reward or algo.kl.loss_coef > 0
         self.kl_ctrl = kl_controller(self.cfg.algo.kl)  # checkpointed
+        self.teachers = teachers  # distillation.enabled (learners/teacher.py)
+        self.distill_row: dict = {}  # the last step's distill/* metrics
         self.actor_hooks = self.update_hooks(model, self.cfg.learner.grad_clip)
         self.critic_hooks = (
             None if critic is None else self.update_hooks(critic, self.cfg.critic.grad_clip)
@@ -151,6 +155,7 @@ class Learner:
                 t0 = time.monotonic()
                 batch, local = self.collect(batches)
                 self.mark_start_up(step == steps.start, "first batch")
+                self.score_teachers(batch, local)
                 advantages = self.compute_advantages(batch, local)
                 stats, critic_stats = self.update(batch, local, advantages)
                 sync_s = self.publish_weights()
@@ -205,6 +210,14 @@ class Learner:
         """The step's batch (every rank gets all of it) and this rank's rows of it."""
         batch = batches.get()
         return batch, self.dp.local(batch)
+
+    def score_teachers(self, batch: TrainBatch, local: TrainBatch) -> None:
+        """Distillation (learners/teacher.py): the teachers' log-probs of the step's sampled
+        tokens, on this rank's rows, gathered (``batch.logp_teacher``); the update reads them."""
+        if self.teachers is not None:
+            self.distill_row = score_step(
+                self.teachers, batch, local, self.dp, self.cfg.distillation
+            )
 
     def compute_advantages(self, batch: TrainBatch, local: TrainBatch) -> Advantages:
         """Combine the reward sources into one outcome reward per sample, then the
@@ -293,6 +306,7 @@ class Learner:
             step=not warming,
             temperature=cfg.generators.temperature,
             learner=cfg.learner,
+            distill=cfg.distillation,
         )
         if cfg.learner.compile and self.acc.is_main_process:
             self.graphs = note_new_graphs(self.graphs, self.steps_done)
@@ -301,7 +315,7 @@ class Learner:
         if self.skips is not None:
             self.skips.report(self.steps_done, stats, critic_stats)
         corr, stats.rollout_corr = stats.rollout_corr, None
-        stats = dp.mean_stats(stats, weight, sums=("loss", "pg_loss", "kl_loss"))
+        stats = dp.mean_stats(stats, weight, sums=("loss", "pg_loss", "kl_loss", "distill_loss"))
         if corr is not None:  # verl's rollout_corr/* over every rank's rows
             names = metric_names(self.algo.rollout_correction.settings())
             stats.rollout_corr = dp.mean_metrics(corr, weight, names)
@@ -439,6 +453,8 @@ class Learner:
         )
         row.update(algo_metrics(batch, stats, critic_stats, adv, self.kl_ctrl))
         row.update(multiturn_metrics(batch))
+        if stats.distill_loss is not None:
+            row.update(self.distill_row, **{"distill/loss": stats.distill_loss})
         row.update(self.gen_timing.row(batch.buffer_stats))  # the generators since the last batch
         row["prompts_skipped"] = batch.prompts_skipped
         if self.cfg.algo.filter_groups.enable and batch.filtered is not None:

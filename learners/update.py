@@ -29,6 +29,7 @@ from verl_async.algos import (
     LossInputs,
     LossOutput,
     actor_inputs,
+    distillation,
     kl_k3,
     policy_loss,
 )
@@ -51,6 +52,7 @@ class StepStats:
     is_clipped_fraction: float
     grad_norm: float
     kl_loss: float | None = None  # the KL-to-reference loss term (algo.kl.loss_coef > 0)
+    distill_loss: float | None = None  # the distillation term (distillation.enabled)
     # Tokens sampled by the very weights being trained (version == the learner's): their
     # vLLM log-probs must equal pi_prox's. The largest gap (verl's rollout_probs_diff, in
     # log space) shows a weight push gone wrong; the fraction says how many were compared.
@@ -112,13 +114,15 @@ def policy_update(
     step: bool = True,
     temperature: float = 1.0,
     learner: LearnerConfig | None = None,
+    distill=None,
 ) -> StepStats:
     """pi_prox, then one optimizer step per minibatch of ``plan`` (learners/plan.py; by
     default ``algo.minibatches`` chunks of this batch on one rank, no micro-batching).
 
     ``advantages`` is [N] (one per sample) or [N, T-1] (per token). ``hooks`` backpropagate,
     clip and agree over ranks the way the caller's setup does. The batch's optional
-    tensors join in: ``batch.logp_ref`` adds the KL loss term (``algo.kl.loss_coef``), and
+    tensors join in: ``batch.logp_ref`` adds the KL loss term (``algo.kl.loss_coef``),
+    ``batch.logp_teacher`` the distillation term (as ``distill``, the distillation section, says), and
     ``batch.logp_prox``, when the caller computed pi_prox already, is taken as pi_prox. The step:
     ``version`` is the weights' (for the rollout-versus-learner log-prob check of
     ``StepStats``, and the seed below); ``step=False`` computes the losses and metrics
@@ -149,6 +153,7 @@ def policy_update(
         plan = plan_update(mask, batch.attention_mask, [len(mask)], 0, algo.minibatches)
     settings = learner or LearnerConfig()
     update = _Update(model, batch, advantages, algo, hooks, temperature, settings, version, step)
+    update.distill = distill
     plan = update.prox_first(plan)
     grads = [update.minibatch(k, mb, optimizer) for k, mb in enumerate(plan)]
     return update.stats(grads)
@@ -175,6 +180,7 @@ class _Update:
         self.entropy = torch.zeros_like(batch.loss_mask)
         self.whole: WholeStep | None = None
         self.parts: list = []  # (pg LossOutput, correction, tokens) of each real pass
+        self.distill = None  # the distillation section, read when batch.logp_teacher is set
 
     def prox_first(self, plan: list[Minibatch]) -> list[Minibatch]:
         """What the update needs before its first step: pi_prox of the rows the first
@@ -208,7 +214,7 @@ class _Update:
         optimizer step. Returns its losses summed over its micro-batches and its step's
         outcome."""
         agg = mb.global_batch(self.algo.loss_scale_factor)
-        sums = {"loss": 0.0, "pg_loss": 0.0, "kl_loss": 0.0}
+        sums = {"loss": 0.0, "pg_loss": 0.0, "kl_loss": 0.0, "distill_loss": 0.0}
         at_prox = k == 0 and not self.have_prox  # this pass's log-probs are pi_prox's
         for j, idx in enumerate(mb.micro):
             out = self.micro(k, j, idx, agg, at_prox)
@@ -216,6 +222,7 @@ class _Update:
                 sums["loss"] += float(out.total.detach())
                 sums["pg_loss"] += float(out.pg.loss.detach())
                 sums["kl_loss"] += 0.0 if out.kl_loss is None else float(out.kl_loss.detach())
+                sums["distill_loss"] += 0.0 if out.distill is None else float(out.distill.detach())
         grad, skip = 0.0, None
         if self.step:
             hooks, empty = self.hooks, mb.tokens == 0  # the minibatch's, over every rank
@@ -225,6 +232,8 @@ class _Update:
         self.clock.lap("optimizer_s")
         if self.batch.logp_ref is None or self.algo.kl.loss_coef == 0:
             sums["kl_loss"] = None
+        if self.batch.logp_teacher is None:
+            sums["distill_loss"] = None
         return {**sums, "grad": grad, "stepped": self.step and skip is None, "skip": skip}
 
     def micro(
@@ -249,7 +258,10 @@ class _Update:
             seed, given = micro_seed(self.seed, self.version or 0, k, j), _rows_of(self.whole, rows)
             inputs, corr = actor_inputs(logp, prox, behav, adv, rows_mask, algo, seed, given=given)
             ref = None if batch.logp_ref is None else rows.take(batch.logp_ref)
-            out = actor_loss(inputs, algo, stats.entropy if self.bonus else None, ref, agg)
+            teacher = None if batch.logp_teacher is None else rows.take(batch.logp_teacher)
+            out = actor_loss(
+                inputs, algo, stats.entropy if self.bonus else None, ref, agg, teacher, self.distill
+            )
         self.clock.lap("forward_s")
         if self.step:
             self.hooks.backward(out.total)
@@ -337,6 +349,7 @@ class ActorLoss:
     total: torch.Tensor  # the policy loss - the entropy bonus + the KL loss term
     pg: LossOutput  # the policy loss alone (verl's actor/pg_loss) and its metrics
     kl_loss: torch.Tensor | None  # the KL loss term before its coefficient, if any
+    distill: torch.Tensor | None = None  # the distillation term before its coefficient
 
 
 def actor_loss(
@@ -345,11 +358,15 @@ def actor_loss(
     entropy: torch.Tensor | None = None,
     logp_ref: torch.Tensor | None = None,
     batch: GlobalBatch | None = None,
+    logp_teacher: torch.Tensor | None = None,
+    distill=None,
 ) -> ActorLoss:
     """``algo.loss_mode``'s loss on ``inputs``, minus ``algo.entropy_coeff`` times the
     aggregated ``entropy``, plus ``algo.kl.loss_coef`` times the aggregated KL to
     ``logp_ref``: all aggregated with ``batch``'s denominators (``Minibatch.global_batch``;
-    by default this batch's own and ``algo.loss_scale_factor``) and ``algo.loss_agg_mode``."""
+    by default this batch's own and ``algo.loss_scale_factor``) and ``algo.loss_agg_mode``.
+    With ``logp_teacher``, the distillation term joins as ``distill`` (the distillation
+    section) says (verl_async/algos/distillation.py)."""
     batch = batch or GlobalBatch(loss_scale_factor=algo.loss_scale_factor)
     pg = policy_loss(inputs, algo, batch)
     total = pg.loss
@@ -361,7 +378,10 @@ def actor_loss(
         kld = kl_penalty(inputs.logp, logp_ref, algo.kl.loss_type)
         kl_loss = batch.agg(kld, mask, algo.loss_agg_mode)
         total = total + algo.kl.loss_coef * kl_loss
-    return ActorLoss(total, pg, kl_loss)
+    if logp_teacher is None:
+        return ActorLoss(total, pg, kl_loss)
+    term = distillation.distillation_term(inputs, logp_teacher, distill, algo, batch)
+    return ActorLoss(distillation.combine(total, term.loss, distill), pg, kl_loss, term.loss)
 
 
 def _step_stats(
@@ -392,6 +412,7 @@ def _step_stats(
         is_clipped_fraction=mean(lambda o, c: c.is_clipped_fraction),
         grad_norm=per_mb("grad"),
         kl_loss=None if grads[0]["kl_loss"] is None else per_mb("kl_loss"),
+        distill_loss=None if grads[0]["distill_loss"] is None else per_mb("distill_loss"),
         optimizer_steps=sum(g["stepped"] for g in grads),
         skipped_nonfinite_loss=sum(g["skip"] == "nonfinite_loss" for g in grads),
         skipped_nonfinite_grad=sum(g["skip"] == "nonfinite_grad" for g in grads),

@@ -158,6 +158,7 @@ def check_consistency(cfg: RunConfig) -> None:
     check_lora(cfg)
     check_loss_mode(cfg.algo)
     check_rollout_correction(cfg.algo)
+    check_distillation(cfg)
     mt = cfg.multiturn
     check_environments(mt)
     if mt.has_episodes and mt.max_episode_tokens > g.max_model_len:
@@ -253,6 +254,62 @@ def check_loss_mode(algo: AlgoConfig) -> None:
         raise ConfigError("bad value for 'algo.dro_beta': loss_mode dro needs a value > 0")
     if algo.clip_cov_lb >= algo.clip_cov_ub:
         raise ConfigError("bad value for 'algo.clip_cov_ub': must exceed algo.clip_cov_lb")
+
+
+TEACHER_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")  # part of a metric's name
+
+
+def check_distillation(cfg: RunConfig) -> None:
+    """``distillation``: teachers named once each, every data source served by at most one
+    (and at most one serving the rest), a tiny teacher only beside the tiny student, and a
+    loss mode the learner runs as configured."""
+    d = cfg.distillation
+    if not d.enabled:
+        return
+    if not d.teachers:
+        raise ConfigError("bad value for 'distillation.teachers': distillation needs a teacher")
+    names: set[str] = set()
+    served: dict[str, str] = {}
+    rest = None
+    for i, teacher in enumerate(d.teachers):
+        key = f"distillation.teachers[{i}]"
+        if not TEACHER_NAME.match(teacher.name) or teacher.name in names:
+            raise ConfigError(
+                f"bad value for '{key}.name': '{teacher.name}' must be unique and made of "
+                "letters, digits, '_', '.' or '-' (it names the teacher's metrics)"
+            )
+        names.add(teacher.name)
+        for source in teacher.data_sources:
+            if source in served:
+                raise ConfigError(
+                    f"bad value for '{key}.data_sources': '{source}' is served by teacher "
+                    f"'{served[source]}' already"
+                )
+            served[source] = teacher.name
+        if not teacher.data_sources:
+            if rest is not None:
+                raise ConfigError(
+                    f"bad value for '{key}.data_sources': teacher '{rest}' serves every other "
+                    "source already (only one teacher may leave data_sources empty)"
+                )
+            rest = teacher.name
+        if not teacher.path and cfg.model.path:
+            raise ConfigError(
+                f"bad value for '{key}.path': empty means a tiny teacher, whose vocabulary is "
+                "not that of the student at model.path; give the teacher's model directory"
+            )
+    if d.loss_mode in ("kl", "k1") and not d.use_policy_gradient:
+        raise ConfigError(
+            f"bad value for 'distillation.loss_mode': {d.loss_mode} as a loss has a gradient "
+            "that does not depend on the teacher; use k3 (or k2, abs), or set "
+            "distillation.use_policy_gradient=true to use it as a per-token reward"
+        )
+    if d.loss_mode == "forward_kl_topk":
+        raise ConfigError(
+            "bad value for 'distillation.loss_mode': forward_kl_topk is not run by the learner "
+            "yet (its loss functions exist, the learner's pass does not give the student's "
+            "log-probs of the teacher's top-k tokens); use a reverse-KL estimator such as k3"
+        )
 
 
 def check_filter_groups(cfg: RunConfig) -> None:

@@ -15,7 +15,9 @@ import msgspec
 
 from verl_async.algos.correction.settings import PRESETS, RolloutCorrection, resolve
 from verl_async.config_base import (
+    ConfigError,
     Fraction,
+    NonNegFloat,
     NonNegInt,
     Port,
     PosFloat,
@@ -395,6 +397,76 @@ class KLConfig(_Section):
     """Estimator of the KL loss term (as ``penalty``; "k3+" is k3's value with k2's gradient)."""
 
 
+# ----------------------------------------------------------------------------- on-policy distillation
+
+DistillLossMode = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "forward_kl_topk"]
+
+
+class TeacherConfig(_Section):
+    """One teacher: frozen, scoring the student's sampled tokens (verl's ``teacher_models``
+    entry)."""
+
+    name: str
+    """Name of the teacher in metrics (``distill/<name>/...``) and in errors."""
+    path: str = ""
+    """Hugging Face model directory. Empty: a tiny model built from ``tiny`` (a run whose
+    ``model.path`` is empty, the student being the tiny model too)."""
+    tiny: TinyModelConfig = msgspec.field(default_factory=TinyModelConfig)
+    """Shape and seed of the tiny teacher built when ``path`` is empty; it keeps the
+    student's vocabulary only with the same ``extra_words``."""
+    data_sources: list[str] = []
+    """The prompts' ``data_source`` values this teacher scores (verl's ``key``); empty: every
+    source no other teacher names."""
+
+
+class DistillationConfig(_Section):
+    """On-policy distillation: teachers score the student's own samples per token, and the
+    actor's loss pulls the student towards them (docs/distillation.md)."""
+
+    enabled: bool = False
+    """Score every sampled token with a teacher and add the distillation term."""
+    loss_mode: DistillLossMode = "k3"
+    """Per-token divergence: kl/k1, abs, mse/k2, low_var_kl/k3 (reverse-KL estimators on the
+    sampled token); forward_kl_topk (forward KL over the teacher's top-k tokens) is refused:
+    the learner does not run it yet (docs/distillation.md)."""
+    use_task_rewards: bool = True
+    """Keep the task's policy loss (rewards, entropy bonus, KL term) beside the distillation
+    term; false: the distillation term alone is the loss."""
+    distillation_loss_coef: NonNegFloat = 1.0
+    """Weight of the distillation term when ``use_task_rewards`` (1 without)."""
+    loss_max_clamp: PosFloat | None = None
+    """Each token's divergence clamped to [-c, c] (null: not clamped)."""
+    use_policy_gradient: bool = False
+    """true: the negated divergence is each token's advantage in a PPO-clip loss (the
+    Thinking Machines recipe; with k1 the advantage is teacher minus student log-prob);
+    false: the divergence is minimised directly as a loss (k1/kl refused: its gradient does
+    not depend on the teacher)."""
+    clip_ratio_low: Annotated[float, msgspec.Meta(gt=0, lt=1)] = 0.2
+    """Lower clip range of that PPO-clip loss (use_policy_gradient)."""
+    clip_ratio_high: PosFloat = 0.2
+    """Upper clip range of that PPO-clip loss (use_policy_gradient)."""
+    teachers: list[TeacherConfig] = []
+    """The teachers, each serving its data sources; every prompt's source must be served by
+    exactly one, and each must use the student's tokenizer."""
+
+    def teacher_of(self, data_source: str) -> int:
+        """Index of the teacher scoring ``data_source``: the one naming it, else the one
+        naming no source. ConfigError when none serves it."""
+        fallback = None
+        for i, teacher in enumerate(self.teachers):
+            if data_source in teacher.data_sources:
+                return i
+            if not teacher.data_sources:
+                fallback = i
+        if fallback is None:
+            raise ConfigError(
+                f"bad value for 'distillation.teachers': no teacher serves data source "
+                f"'{data_source}' (list it in a teacher's data_sources, or give one teacher "
+                "no data_sources to serve the rest)"
+            )
+        return fallback
+
+
 # ----------------------------------------------------------------------------- DAPO dynamic sampling
 
 
@@ -707,3 +779,4 @@ class RunConfig(_Section):
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
     ray: RayConfig = msgspec.field(default_factory=RayConfig)
+    distillation: DistillationConfig = msgspec.field(default_factory=DistillationConfig)

@@ -83,6 +83,27 @@ JSON schema (all tensors are nested lists of floats, [B, T] row-major):
               reward, overlong_reward, overlong}]
     reward is read from the manager's float32 reward tensor; overlong_reward from its
     reward_extra_info (float64 here).
+
+With --part distillation the script writes tests/fixtures/verl_1dda039_distillation.json
+instead (the same recipe; verl.trainer.distillation's own functions):
+
+  inputs: {main (as above), topk: B=3, T=4, V=12 {student_logits, teacher_topk_log_probs and
+          teacher_topk_ids (the teacher's top K=5, ids as floats), log_prob, old_log_prob,
+          response_mask (lengths 4, 2, 3)}}
+  distillation:
+    estimators: [{loss_mode, use_policy_gradient, loss_max_clamp, loss_agg_mode, loss,
+                  grad_log_prob, raises}]: distillation_loss(ActorConfig, DistillationConfig,
+                  {"log_probs": main.log_prob}, data) with main.ref_log_prob as the teacher,
+                  main.old_log_prob as old_log_probs, main.rollout_is_weights, GLOBAL_INFO and
+                  clip_ratio_low 0.15 / clip_ratio_high 0.25; raises: "ValueError: ..." where
+                  verl's config refuses the combination (k1 without use_policy_gradient).
+    topk: [{log_prob_min_clamp, loss_max_clamp, use_policy_gradient, loss_agg_mode,
+            per_token_loss, student_mass, teacher_mass, loss, grad_student_logits,
+            grad_log_prob}]: the FSDP logits processor compute_forward_kl_topk on the student
+            logits (per_token_loss is its output, before the registered loss clamps it at 0),
+            then distillation_loss as above.
+  Tensors go through verl's padding-free layout with a one-token prompt per row; gradients
+  are read back at the response positions.
 """
 
 from __future__ import annotations
@@ -136,6 +157,7 @@ def load_verl(path: str) -> dict:
     from verl import DataProto
     from verl.trainer.config import AlgoConfig
     from verl.trainer.config.algorithm import RolloutCorrectionConfig
+    from verl.workers.config import DistillationConfig, DistillationLossConfig
     from verl.workers.config.actor import ActorConfig, PolicyLossConfig
     from verl.workers.reward_manager.dapo import DAPORewardManager
 
@@ -149,6 +171,10 @@ def load_verl(path: str) -> dict:
         "ActorConfig": ActorConfig,
         "PolicyLossConfig": PolicyLossConfig,
         "DAPORewardManager": DAPORewardManager,
+        "DistillationConfig": DistillationConfig,
+        "DistillationLossConfig": DistillationLossConfig,
+        "distillation_losses": importlib.import_module("verl.trainer.distillation.losses"),
+        "distillation_fsdp": importlib.import_module("verl.trainer.distillation.fsdp.losses"),
     }
 
 
@@ -787,6 +813,144 @@ def overlong_section(v: dict) -> list[dict]:
     return out
 
 
+# ----------------------------------------------------------------------------- distillation
+
+DISTILL_ESTIMATORS = ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
+DISTILL_AGG = ["token-mean", "seq-mean-token-mean"]
+DISTILL_CLIP = {"clip_ratio": 0.2, "clip_ratio_low": 0.15, "clip_ratio_high": 0.25}
+
+
+def topk_inputs() -> dict[str, torch.Tensor]:
+    """B=3, T=4, V=12 student and teacher logits; the teacher's top K=5 per token."""
+    g = torch.Generator().manual_seed(314)
+    b, t, vocab, k = 3, 4, 12, 5
+    student = 2.0 * torch.randn(b, t, vocab, generator=g)
+    teacher = 2.5 * torch.randn(b, t, vocab, generator=g)
+    # Token (0, 1): the teacher is very sure, so some of its top-k log-probs sit below -3
+    # (the log_prob_min_clamp cases bind there).
+    teacher[0, 1, 3] = 12.0
+    top = torch.topk(torch.log_softmax(teacher, dim=-1), k, dim=-1)
+    log_prob = -(0.2 + 2.0 * torch.rand(b, t, generator=g))
+    return {
+        "student_logits": student,
+        "teacher_topk_log_probs": top.values,
+        "teacher_topk_ids": top.indices.to(torch.float64),  # float in the JSON; cast back
+        "log_prob": log_prob,
+        "old_log_prob": log_prob - 0.3 * torch.randn(b, t, generator=g),
+        "response_mask": prefix_mask([4, 2, 3], t),
+    }
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """[B, T, ...] -> verl's padding-free layout for a one-token prompt: each row's T values
+    then one position of the next row's prompt, flattened ([B * (T + 1), ...])."""
+    pad = torch.zeros_like(x[:, :1])
+    return torch.cat([x, pad], dim=1).reshape(-1, *x.shape[2:])
+
+
+def _distill_data(inp: dict, mask: torch.Tensor, teacher: torch.Tensor | None):
+    """The TensorDict verl's distillation_loss reads (a one-token prompt per row)."""
+    from tensordict import TensorDict
+
+    b, t = mask.shape
+    fields = {
+        "prompts": torch.ones(b, 1, dtype=torch.long),
+        "responses": torch.ones(b, t, dtype=torch.long),
+        "attention_mask": torch.ones(b, t + 1, dtype=torch.long),
+        "response_mask": mask,
+        "old_log_probs": inp["old_log_prob"],
+        "dp_size": torch.tensor(GLOBAL_INFO["dp_size"]),
+        "batch_num_tokens": torch.tensor(float(GLOBAL_INFO["batch_num_tokens"])),
+        "global_batch_size": torch.tensor(float(GLOBAL_INFO["global_batch_size"])),
+    }
+    if "rollout_is_weights" in inp:
+        fields["rollout_is_weights"] = inp["rollout_is_weights"]
+    if teacher is not None:
+        fields["teacher_logprobs"] = _flat(teacher[..., None])
+    return TensorDict(fields, batch_size=[])
+
+
+def _distill_configs(v: dict, agg: str, loss: dict):
+    actor = actor_config(v, MAIN_CLIP, {}, {}, loss_agg_mode=agg)
+    dcfg = v["DistillationConfig"](
+        enabled=False, distillation_loss=v["DistillationLossConfig"](**DISTILL_CLIP, **loss)
+    )
+    return actor, dcfg
+
+
+def distillation_section(v: dict, main: dict, topk: dict) -> dict:
+    """verl's distillation_loss per estimator, as a loss and as a reward, with and without
+    loss_max_clamp; and forward_kl_topk from the student's logits (its FSDP logits processor
+    then distillation_loss), with and without each clamp."""
+    losses = v["distillation_losses"]
+    out = {"estimators": [], "topk": []}
+    mask = main["response_mask"]
+    for mode in DISTILL_ESTIMATORS:
+        for pg in (False, True):
+            for clamp in (None, 0.5):
+                for agg in DISTILL_AGG:
+                    loss_cfg = {"loss_mode": mode, "use_policy_gradient": pg,
+                                "loss_max_clamp": clamp, "log_prob_min_clamp": None}  # fmt: skip
+                    rec = {"loss_mode": mode, "use_policy_gradient": pg,
+                           "loss_max_clamp": clamp, "loss_agg_mode": agg}  # fmt: skip
+                    try:
+                        actor, dcfg = _distill_configs(v, agg, loss_cfg)
+                    except ValueError as exc:
+                        out["estimators"].append({**rec, "raises": f"ValueError: {exc}"})
+                        continue
+                    log_prob = _flat(main["log_prob"]).requires_grad_(True)
+                    data = _distill_data(main, mask, main["ref_log_prob"])
+                    value, _ = losses.distillation_loss(actor, dcfg, {"log_probs": log_prob}, data)
+                    value.backward()
+                    grad = log_prob.grad.reshape(mask.shape[0], -1)[:, :-1]
+                    rec.update(loss=float(value.detach()), grad_log_prob=as_json(grad), raises=None)
+                    check_finite(rec, f"distillation/{mode}")
+                    out["estimators"].append(rec)
+    processor = v["distillation_fsdp"].compute_forward_kl_topk
+    b, t = topk["response_mask"].shape
+    ids = topk["teacher_topk_ids"].long()
+    for min_clamp in (None, -3.0):
+        for max_clamp in (None, 0.3):
+            for pg in (False, True):
+                loss_cfg = {"loss_mode": "forward_kl_topk", "topk": ids.shape[-1],
+                            "use_policy_gradient": pg, "loss_max_clamp": max_clamp,
+                            "log_prob_min_clamp": min_clamp}  # fmt: skip
+                actor, dcfg = _distill_configs(v, "token-mean", loss_cfg)
+                logits = topk["student_logits"].clone().requires_grad_(True)
+                nested = lambda x: torch.nested.as_nested_tensor(list(x), layout=torch.jagged)  # noqa: E731
+                per_token = processor(
+                    student_logits=logits.reshape(1, b * t, -1),
+                    teacher_topk_log_probs=nested(topk["teacher_topk_log_probs"]),
+                    teacher_topk_ids=nested(ids),
+                    config=dcfg,
+                    data_format="thd",
+                )
+                shaped = {k: _flat(x.reshape(b, t)) for k, x in per_token.items()}
+                shaped["log_probs"] = _flat(topk["log_prob"]).requires_grad_(True)
+                data = _distill_data(topk, topk["response_mask"], None)
+                value, _ = losses.distillation_loss(actor, dcfg, shaped, data)
+                value.backward()
+                grad_logits = torch.zeros_like(logits) if logits.grad is None else logits.grad
+                grad_log_prob = shaped["log_probs"].grad
+                if grad_log_prob is None:
+                    grad_log_prob = torch.zeros_like(shaped["log_probs"])
+                out["topk"].append(
+                    {
+                        "log_prob_min_clamp": min_clamp,
+                        "loss_max_clamp": max_clamp,
+                        "use_policy_gradient": pg,
+                        "loss_agg_mode": "token-mean",
+                        "per_token_loss": as_json(per_token["distillation_losses"].reshape(b, t)),
+                        "student_mass": as_json(per_token["student_mass"].reshape(b, t)),
+                        "teacher_mass": as_json(per_token["teacher_mass"].reshape(b, t)),
+                        "loss": float(value.detach()),
+                        "grad_student_logits": as_json(grad_logits),
+                        "grad_log_prob": as_json(grad_log_prob.reshape(b, -1)[:, :-1]),
+                    }
+                )
+    return out
+
+
 def meta(verl_path: str) -> dict:
     commit = VERL_COMMIT
     if (Path(verl_path) / ".git").exists():
@@ -807,9 +971,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--verl", required=True, help="checkout of verl at 1dda039")
     parser.add_argument("--out", required=True, help="JSON file to write")
+    parser.add_argument(
+        "--part",
+        choices=("main", "distillation"),
+        default="main",
+        help="main: every section but distillation; distillation: that one alone, with its inputs",
+    )
     args = parser.parse_args()
     torch.set_default_dtype(torch.float64)
     v = load_verl(args.verl)
+    if args.part == "distillation":
+        main_in, topk_in = main_inputs(), topk_inputs()
+        doc = {
+            "meta": meta(args.verl),
+            "inputs": {"main": as_json(main_in), "topk": as_json(topk_in)},
+            "distillation": distillation_section(v, main_in, topk_in),
+        }
+        Path(args.out).write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+        print(f"wrote {args.out}: the distillation section")
+        return
     check_randperm_matches(CLIP_COV_SEED)
     check_randperm_matches(99)
     main_in, cov_in, large_in = main_inputs(), cov_inputs(), kl_large_inputs()

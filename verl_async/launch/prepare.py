@@ -59,6 +59,24 @@ def resolve_learner_models(cfg: RunConfig) -> RunConfig:
     return msgspec.structs.replace(cfg, algo=algo, critic=critic)
 
 
+def resolve_teachers(cfg: RunConfig, run_dir: Path) -> RunConfig:
+    """Each distillation teacher's ``path`` made absolute and checked, or (empty) the tiny
+    teacher built into ``<run_dir>/teachers/<name>`` and its path filled in."""
+    if not cfg.distillation.enabled:
+        return cfg
+    from verl_async.launch.tiny_model import build_tiny_model
+
+    teachers = []
+    for i, teacher in enumerate(cfg.distillation.teachers):
+        if teacher.path:
+            path = model_dir(f"distillation.teachers[{i}].path", teacher.path)
+        else:
+            path = str(build_tiny_model(run_dir / "teachers" / teacher.name, teacher.tiny))
+        teachers.append(msgspec.structs.replace(teacher, path=path))
+    distillation = msgspec.structs.replace(cfg.distillation, teachers=teachers)
+    return msgspec.structs.replace(cfg, distillation=distillation)
+
+
 def check_data(cfg: RunConfig) -> None:
     """Read the prompt files: a missing, empty or malformed file (or a missing column) is a
     ``ConfigError`` naming the key, the file and the line; so is a file none of whose
@@ -72,6 +90,9 @@ def check_data(cfg: RunConfig) -> None:
     if data.val_path:
         prompts[f"data.val_path ({data.val_path})"] = load_prompts(data.val_path, "data.val_path")
     check_prompt_fit(cfg, prompts)
+    if cfg.distillation.enabled:  # every trained prompt's source has its teacher
+        for source in sorted({p.data_source for p in prompts[f"data.path ({data.path})"]}):
+            cfg.distillation.teacher_of(source)
 
 
 def check_loss_mode(cfg: RunConfig) -> None:
@@ -92,6 +113,7 @@ def prepare(
     cfg = msgspec.structs.replace(cfg, data=resolve_data_paths(cfg.data))
     cfg = resolve_reward_models(cfg)
     cfg = resolve_learner_models(cfg)
+    cfg = resolve_teachers(cfg, run_dir)
     cfg = placement.resolve_count(cfg)
     if not data_checked:
         check_data(cfg)

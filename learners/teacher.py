@@ -1,0 +1,157 @@
+"""Teachers of on-policy distillation, run in the learner process.
+
+Each teacher is loaded and run like the reference policy (learners/critic.py:
+``load_reference``, ``reference_logprobs``): frozen, no optimizer, one no-grad forward per
+batch, log-probs of the sampled tokens at the sampling temperature at the loss mask's
+positions only (prompt, tool and observation tokens stay 0 and are never read). Each
+sample goes to the teacher serving its ``data_source`` (``DistillationConfig.teacher_of``).
+
+``TeacherScores`` is what the learner asks of its teachers. ``LocalTeachers`` answers in
+this process; a teacher in a process of its own (placed beside the reward models, restarted
+when it dies) answers the same call from there.
+
+A teacher must use the student's tokenizer, since it scores the student's token ids:
+``check_tokenizer`` compares the two vocabularies (every token string and its id) and the
+special tokens, and refuses a teacher whose differ, naming both directories.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from learners.batching import TrainBatch
+from learners.critic import load_reference, reference_logprobs
+from learners.logprobs import PassOptions
+from verl_async.config_base import ConfigError
+from verl_async.schema import DistillationConfig
+
+
+@dataclass
+class Scored:
+    """A batch's teacher log-probs."""
+
+    logp: torch.Tensor  # [N, T-1] the teacher's log-prob of each sampled token; 0 elsewhere
+    scored: torch.Tensor  # [N, T-1] float 0/1: the positions a teacher scored
+    teacher: list[int]  # [N] index (in distillation.teachers) of each row's teacher
+    seconds: float  # wall time of the scoring
+
+
+class TeacherScores(Protocol):
+    def score(self, batch: TrainBatch, sources: list[str]) -> Scored:
+        """The teachers' log-probs of ``batch``'s sampled tokens; ``sources`` is the
+        ``data_source`` of each of its rows."""
+
+
+class LocalTeachers:
+    """The teachers as frozen models in this process (one copy on every learner rank)."""
+
+    def __init__(
+        self, models: list, cfg: DistillationConfig, temperature: float, options: PassOptions
+    ) -> None:
+        self.models, self.cfg = models, cfg
+        self.temperature, self.options = temperature, options
+
+    @classmethod
+    def load(
+        cls,
+        cfg: DistillationConfig,
+        student_path: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        temperature: float,
+        options: PassOptions,
+    ) -> LocalTeachers:
+        """Each teacher of ``cfg`` (its ``path``, resolved at launch), after its tokenizer
+        is checked against the student's."""
+        models = []
+        for teacher in cfg.teachers:
+            check_tokenizer(student_path, teacher.path, teacher.name)
+            models.append(load_reference(teacher.path, device, dtype))
+        return cls(models, cfg, temperature, options)
+
+    def score(self, batch: TrainBatch, sources: list[str]) -> Scored:
+        t0 = time.perf_counter()
+        route = [self.cfg.teacher_of(source) for source in sources]
+        logp = torch.zeros_like(batch.loss_mask)
+        scored = torch.zeros_like(batch.loss_mask)
+        for i, model in enumerate(self.models):
+            rows = [r for r, t in enumerate(route) if t == i]
+            if not rows:
+                continue
+            idx = torch.tensor(rows, device=batch.loss_mask.device)
+            part = dataclasses.replace(
+                batch,
+                input_ids=batch.input_ids[idx],
+                attention_mask=batch.attention_mask[idx],
+                loss_mask=batch.loss_mask[idx],
+            )
+            logp[idx] = reference_logprobs(model, part, self.temperature, self.options)
+            scored[idx] = (part.loss_mask > 0).to(scored.dtype)
+        return Scored(logp, scored, route, time.perf_counter() - t0)
+
+
+def check_tokenizer(student_path: str, teacher_path: str, name: str) -> None:
+    """Refuse a teacher whose tokenizer is not the student's: the same vocabulary (each
+    token string with the same id, added tokens included) and the same special tokens.
+    A teacher with another tokenizer would score other words under the same ids."""
+    from transformers import AutoTokenizer
+
+    student = AutoTokenizer.from_pretrained(student_path)
+    teacher = AutoTokenizer.from_pretrained(teacher_path)
+    differs = None
+    if student.get_vocab() != teacher.get_vocab():
+        only = set(teacher.get_vocab().items()) ^ set(student.get_vocab().items())
+        differs = f"{len(only)} (token, id) pairs are in one vocabulary only"
+    elif student.all_special_tokens != teacher.all_special_tokens:
+        differs = (
+            f"special tokens {student.all_special_tokens} against {teacher.all_special_tokens}"
+        )
+    if differs is not None:
+        raise ConfigError(
+            f"bad value for 'distillation.teachers': teacher '{name}' ({teacher_path}) does not "
+            f"use the student's tokenizer ({student_path}): {differs}; a teacher must share the "
+            "student's tokenizer"
+        )
+
+
+def distill_metrics(scored: Scored, batch: TrainBatch, cfg: DistillationConfig) -> dict:
+    """distill/<teacher>/reverse_kl: the mean over the teacher's scored tokens of the
+    sampling policy's log-prob minus the teacher's (the plain estimate of KL(student ||
+    teacher) on the student's own samples); distill/<teacher>/tokens; distill/score_s;
+    distill/scored_fraction: the sampled tokens a teacher scored."""
+    mask = batch.loss_mask > 0
+    row_teacher = torch.tensor(scored.teacher, device=mask.device)
+    gap = batch.behav_logprobs - scored.logp
+    row: dict = {"distill/score_s": round(scored.seconds, 4)}
+    for i, teacher in enumerate(cfg.teachers):
+        mine = mask & (scored.scored > 0) & (row_teacher == i)[:, None]
+        n = int(mine.sum())
+        row[f"distill/{teacher.name}/tokens"] = n
+        row[f"distill/{teacher.name}/reverse_kl"] = float(gap[mine].mean()) if n else 0.0
+    total = int(mask.sum())
+    row["distill/scored_fraction"] = (
+        float((scored.scored > 0)[mask].sum()) / total if total else 1.0
+    )
+    return row
+
+
+def score_step(teachers: TeacherScores, batch: TrainBatch, local: TrainBatch, dp, cfg) -> dict:
+    """Score this rank's rows (``local``) and gather the log-probs to every rank: sets
+    ``local.logp_teacher`` and ``batch.logp_teacher``. Returns the step's distill/* metrics
+    (``distill_metrics``, over the whole step; the time is this rank's)."""
+    start, stop = dp.bounds(batch) if dp.world > 1 else (0, len(batch.sample_sources))
+    scored = teachers.score(local, batch.sample_sources[start:stop])
+    local.logp_teacher = scored.logp
+    batch.logp_teacher = dp.gather_rows(scored.logp, batch)
+    whole = Scored(
+        batch.logp_teacher,
+        dp.gather_rows(scored.scored, batch),
+        [cfg.teacher_of(source) for source in batch.sample_sources],
+        scored.seconds,
+    )
+    return distill_metrics(whole, batch, cfg)
