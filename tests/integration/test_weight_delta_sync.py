@@ -11,11 +11,15 @@ the cast moved to the learner), bit for bit.
 from __future__ import annotations
 
 import multiprocessing as mp
+import threading
 
 import msgspec
 import pytest
 import torch
 
+from learners.publish import wire_specs
+from verl_async import protocol as P
+from verl_async.config import load_config
 from verl_async.protocol import MemoryOffer, ParamSpec
 from verl_async.weight_sync import (
     DeltaPolicy,
@@ -25,7 +29,10 @@ from verl_async.weight_sync import (
     plan_buckets,
     receive_weights,
     send_update,
+    without_tied,
 )
+
+from .conftest import ROOT, start_engine_in_group
 
 BUCKET = 4096  # bytes: three buckets (embed; w1; norm and w2)
 TIMEOUT_S = 60.0
@@ -227,3 +234,53 @@ def test_a_member_restarted_mid_run_gets_a_whole_update(run):
     buckets = len(run.plan)
     assert [s.whole for s in sent] == [buckets, 0, 0, buckets, 1, 0]  # v4: 'dense'
     assert sent[3].nbytes == run.total and sent[5].nbytes < run.total / 4
+
+
+def test_a_bf16_transformers_engine_holds_the_cast_float32_weights_after_each_sparse_update(
+    tiny_model,
+):
+    """The learner's path end to end: a float32 model takes real AdamW steps, rank 0 packs
+    ``wire_specs`` (bf16, as ``model.dtype`` says) and sends deltas; the engine's bf16
+    model must then hold, bit for bit, each float32 weight cast as it used to cast them
+    on receipt. At lr 1e-5 most bf16 values stay, so the updates after the first are
+    deltas."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = load_config(ROOT / "configs/tiny.yaml", ["model.dtype=bfloat16", "weights.bucket_mb=1"])
+    learner = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    loop, engine, group = start_engine_in_group("hf", cfg, tiny_model)
+    group.delta = DeltaPolicy(full_every=0, digest_every=2)
+    try:
+        state = without_tied(learner, learner.state_dict())
+        specs = wire_specs(state, cfg)
+        assert {s.dtype for s in specs} == {"bfloat16"}
+        plan = plan_buckets(specs, 1 << 20)
+        opt = torch.optim.AdamW(learner.parameters(), lr=1e-5)
+        ids = torch.tensor([[1, 3, 5, 9, 7, 4, 13, 8, 2]])
+        sent = []
+        for version in range(1, 5):
+            loss = torch.nn.functional.cross_entropy(learner(ids).logits[0, :-1], ids[0, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            packed = [pack_bucket(b, state) for b in plan]
+            update = P.WeightUpdate(version=version, params=specs, bucket_bytes=1 << 20)
+            sender = threading.Thread(
+                target=lambda packed=packed: sent.append(send_update(group, packed, plan))
+            )
+            sender.start()
+            loop.run_until_complete(engine.apply_update(update))
+            sender.join(TIMEOUT_S)
+            held = engine.model.state_dict()
+            for name, w in state.items():
+                cast = torch.empty(w.shape, dtype=torch.bfloat16).copy_(w)
+                assert torch.equal(held[name].view(torch.int16), cast.view(torch.int16)), name
+        total = sum(b.nbytes for b in plan)
+        assert sent[0].nbytes == total  # the epoch's first update: whole
+        assert all(s.nbytes < total for s in sent[1:]), sent
+        assert sum(s.healed for s in sent) == 0
+    finally:
+        loop.run_until_complete(engine.leave_weight_sync())
+        engine.shutdown()
+        group.close()
+        loop.close()
