@@ -101,6 +101,7 @@ class Sent:
     nbytes: int  # bytes that crossed: buckets whole, deltas, nothing for unchanged ones
     whole: int  # buckets that went whole
     healed: int  # of those, buckets a member's digest showed wrong
+    forms: tuple[int, ...] = ()  # buckets sent as each kind: SAME, INDICES, BITMAP, WHOLE
 
 
 @dataclass
@@ -525,7 +526,8 @@ def send_update(
             "weight-sync epoch %d: %d bucket(s) of a generator's weights differed from the "
             "learner's (digest); they were sent whole", group.epoch, healed,
         )  # fmt: skip
-    return Sent(route, nbytes, whole, healed)
+    forms = tuple(sum(k == kind for k, _ in heads) for kind in range(wd.WHOLE + 1))
+    return Sent(route, nbytes, whole, healed, forms)
 
 
 _OK, _NO_BASE, _MISMATCH = 0, 1, 2  # why a bucket must go whole (the largest wins)
