@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     params = sum(t.numel() for t in state.values())
     print(f"machine: {machine()}")
     print(
-        f"model: {args.model.name} ({params / 1e6:.0f}M parameters sent), AdamW lr {args.lr}, "
+        f"model: {args.model.name} ({params / 1e6:.1f}M parameters sent), AdamW lr {args.lr}, "
         f"{args.tokens} tokens a step, {args.bucket_mb} MiB buckets, route "
         f"{rows[0]['float32_route']}"
     )
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['float32_s']:.3f} | {r['bf16_s']:.3f} | {r['delta_s']:.3f} |"
         )
     print(
-        f"summary (median of steps 1-{args.steps}): bytes bf16 {mib['bf16'] / mib['float32']:.2f}x, "
+        f"summary: median of steps 1-{args.steps}, bytes bf16 {mib['bf16'] / mib['float32']:.2f}x, "
         f"delta {mib['delta'] / mib['float32']:.3f}x of float32; seconds bf16 "
         f"{med['bf16'] / med['float32']:.2f}x, delta {med['delta'] / med['float32']:.2f}x of float32"
     )

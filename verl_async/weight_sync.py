@@ -10,10 +10,18 @@ other hosts reach it whatever the machine's host name resolves to.
 
 One update = one control message over ZeroMQ (``WeightUpdate``: names, dtypes, shapes,
 bucket size), then a header broadcast saying how the bytes travel, then the bytes. Both
-sides derive the same bucket plan from the control message, so no sizes travel in-band.
-The bytes go one of two ways (``send_update``, ``receive_weights``):
+sides derive the same bucket plan from the control message (weight_plan.py), so no sizes
+travel in-band. The dtypes are the generators' (the learner casts as it packs).
 
-- network: ``len(plan_buckets(...))`` broadcasts of uint8 buckets;
+With rank 0's ``DeltaPolicy`` (``weights.delta``) an update is sparse (weight_delta.py):
+a ``DELTA`` header first, with rank 0's digest of each bucket when a check is due, and
+one all-reduce in which every member says which buckets it needs whole (it holds no
+complete copy, or its digest differs); then each bucket goes with a [kind, count]
+header as nothing, a delta on what members hold, or whole. A new epoch's group holds no
+copy on either side, so its first update is whole. The bytes go one of two ways
+(``send_update``, ``receive_weights``):
+
+- network: one broadcast of uint8 bytes per bucket (none for an unchanged one);
 - shared memory, when every member runs on learner rank 0's host (a gloo group only):
   rank 0 writes the buckets into a memory file of its own (``memfd``), members read them
   from it through ``/proc/<pid>/fd/<n>``, and a one-number all-reduce tells rank 0 that
@@ -71,9 +79,21 @@ from verl_async.device_memory import DeviceMemory
 from verl_async.protocol import MemoryOffer, ParamSpec
 from verl_async.shared_memory import Memory, accept_memory, new_memory
 
-log = logging.getLogger("verl_async.weight_sync")
+# The packing plan (weight_plan.py), imported here too for the roles that send and load.
+from verl_async.weight_plan import (  # noqa: F401
+    Bucket,
+    dtype_of,
+    nbytes_of,
+    pack_bucket,
+    param_specs,
+    plan_buckets,
+    tied_names,
+    with_tied,
+    without_tied,
+    word_bytes,
+)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+log = logging.getLogger("verl_async.weight_sync")
 
 
 def resolve_backend(backend: str, colocated: bool = False) -> str:
@@ -337,81 +357,6 @@ def failure_line(exc: BaseException) -> str:
     return str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
 
 
-def dtype_of(name: str) -> torch.dtype:
-    return _DTYPES[name]
-
-
-def without_tied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``model``'s ``state`` with each tensor once, under its first name: tied weights (an
-    output head sharing the input embedding, as SmolLM2's does) are one parameter under two
-    names, and every receiver ties them again on load (vLLM skips ``lm_head`` when the
-    config ties it; a transformers model's two names hold one parameter). Decided by the
-    module tree, not by memory, so every FSDP2 rank leaves out the same names."""
-    unique = {name for name, _ in model.named_parameters()}  # duplicates removed
-    unique |= {name for name, _ in model.named_buffers()}
-    return {name: t for name, t in state.items() if name in unique}
-
-
-def tied_names(model: torch.nn.Module) -> dict[str, str]:
-    """Each second (third...) name of a parameter -> its first name (``without_tied``)."""
-    first: dict[int, str] = {}
-    tied = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            tied[name] = first[id(p)]
-        else:
-            first[id(p)] = name
-    return tied
-
-
-def with_tied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The inverse of ``without_tied``: ``state`` with each tied name given the tensor of
-    the name it shares (a name ``state`` holds already is kept)."""
-    for name, first in tied_names(model).items():
-        state.setdefault(name, state[first])
-    return state
-
-
-def param_specs(named: Iterable[tuple[str, torch.Tensor]]) -> list[ParamSpec]:
-    return [ParamSpec(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in named]
-
-
-def _nbytes(spec: ParamSpec) -> int:
-    numel = 1
-    for d in spec.shape:
-        numel *= d
-    return numel * dtype_of(spec.dtype).itemsize
-
-
-@dataclass(frozen=True)
-class Bucket:
-    specs: list[ParamSpec]
-    offsets: list[int]  # byte offset of each spec inside the bucket
-    nbytes: int
-
-
-def plan_buckets(specs: list[ParamSpec], bucket_bytes: int) -> list[Bucket]:
-    """Greedy packing in spec order; a tensor larger than a bucket gets a bucket of its own."""
-    buckets: list[Bucket] = []
-    cur: list[ParamSpec] = []
-    offsets: list[int] = []
-    size = 0
-    for spec in specs:
-        n = _nbytes(spec)
-        if cur and size + n > bucket_bytes:
-            buckets.append(Bucket(cur, offsets, size))
-            cur, offsets, size = [], [], 0
-        # Keep every tensor 16-byte aligned inside the bucket so views are cheap.
-        pad = -size % 16
-        size += pad
-        cur.append(spec)
-        offsets.append(size)
-        size += n
-    if cur:
-        buckets.append(Bucket(cur, offsets, size))
-    return buckets
-
-
 def broadcast_bucket(group: SyncGroup, buf: torch.Tensor) -> None:
     """One packed bucket from rank 0 to every member (rank 0 sends ``buf``, others fill it)."""
     opts = BroadcastOptions()
@@ -442,28 +387,6 @@ def _control_device(group: SyncGroup) -> torch.device:
 def _all_read(group: SyncGroup) -> None:
     """Every member has read the update from shared memory (rank 0 may free it)."""
     group.group.allreduce([torch.ones(1, dtype=torch.int32)]).wait()
-
-
-def pack_bucket(
-    bucket: Bucket, tensors: dict[str, torch.Tensor], out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The bucket's tensors (by name, at least those of the bucket) copied into one uint8
-    buffer, each cast to its spec's dtype (the generator's: ``copy_`` rounds as the
-    generator's own ``copy_`` would on receipt, so the bytes are the same): ``out`` when it
-    has the bucket's size and device, else a new one."""
-    first = tensors[bucket.specs[0].name]
-    fits = out is not None and out.numel() == bucket.nbytes and out.device == first.device
-    buf = out if fits else torch.empty(bucket.nbytes, dtype=torch.uint8, device=first.device)
-    for spec, offset in zip(bucket.specs, bucket.offsets, strict=True):
-        view = buf[offset : offset + _nbytes(spec)].view(dtype_of(spec.dtype)).view(spec.shape)
-        view.copy_(tensors[spec.name].detach())
-    return buf
-
-
-def word_bytes(bucket: Bucket) -> int:
-    """A bucket's word for sparse updates: its smallest element size (offsets are
-    16-byte aligned, so every element is whole words)."""
-    return min(dtype_of(s.dtype).itemsize for s in bucket.specs)
 
 
 def send_update(
@@ -647,7 +570,7 @@ def receive_weights(
         buf = base[0].to(device)
         out = []
         for spec, offset_in in zip(bucket.specs, bucket.offsets, strict=True):
-            n = _nbytes(spec)
+            n = nbytes_of(spec)
             t = buf[offset_in : offset_in + n].view(dtype_of(spec.dtype)).view(spec.shape)
             out.append((spec.name, t))
         yield out

@@ -96,7 +96,7 @@ def test_weight_sync(tmp_path):
 def test_weight_delta(tmp_path, tiny_model):
     out = _run(
         "weight_delta.py",
-        ["--model", str(tiny_model), "--steps", "2", "--lr", "1e-3", "--bucket-mb", "1"]
+        ["--model", str(tiny_model), "--steps", "2", "--lr", "1e-5", "--bucket-mb", "1"]
         + ["--tokens", "8", "--out", str(tmp_path)],
     )
     rows = json.loads((tmp_path / "weight_delta.json").read_text())["rows"]
