@@ -77,7 +77,9 @@ def _specs() -> list[ParamSpec]:
     return [ParamSpec(s.name, "bfloat16", s.shape) for s in param_specs(_initial().items())]
 
 
-def _member(port, rank, world, epoch, versions, offers, results, corrupt_after=None) -> None:
+def _member(
+    port, rank, world, epoch, versions, offers, results, corrupt_after=None, lose_after=None
+) -> None:
     """A member: join the group of ``epoch`` (a restarted one joins a later epoch this
     way; a survivor rebuilds), receive ``versions`` [(epoch, version)], each with the
     memory offer rank 0 announced it with, and report per version the names of the
@@ -101,6 +103,8 @@ def _member(port, rank, world, epoch, versions, offers, results, corrupt_after=N
         results.put((rank, version, wrong))
         if version == corrupt_after:  # one bit of its held copy of bucket 0 goes wrong
             group.buffers[0][7] ^= 0x10
+        if version == lose_after:  # as if this receive had broken off midway
+            group.complete = False
     group.close()
 
 
@@ -118,10 +122,11 @@ class _Run:
         self.plan = plan_buckets(self.specs, BUCKET)
         self.total = sum(b.nbytes for b in self.plan)
 
-    def start_member(self, rank, world, epoch, versions, corrupt_after=None):
+    def start_member(self, rank, world, epoch, versions, corrupt_after=None, lose_after=None):
         self.offers[rank] = self.ctx.Queue()
         args = (self.port, rank, world, epoch, versions, self.offers[rank], self.results)
-        proc = self.ctx.Process(target=_member, args=(*args, corrupt_after), daemon=True)
+        args = (*args, corrupt_after, lose_after)
+        proc = self.ctx.Process(target=_member, args=args, daemon=True)
         proc.start()
         self.procs.append(proc)
         return proc
@@ -211,6 +216,25 @@ def test_a_members_corrupted_copy_is_healed_at_the_next_digest(run):
     else:
         assert reports[1, 4] == ["embed"] and reports[1, 6] == ["embed"]
         assert sum(s.healed for s in sent) == 0
+
+
+@pytest.mark.parametrize(
+    "run", [(False, DeltaPolicy(full_every=0, digest_every=0))], indirect=True, ids=["network"]
+)
+def test_a_member_without_a_whole_copy_gets_every_bucket_whole(run):
+    """Member 2's receive of version 3 counts as broken off (the learner's went through):
+    it holds no base for a delta, so version 4 goes whole to everyone, with no digest
+    asked for; then deltas again."""
+    versions = list(range(7))
+    run.start_member(1, 3, 0, [(0, v) for v in versions])
+    run.start_member(2, 3, 0, [(0, v) for v in versions], lose_after=3)
+    run.join(3)
+    sent = [run.send(v) for v in versions]
+    reports = run.reports(2 * len(versions))
+    assert all(wrong == [] for wrong in reports.values()), reports
+    buckets = len(run.plan)
+    assert [s.whole for s in sent] == [buckets, 0, 0, 0, buckets, 0, 0]
+    assert sum(s.healed for s in sent) == 0
 
 
 @pytest.mark.parametrize(
