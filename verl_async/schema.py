@@ -590,7 +590,8 @@ class WeightsConfig(_Section):
     update (indices or a bitmap plus the new values, per bucket; a bucket goes whole where
     that is smaller). A generator that joins, restarts or missed an update gets whole
     buckets; every update is bit-identical to a whole one (docs/scaling.md). false: every
-    update sends every weight (a CUDA IPC group always does)."""
+    update sends every weight (a CUDA IPC group always does, and so does a float32
+    ``model.dtype``: a step changes nearly every float32 word)."""
     full_every: NonNegInt = 50
     """With ``delta``: every this many updates of a weight-sync group go whole (0: only
     when a generator needs it)."""

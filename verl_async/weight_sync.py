@@ -148,7 +148,7 @@ class SyncGroup:
     # bytes of each bucket as last sent, and the updates sent this epoch. A member:
     # whether its buffers hold the whole of the last update (a delta's base).
     delta: DeltaPolicy | None = None
-    sent: list[torch.Tensor] = field(default_factory=list)
+    sent: dict[int, torch.Tensor] = field(default_factory=dict)  # by bucket index
     updates: int = 0
     complete: bool = False
 
@@ -463,17 +463,18 @@ def _whole_wanted(group: SyncGroup, plan: list[Bucket]) -> list[int]:
     due, every member answers in one all-reduce (maximum)."""
     policy = group.delta
     check = policy.digest_every > 0 and group.updates % policy.digest_every == 0
-    check = check and len(group.sent) == len(plan)
+    check = check and bool(group.sent)
     due = policy.full_every > 0 and group.updates % policy.full_every == 0
     _header(group, [DELTA, int(check), 0])
-    if check:
-        digests = [wd.digest(buf) for buf in group.sent]
+    if check:  # 0 for a bucket rank 0 holds no copy of (it goes whole anyway)
+        digests = [wd.digest(group.sent[i]) if i in group.sent else 0 for i in range(len(plan))]
         broadcast_bucket(
             group, torch.tensor(digests, dtype=torch.int64, device=_control_device(group))
         )
-    have = [i < len(group.sent) and group.sent[i].numel() == b.nbytes for i, b in enumerate(plan)]
+    have = [i in group.sent and group.sent[i].numel() == b.nbytes for i, b in enumerate(plan)]
     own = [_OK if ok and not due else _NO_BASE for ok in have]
-    return _max_over_members(group, own)
+    members = _max_over_members(group, own)
+    return [_NO_BASE if mine != _OK else theirs for mine, theirs in zip(own, members, strict=True)]
 
 
 def _member_wants(group: SyncGroup, buckets: list[Bucket], check: bool, device) -> None:
@@ -515,13 +516,17 @@ def _encode(
     group: SyncGroup, index: int, cur: torch.Tensor, bucket: Bucket, reasons: list[int]
 ) -> tuple[int, int, torch.Tensor]:
     """Rank 0: bucket ``index`` as (kind, count, payload), and its bytes kept as the base
-    of the next update's delta."""
-    last = group.sent[index] if index < len(group.sent) and reasons[index] == _OK else None
-    kind, count, payload = wd.encode(cur, last, word_bytes(bucket))
-    if index < len(group.sent) and group.sent[index].numel() == cur.numel():
-        group.sent[index].copy_(cur)  # after encode: a delta's payload is a new tensor
-    elif index == len(group.sent):
-        group.sent.append(cur.clone())
+    of the next update's delta. A bucket of float32 words always goes whole, kept by no
+    one: an AdamW step moves nearly every weight by about lr, which changes nearly every
+    float32 word, so looking for the unchanged ones would cost time for nothing."""
+    word = word_bytes(bucket)
+    if word > 2:
+        return wd.WHOLE, cur.numel() // word, cur
+    kept = group.sent.get(index)
+    last = kept if reasons[index] == _OK else None
+    kind, count, payload = wd.encode(cur, last, word)
+    if kept is not None and kept.numel() == cur.numel():
+        kept.copy_(cur)  # after encode: a delta's payload is a new tensor
     else:
         group.sent[index] = cur.clone()
     return kind, count, payload

@@ -72,20 +72,20 @@ def _weights_at(version: int) -> dict[str, torch.Tensor]:
     return weights
 
 
-def _specs() -> list[ParamSpec]:
+def _specs(dtype: str = "bfloat16") -> list[ParamSpec]:
     """The generator's dtype on the wire (learners/publish.py's ``wire_specs``)."""
-    return [ParamSpec(s.name, "bfloat16", s.shape) for s in param_specs(_initial().items())]
+    return [ParamSpec(s.name, dtype, s.shape) for s in param_specs(_initial().items())]
 
 
 def _member(
-    port, rank, world, epoch, versions, offers, results, corrupt_after=None, lose_after=None
+    port, rank, world, epoch, versions, offers, results, corrupt_after, lose_after, dtype
 ) -> None:
     """A member: join the group of ``epoch`` (a restarted one joins a later epoch this
     way; a survivor rebuilds), receive ``versions`` [(epoch, version)], each with the
     memory offer rank 0 announced it with, and report per version the names of the
     tensors it did not hold exactly as the cast float32 weights."""
     group = join_group("127.0.0.1", port, rank, world, "gloo", TIMEOUT_S, epoch)
-    specs = _specs()
+    specs = _specs(dtype)
     for update_epoch, version in versions:
         if update_epoch != group.epoch:
             group = group.rebuild(update_epoch)
@@ -97,8 +97,8 @@ def _member(
         wrong = []
         for name, w in _weights_at(version).items():
             # cast on receipt, as a bf16 generator's ``param.copy_(float32)`` did
-            cast = torch.empty(w.shape, dtype=torch.bfloat16).copy_(w)
-            if not torch.equal(got[name].view(torch.int16), cast.view(torch.int16)):
+            cast = torch.empty(w.shape, dtype=getattr(torch, dtype)).copy_(w)
+            if not torch.equal(got[name].view(torch.uint8), cast.view(torch.uint8)):
                 wrong.append(name)
         results.put((rank, version, wrong))
         if version == corrupt_after:  # one bit of its held copy of bucket 0 goes wrong
@@ -111,21 +111,24 @@ def _member(
 class _Run:
     """Rank 0 in this process, members in spawned processes; ``send`` publishes a version."""
 
-    def __init__(self, port: int, shared_memory: bool, policy: DeltaPolicy) -> None:
+    def __init__(
+        self, port: int, shared_memory: bool, policy: DeltaPolicy, dtype: str = "bfloat16"
+    ) -> None:
         self.ctx = mp.get_context("spawn")
         self.port, self.shared_memory, self.policy = port, shared_memory, policy
         self.results = self.ctx.Queue()
         self.offers: dict[int, mp.Queue] = {}
         self.procs: list = []
         self.group = None
-        self.specs = _specs()
+        self.dtype = dtype
+        self.specs = _specs(dtype)
         self.plan = plan_buckets(self.specs, BUCKET)
         self.total = sum(b.nbytes for b in self.plan)
 
     def start_member(self, rank, world, epoch, versions, corrupt_after=None, lose_after=None):
         self.offers[rank] = self.ctx.Queue()
         args = (self.port, rank, world, epoch, versions, self.offers[rank], self.results)
-        args = (*args, corrupt_after, lose_after)
+        args = (*args, corrupt_after, lose_after, self.dtype)
         proc = self.ctx.Process(target=_member, args=args, daemon=True)
         proc.start()
         self.procs.append(proc)
@@ -162,8 +165,7 @@ class _Run:
 
 @pytest.fixture
 def run(free_port, request):
-    shared_memory, policy = request.param
-    out = _Run(free_port(), shared_memory, policy)
+    out = _Run(free_port(), *request.param)
     yield out
     out.close()
 
@@ -216,6 +218,23 @@ def test_a_members_corrupted_copy_is_healed_at_the_next_digest(run):
     else:
         assert reports[1, 4] == ["embed"] and reports[1, 6] == ["embed"]
         assert sum(s.healed for s in sent) == 0
+
+
+@pytest.mark.parametrize(
+    "run", [(False, DeltaPolicy(full_every=0, digest_every=2), "float32")], indirect=True,
+    ids=["network"],
+)  # fmt: skip
+def test_float32_updates_go_whole_without_being_compared(run):
+    """A float32 generator: every bucket goes whole at every update (a step changes nearly
+    every float32 word), the learner keeps no copy, and a digest round heals nothing."""
+    versions = list(range(4))
+    run.start_member(1, 2, 0, [(0, v) for v in versions])
+    run.join(2)
+    sent = [run.send(v) for v in versions]
+    reports = run.reports(len(versions))
+    assert all(wrong == [] for wrong in reports.values()), reports
+    assert all(s.forms == (0, 0, 0, len(run.plan)) and s.nbytes == run.total for s in sent)
+    assert sum(s.healed for s in sent) == 0 and not run.group.sent
 
 
 @pytest.mark.parametrize(
