@@ -10,6 +10,10 @@ asks the buffer whether a new epoch is wanted (a restarted generator asked for o
 last broadcast failed); if so it drops the old group (members blocked in it fail at
 once), announces the weights with the new epoch so the surviving generators rejoin, waits
 for every member, and broadcasts. Every generator then holds the same, whole version.
+
+What crosses the wire is what the generators hold (``wire_specs``): floating tensors in
+``model.dtype``, cast once here whatever the learner keeps, and with ``weights.delta``
+only the words that changed (weight_sync.py, weight_delta.py).
 """
 
 from __future__ import annotations
@@ -22,9 +26,20 @@ from collections.abc import Iterable, Iterator
 import msgspec
 import torch
 
+from verl_async import lora
 from verl_async import protocol as P
 from verl_async.transport import BufferClient
-from verl_async.weight_sync import Bucket, SyncGroup, failure_line, pack_bucket, send_update
+from verl_async.weight_sync import (
+    Bucket,
+    DeltaPolicy,
+    Sent,
+    SyncGroup,
+    failure_line,
+    pack_bucket,
+    param_specs,
+    plan_buckets,
+    send_update,
+)
 
 log = logging.getLogger("verl_async.learner")
 
@@ -42,19 +57,19 @@ class BackgroundBroadcast:
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.seconds = 0.0  # duration of the last finished broadcast
-        self.route = ""  # how it went: 'memory' or 'network' (weight_sync.send_update)
+        self.sent: Sent | None = None  # what it cost (weight_sync.send_update)
 
-    def start(self, group: SyncGroup, buffers: list[torch.Tensor]) -> None:
+    def start(self, group: SyncGroup, buffers: list[torch.Tensor], plan: list[Bucket]) -> None:
         self.wait()
         self.thread = threading.Thread(
-            target=self._run, args=(group, buffers), name="weight-broadcast", daemon=True
+            target=self._run, args=(group, buffers, plan), name="weight-broadcast", daemon=True
         )
         self.thread.start()
 
-    def _run(self, group: SyncGroup, buffers: list[torch.Tensor]) -> None:
+    def _run(self, group: SyncGroup, buffers: list[torch.Tensor], plan: list[Bucket]) -> None:
         t0 = time.monotonic()
         try:
-            self.route = send_update(group, buffers)
+            self.sent = send_update(group, buffers, plan)
         except BaseException as exc:  # re-raised in the training thread by wait()
             self.error = exc
         self.seconds = time.monotonic() - t0
@@ -87,6 +102,10 @@ class WeightSync:
         self.broadcast = BackgroundBroadcast(self.timeout_s) if cfg.weights.overlap else None
         self.failed = False  # the last broadcast did not reach every member
         self.packed: list[torch.Tensor] = []  # the background broadcast's buffers, reused
+        w = cfg.weights
+        group.delta = DeltaPolicy(w.full_every, w.digest_every) if w.delta else None
+        self.sent: Sent | None = None  # the last update sent without overlap
+        self.heals = 0  # buckets sent whole because a generator's digest differed
         self.client.request(P.SyncStatus(formed=group.epoch))
 
     @property
@@ -109,6 +128,7 @@ class WeightSync:
         the other ranks gather them with this one), in the background with
         ``weights.overlap``; the group is rebuilt first when a new epoch is wanted."""
         self._finish_previous()
+        plan = plan_buckets(update.params, update.bucket_bytes)
         if self.broadcast is not None:  # the last update's buffers: it has been sent
             old = self.packed
             self.packed = buffers = [
@@ -116,12 +136,12 @@ class WeightSync:
                 for i, (b, tensors) in enumerate(buckets)
             ]
             self._announce(update)
-            self.broadcast.start(self.group, buffers)
+            self.broadcast.start(self.group, buffers, plan)
             return
         self._announce(update)
         packed = (pack_bucket(b, tensors) for b, tensors in buckets)
         try:
-            send_update(self.group, packed)
+            self._count(send_update(self.group, packed, plan))
         except RuntimeError as exc:
             self._broadcast_failed(exc)
         for _ in packed:  # the other ranks' gathers go on to the last bucket
@@ -148,13 +168,30 @@ class WeightSync:
     def close(self) -> None:
         self.group.close()
 
+    def metrics(self) -> dict[str, float]:
+        """The last finished update's cost on the wire, and the heals so far."""
+        row: dict[str, float] = {"weight_sync_epoch": self.epoch, "weight_heals": self.heals}
+        if self.broadcast is not None:
+            row["weight_broadcast_s"] = round(self.broadcast.seconds, 4)
+        if self.sent is not None:
+            row["weight_sent_mb"] = round(self.sent.nbytes / 2**20, 3)
+            row["weight_whole_buckets"] = self.sent.whole
+        return row
+
     # ------------------------------------------------------------------ internals
+
+    def _count(self, sent: Sent | None) -> None:
+        if sent is not None:
+            self.sent = sent
+            self.heals += sent.healed
 
     def _finish_previous(self) -> None:
         if self.broadcast is None:
             return
         try:
             self.broadcast.wait()
+            self._count(self.broadcast.sent)
+            self.broadcast.sent = None
         except RuntimeError as exc:  # gloo: a member closed its connection
             self._broadcast_failed(exc)
         except TimeoutError as exc:  # NCCL (or a hung member): drop the group to end it
@@ -206,6 +243,19 @@ class WeightSync:
             "weight-sync group rebuilt (epoch %d, %d members) in %.1fs; sending version %d",
             epoch, self.group.world_size, time.monotonic() - t0, update.version,
         )  # fmt: skip
+
+
+def wire_specs(state: dict[str, torch.Tensor], cfg) -> list[P.ParamSpec]:
+    """The specs of what a publish sends: each floating tensor of ``state`` in the
+    generators' dtype (``model.dtype``; they would cast it on receipt, to the same bits),
+    others as they are. A LoRA run's adapter keeps the learner's dtype."""
+    specs = param_specs(state.items())
+    if lora.enabled(cfg):
+        return specs
+    return [
+        P.ParamSpec(s.name, cfg.model.dtype, s.shape) if state[s.name].is_floating_point() else s
+        for s in specs
+    ]
 
 
 def gathered_buckets(

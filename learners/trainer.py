@@ -43,7 +43,7 @@ from learners.evaluation import EvalTracker
 from learners.finite import SkipLog, require_finite
 from learners.logprobs import PassOptions
 from learners.plan import plan_update
-from learners.publish import WeightSync, gathered_buckets
+from learners.publish import WeightSync, gathered_buckets, wire_specs
 from learners.step_metrics import (
     GeneratorTiming,
     algo_metrics,
@@ -62,7 +62,7 @@ from verl_async.metrics import MetricsWriter
 from verl_async.rewards.aggregate import RunningStats, combine, summarize
 from verl_async.runtime import RunContext, mark
 from verl_async.transport import BufferClient
-from verl_async.weight_sync import Bucket, SyncGroup, param_specs, plan_buckets, without_tied
+from verl_async.weight_sync import Bucket, SyncGroup, plan_buckets, without_tied
 
 log = logging.getLogger("verl_async.learner")
 
@@ -348,7 +348,7 @@ class Learner:
         version = self.version + int(new_version)
         require_finite(f"publish weights version {version}", state.items(), self.dp.any_rank)
         self.version = version
-        self.publish_bytes = sum(t.numel() * t.element_size() for t in state.values())
+        self.publish_bytes = sum(b.nbytes for b in plan)  # whole, in the generators' dtype
         bucket = self.cfg.weights.bucket_mb << 20
         buckets = gathered_buckets(state, plan, self.acc.device)
         update = P.WeightUpdate(version=self.version, params=specs, bucket_bytes=bucket)
@@ -365,7 +365,7 @@ class Learner:
         state = without_tied(self.raw_model, self.raw_model.state_dict())
         if lora.enabled(self.cfg):
             state = lora.adapter_state(state)
-        specs = param_specs(state.items())
+        specs = wire_specs(state, self.cfg)
         return state, specs, plan_buckets(specs, self.cfg.weights.bucket_mb << 20)
 
     def while_waiting(self) -> None:
@@ -469,9 +469,7 @@ class Learner:
             )
         )
         if self.sync is not None:
-            if self.sync.broadcast is not None:  # the last finished one
-                row["weight_broadcast_s"] = round(self.sync.broadcast.seconds, 4)
-            row["weight_sync_epoch"] = self.sync.epoch
+            row.update(self.sync.metrics())
         if checkpoint_s is not None:
             row.update(self.checkpoints.metrics(checkpoint_s))
         if self.scheduler is not None:

@@ -665,6 +665,20 @@ class WeightsConfig(_Section):
     overlap: bool = True
     """Broadcast in a background thread while the next step trains (holds one packed copy
     of the weights); false broadcasts bucket by bucket inside the step (one bucket)."""
+    delta: bool = True
+    """Send only the weights whose value in the generator's dtype changed since the last
+    update (indices or a bitmap plus the new values, per bucket; a bucket goes whole where
+    that is smaller). A generator that joins, restarts or missed an update gets whole
+    buckets; every update is bit-identical to a whole one (docs/scaling.md). false: every
+    update sends every weight (a CUDA IPC group always does, and so does a float32
+    ``model.dtype``: a step changes nearly every float32 word)."""
+    full_every: NonNegInt = 50
+    """With ``delta``: every this many updates of a weight-sync group go whole (0: only
+    when a generator needs it)."""
+    digest_every: NonNegInt = 10
+    """With ``delta``: every this many updates each generator's copy of the weights is
+    compared, bucket by bucket, with the learner's by a CRC-32 of its bytes; a bucket
+    that differs is sent whole and counted (``weight_heals``). 0: never checked."""
     shared_memory: bool = True
     """When every generator worker runs on learner rank 0's host (checked when the group
     forms), updates go through shared memory instead of the loopback network (gloo only;

@@ -10,10 +10,18 @@ other hosts reach it whatever the machine's host name resolves to.
 
 One update = one control message over ZeroMQ (``WeightUpdate``: names, dtypes, shapes,
 bucket size), then a header broadcast saying how the bytes travel, then the bytes. Both
-sides derive the same bucket plan from the control message, so no sizes travel in-band.
-The bytes go one of two ways (``send_update``, ``receive_weights``):
+sides derive the same bucket plan from the control message (weight_plan.py), so no sizes
+travel in-band. The dtypes are the generators' (the learner casts as it packs).
 
-- network: ``len(plan_buckets(...))`` broadcasts of uint8 buckets;
+With rank 0's ``DeltaPolicy`` (``weights.delta``) an update is sparse (weight_delta.py):
+a ``DELTA`` header first, with rank 0's digest of each bucket when a check is due, and
+one all-reduce in which every member says which buckets it needs whole (it holds no
+complete copy, or its digest differs); then each bucket goes with a [kind, count]
+header as nothing, a delta on what members hold, or whole. A new epoch's group holds no
+copy on either side, so its first update is whole. The bytes go one of two ways
+(``send_update``, ``receive_weights``):
+
+- network: one broadcast of uint8 bytes per bucket (none for an unchanged one);
 - shared memory, when every member runs on learner rank 0's host (a gloo group only):
   rank 0 writes the buckets into a memory file of its own (``memfd``), members read them
   from it through ``/proc/<pid>/fd/<n>``, and a one-number all-reduce tells rank 0 that
@@ -66,13 +74,26 @@ from torch._C._distributed_c10d import (
     TCPStore,
 )
 
+from verl_async import weight_delta as wd
 from verl_async.device_memory import DeviceMemory
 from verl_async.protocol import MemoryOffer, ParamSpec
 from verl_async.shared_memory import Memory, accept_memory, new_memory
 
-log = logging.getLogger("verl_async.weight_sync")
+# The packing plan (weight_plan.py), imported here too for the roles that send and load.
+from verl_async.weight_plan import (  # noqa: F401
+    Bucket,
+    dtype_of,
+    nbytes_of,
+    pack_bucket,
+    param_specs,
+    plan_buckets,
+    tied_names,
+    with_tied,
+    without_tied,
+    word_bytes,
+)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+log = logging.getLogger("verl_async.weight_sync")
 
 
 def resolve_backend(backend: str, colocated: bool = False) -> str:
@@ -82,6 +103,25 @@ def resolve_backend(backend: str, colocated: bool = False) -> str:
     if backend == "auto":
         return "nccl" if torch.cuda.is_available() and not colocated else "gloo"
     return backend
+
+
+@dataclass(frozen=True)
+class DeltaPolicy:
+    """Rank 0's sparse updates (``weights.delta``; weight_delta.py)."""
+
+    full_every: int  # every this many updates of an epoch go whole (0: only when needed)
+    digest_every: int  # members' copies are checked every this many updates (0: never)
+
+
+@dataclass(frozen=True)
+class Sent:
+    """What one update cost on the wire (rank 0's ``send_update``)."""
+
+    route: str  # 'memory' or 'network'
+    nbytes: int  # bytes that crossed: buckets whole, deltas, nothing for unchanged ones
+    whole: int  # buckets that went whole
+    healed: int  # of those, buckets a member's digest showed wrong
+    forms: tuple[int, ...] = ()  # buckets sent as each kind: SAME, INDICES, BITMAP, WHOLE
 
 
 @dataclass
@@ -104,6 +144,13 @@ class SyncGroup:
     device: torch.device | None = None  # rank 0's; a CUDA one offers device memory
     reserved: int = 0  # rank 0: bytes of an update (``reserve``)
     buffers: list[torch.Tensor] = field(default_factory=list)  # a member's, one per bucket
+    # Sparse updates (weight_delta.py). Rank 0: its policy (None: whole updates), the
+    # bytes of each bucket as last sent, and the updates sent this epoch. A member:
+    # whether its buffers hold the whole of the last update (a delta's base).
+    delta: DeltaPolicy | None = None
+    sent: dict[int, torch.Tensor] = field(default_factory=dict)  # by bucket index
+    updates: int = 0
+    complete: bool = False
 
     @property
     def offer(self) -> MemoryOffer | None:
@@ -172,6 +219,7 @@ class SyncGroup:
             self.join_timeout_s,
         )  # fmt: skip
         out.offers_memory, out.device, out.reserved = self.offers_memory, self.device, self.reserved
+        out.delta = self.delta  # a new epoch holds no copy yet: its first update is whole
         return out
 
 
@@ -309,81 +357,6 @@ def failure_line(exc: BaseException) -> str:
     return str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
 
 
-def dtype_of(name: str) -> torch.dtype:
-    return _DTYPES[name]
-
-
-def without_tied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``model``'s ``state`` with each tensor once, under its first name: tied weights (an
-    output head sharing the input embedding, as SmolLM2's does) are one parameter under two
-    names, and every receiver ties them again on load (vLLM skips ``lm_head`` when the
-    config ties it; a transformers model's two names hold one parameter). Decided by the
-    module tree, not by memory, so every FSDP2 rank leaves out the same names."""
-    unique = {name for name, _ in model.named_parameters()}  # duplicates removed
-    unique |= {name for name, _ in model.named_buffers()}
-    return {name: t for name, t in state.items() if name in unique}
-
-
-def tied_names(model: torch.nn.Module) -> dict[str, str]:
-    """Each second (third...) name of a parameter -> its first name (``without_tied``)."""
-    first: dict[int, str] = {}
-    tied = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            tied[name] = first[id(p)]
-        else:
-            first[id(p)] = name
-    return tied
-
-
-def with_tied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The inverse of ``without_tied``: ``state`` with each tied name given the tensor of
-    the name it shares (a name ``state`` holds already is kept)."""
-    for name, first in tied_names(model).items():
-        state.setdefault(name, state[first])
-    return state
-
-
-def param_specs(named: Iterable[tuple[str, torch.Tensor]]) -> list[ParamSpec]:
-    return [ParamSpec(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in named]
-
-
-def _nbytes(spec: ParamSpec) -> int:
-    numel = 1
-    for d in spec.shape:
-        numel *= d
-    return numel * dtype_of(spec.dtype).itemsize
-
-
-@dataclass(frozen=True)
-class Bucket:
-    specs: list[ParamSpec]
-    offsets: list[int]  # byte offset of each spec inside the bucket
-    nbytes: int
-
-
-def plan_buckets(specs: list[ParamSpec], bucket_bytes: int) -> list[Bucket]:
-    """Greedy packing in spec order; a tensor larger than a bucket gets a bucket of its own."""
-    buckets: list[Bucket] = []
-    cur: list[ParamSpec] = []
-    offsets: list[int] = []
-    size = 0
-    for spec in specs:
-        n = _nbytes(spec)
-        if cur and size + n > bucket_bytes:
-            buckets.append(Bucket(cur, offsets, size))
-            cur, offsets, size = [], [], 0
-        # Keep every tensor 16-byte aligned inside the bucket so views are cheap.
-        pad = -size % 16
-        size += pad
-        cur.append(spec)
-        offsets.append(size)
-        size += n
-    if cur:
-        buckets.append(Bucket(cur, offsets, size))
-    return buckets
-
-
 def broadcast_bucket(group: SyncGroup, buf: torch.Tensor) -> None:
     """One packed bucket from rank 0 to every member (rank 0 sends ``buf``, others fill it)."""
     opts = BroadcastOptions()
@@ -391,17 +364,24 @@ def broadcast_bucket(group: SyncGroup, buf: torch.Tensor) -> None:
     group.group.broadcast([buf], opts).wait()
 
 
-NETWORK, MEMORY, AGREE = 0, 1, 2  # a header's first value: how the update travels
+# A header's first value: how the update travels (NETWORK, MEMORY: [route, bytes,
+# encoded]), or a step before it in an epoch's first update (AGREE) or a sparse one
+# (DELTA: [DELTA, check digests, 0]).
+NETWORK, MEMORY, AGREE, DELTA = 0, 1, 2, 3
 
 
 def _header(group: SyncGroup, values: list[int] | None = None) -> list[int]:
-    """Rank 0 sends ``values`` ([route, bytes]: ``NETWORK``, ``MEMORY`` with the update's
-    size, or ``AGREE``, which comes first in an epoch's first update when rank 0 offers
-    its memory file), the others receive them."""
-    device = torch.device("cuda", torch.cuda.current_device()) if group.backend == "nccl" else "cpu"
-    buf = torch.tensor(values or [0, 0], dtype=torch.int64, device=device)
+    """Rank 0 sends three ``values``, the others receive them (``NETWORK`` etc.; with an
+    encoded update, each bucket's [kind, count, 0] too)."""
+    buf = torch.tensor(values or [0, 0, 0], dtype=torch.int64, device=_control_device(group))
     broadcast_bucket(group, buf)
     return buf.tolist()
+
+
+def _control_device(group: SyncGroup) -> torch.device:
+    if group.backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _all_read(group: SyncGroup) -> None:
@@ -409,42 +389,147 @@ def _all_read(group: SyncGroup) -> None:
     group.group.allreduce([torch.ones(1, dtype=torch.int32)]).wait()
 
 
-def pack_bucket(
-    bucket: Bucket, tensors: dict[str, torch.Tensor], out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The bucket's tensors (by name, at least those of the bucket) copied into one uint8
-    buffer: ``out`` when it has the bucket's size and device, else a new one."""
-    first = tensors[bucket.specs[0].name]
-    fits = out is not None and out.numel() == bucket.nbytes and out.device == first.device
-    buf = out if fits else torch.empty(bucket.nbytes, dtype=torch.uint8, device=first.device)
-    for spec, offset in zip(bucket.specs, bucket.offsets, strict=True):
-        flat = tensors[spec.name].detach().contiguous().view(-1).view(torch.uint8)
-        buf[offset : offset + flat.numel()].copy_(flat)
-    return buf
+def send_update(
+    group: SyncGroup, buffers: Iterable[torch.Tensor], plan: list[Bucket] | None = None
+) -> Sent:
+    """Rank 0: one update's buckets made by ``pack_bucket``, in ``plan`` order (consumed one
+    at a time), to every member; returns what it cost.
 
-
-def send_update(group: SyncGroup, buffers: Iterable[torch.Tensor]) -> str:
-    """Rank 0: one update's buckets made by ``pack_bucket``, in plan order (consumed one at
-    a time), to every member; returns the way they went ('memory' or 'network').
-
-    The epoch's first update settles whether its memory file is used (``AGREE``). Through
-    shared memory the buckets are written first, then announced, and the call returns
-    once every member has read them; over the network each is broadcast as it comes. A
-    member that fails either way fails the call (RuntimeError with gloo)."""
+    The epoch's first update settles whether its memory file is used (``AGREE``). With a
+    ``group.delta`` policy and the ``plan``, buckets go as deltas against what every
+    member holds (``_whole_wanted`` says which must go whole); a CUDA IPC group sends
+    whole updates. Through shared memory the buckets are written first, then announced,
+    and the call returns once every member has read them; over the network each is
+    broadcast as it comes. A member that fails either way fails the call (RuntimeError
+    with gloo), and the copies a delta builds on are forgotten."""
     if group.memory is not None and not group.memory_agreed:
-        _header(group, [AGREE, 0])
+        _header(group, [AGREE, 0, 0])
         _agree_on_memory(group, group.memory)
     elif not group.memory_agreed:  # nothing offered: the network, with nothing to agree
         _settled(group)
-    if group.memory is not None:
-        nbytes = group.memory.write(buffers)
-        _header(group, [MEMORY, nbytes])
-        _all_read(group)
-        return "memory"
-    _header(group, [NETWORK, 0])
-    for buf in buffers:
-        broadcast_bucket(group, buf)
-    return "network"
+    sparse = group.delta is not None and plan is not None
+    sparse = sparse and not isinstance(group.memory, DeviceMemory)
+    heads: list[tuple[int, int]] = []  # each bucket's (kind, count), as sent
+
+    def payloads(encoded: Iterable[tuple[int, int, torch.Tensor]]) -> Iterator[torch.Tensor]:
+        for kind, count, payload in encoded:
+            if sparse and group.memory is None:
+                _header(group, [kind, count, 0])  # over the network: before its bytes
+            heads.append((kind, count))
+            yield payload
+
+    try:
+        reasons = _whole_wanted(group, plan) if sparse else None
+        encoded = (
+            _encode(group, i, buf, plan[i], reasons) if sparse else (wd.WHOLE, 0, buf)
+            for i, buf in enumerate(buffers)
+        )
+        if group.memory is not None:  # one bucket held at a time, as over the network
+            route = "memory"
+            nbytes = group.memory.write(payloads(encoded))
+            _header(group, [MEMORY, nbytes, int(sparse)])
+            for kind, count in heads if sparse else ():
+                _header(group, [kind, count, 0])
+            _all_read(group)
+        else:
+            route, nbytes = "network", 0
+            _header(group, [NETWORK, 0, int(sparse)])
+            for payload in payloads(encoded):
+                if payload.numel():
+                    broadcast_bucket(group, payload)
+                nbytes += payload.numel()
+    except BaseException:
+        group.sent.clear()  # what members hold is unknown now
+        raise
+    group.updates += 1
+    whole = sum(kind == wd.WHOLE for kind, _ in heads)
+    healed = sum(r == _MISMATCH for r in reasons) if reasons else 0
+    if healed:
+        log.warning(
+            "weight-sync epoch %d: %d bucket(s) of a generator's weights differed from the "
+            "learner's (digest); they were sent whole", group.epoch, healed,
+        )  # fmt: skip
+    forms = tuple(sum(k == kind for k, _ in heads) for kind in range(wd.WHOLE + 1))
+    return Sent(route, nbytes, whole, healed, forms)
+
+
+_OK, _NO_BASE, _MISMATCH = 0, 1, 2  # why a bucket must go whole (the largest wins)
+
+
+def _whole_wanted(group: SyncGroup, plan: list[Bucket]) -> list[int]:
+    """Rank 0: for each bucket, whether some member needs it whole (``_NO_BASE``: it
+    joined or restarted, missed an update, or a whole update is due; ``_MISMATCH``: its
+    digest differs from rank 0's copy). Rank 0 broadcasts its digests when a check is
+    due, every member answers in one all-reduce (maximum)."""
+    policy = group.delta
+    check = policy.digest_every > 0 and group.updates % policy.digest_every == 0
+    check = check and bool(group.sent)
+    due = policy.full_every > 0 and group.updates % policy.full_every == 0
+    _header(group, [DELTA, int(check), 0])
+    if check:  # 0 for a bucket rank 0 holds no copy of (it goes whole anyway)
+        digests = [wd.digest(group.sent[i]) if i in group.sent else 0 for i in range(len(plan))]
+        broadcast_bucket(
+            group, torch.tensor(digests, dtype=torch.int64, device=_control_device(group))
+        )
+    have = [i in group.sent and group.sent[i].numel() == b.nbytes for i, b in enumerate(plan)]
+    own = [_OK if ok and not due else _NO_BASE for ok in have]
+    members = _max_over_members(group, own)
+    return [_NO_BASE if mine != _OK else theirs for mine, theirs in zip(own, members, strict=True)]
+
+
+def _member_wants(group: SyncGroup, buckets: list[Bucket], check: bool, device) -> None:
+    """A member's side of ``_whole_wanted``: the buckets it holds no base for, or (when
+    ``check``) whose bytes differ from rank 0's digest."""
+    digests = [0] * len(buckets)
+    if check:
+        received = torch.zeros(len(buckets), dtype=torch.int64, device=_control_device(group))
+        broadcast_bucket(group, received)
+        digests = received.tolist()
+    own = []
+    for i, bucket in enumerate(buckets):
+        if not (group.complete and _holds(group, i, bucket.nbytes, device)):
+            own.append(_NO_BASE)
+        elif check and wd.digest(group.buffers[i]) != digests[i]:
+            own.append(_MISMATCH)
+        else:
+            own.append(_OK)
+    _max_over_members(group, own)
+
+
+def _max_over_members(group: SyncGroup, values: list[int]) -> list[int]:
+    flags = torch.tensor(values, dtype=torch.int32, device=_control_device(group))
+    opts = AllreduceOptions()
+    opts.reduceOp = ReduceOp.MAX
+    group.group.allreduce([flags], opts).wait()
+    return flags.tolist()
+
+
+def _holds(group: SyncGroup, index: int, nbytes: int, device: torch.device) -> bool:
+    """A member: whether receive buffer ``index`` exists with this size and device."""
+    if index >= len(group.buffers):
+        return False
+    buf = group.buffers[index]
+    return buf.numel() == nbytes and buf.device == torch.device(device)
+
+
+def _encode(
+    group: SyncGroup, index: int, cur: torch.Tensor, bucket: Bucket, reasons: list[int]
+) -> tuple[int, int, torch.Tensor]:
+    """Rank 0: bucket ``index`` as (kind, count, payload), and its bytes kept as the base
+    of the next update's delta. A bucket of float32 words always goes whole, kept by no
+    one: an AdamW step moves nearly every weight by about lr, which changes nearly every
+    float32 word, so looking for the unchanged ones would cost time for nothing."""
+    word = word_bytes(bucket)
+    if word > 2:
+        return wd.WHOLE, cur.numel() // word, cur
+    kept = group.sent.get(index)
+    last = kept if reasons[index] == _OK else None
+    kind, count, payload = wd.encode(cur, last, word)
+    if kept is not None and kept.numel() == cur.numel():
+        kept.copy_(cur)  # after encode: a delta's payload is a new tensor
+    else:
+        group.sent[index] = cur.clone()
+    return kind, count, payload
 
 
 def receive_weights(
@@ -461,40 +546,78 @@ def receive_weights(
     epoch's first update. Each bucket has a buffer of its own (the consumer may keep
     references until its layer is complete), reused by the next update
     (``SyncGroup.buffer``): the consumer must be done with one update's tensors before it
-    receives the next.
+    receives the next. A sparse update is applied to those buffers, which hold the last
+    update, so every bucket is yielded whole either way.
     """
     buckets = plan_buckets(specs, bucket_bytes)
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:  # its buffers are reused by device
         device = torch.device("cuda", torch.cuda.current_device())
-    route, nbytes = _header(group)
+    memory_file = group.memory is not None and not isinstance(group.memory, DeviceMemory)
+    route, nbytes, encoded = _header(group)
     if route == AGREE:
         _agree_on_memory(group, accept_memory(offer) if offer is not None else None)
-        route, nbytes = _header(group)
-    if route == MEMORY:
-        expected = sum(b.nbytes for b in buckets)
-        if group.memory is None:
-            raise RuntimeError("a weight update in a memory file this member did not accept")
-        if nbytes != expected:
-            raise RuntimeError(f"a weight update of {nbytes} bytes, where its plan says {expected}")
-    elif route != NETWORK:
+        memory_file = group.memory is not None and not isinstance(group.memory, DeviceMemory)
+        route, nbytes, encoded = _header(group)
+    on = torch.device("cpu") if memory_file else device  # where the buffers live
+    if route == DELTA:
+        _member_wants(group, buckets, bool(nbytes), on)
+        route, nbytes, encoded = _header(group)
+    if route == MEMORY and group.memory is None:
+        raise RuntimeError("a weight update in a memory file this member did not accept")
+    if route not in (NETWORK, MEMORY):
         raise RuntimeError(f"a weight update header of route {route}")
+    group.complete = False
     offset = 0
     for i, bucket in enumerate(buckets):
-        if route == MEMORY:  # a memory file: through a CPU buffer; CUDA IPC: on the device
-            on = device if isinstance(group.memory, DeviceMemory) else torch.device("cpu")
-            buf = group.buffer(i, bucket.nbytes, on)
-            group.memory.read_into(buf, offset)
-            buf = buf.to(device)
-        else:
-            buf = group.buffer(i, bucket.nbytes, device)
-            broadcast_bucket(group, buf)
-        offset += bucket.nbytes
+        base = _receive_bucket(group, i, bucket, route, bool(encoded), on, offset, nbytes)
+        offset += base[1]
+        buf = base[0].to(device)
         out = []
         for spec, offset_in in zip(bucket.specs, bucket.offsets, strict=True):
-            n = _nbytes(spec)
+            n = nbytes_of(spec)
             t = buf[offset_in : offset_in + n].view(dtype_of(spec.dtype)).view(spec.shape)
             out.append((spec.name, t))
         yield out
     if route == MEMORY:
+        if offset != nbytes:
+            raise RuntimeError(
+                f"a weight update of {nbytes} bytes, where its buckets make {offset}"
+            )
         _all_read(group)
+    group.complete = True
+
+
+def _receive_bucket(
+    group: SyncGroup,
+    index: int,
+    bucket: Bucket,
+    route: int,
+    encoded: bool,
+    on: torch.device,
+    offset: int,
+    total: int,
+) -> tuple[torch.Tensor, int]:
+    """A member: bucket ``index`` into its buffer on ``on`` (a memory file's from
+    ``offset`` of the update's ``total`` bytes), whole or as a delta on the buffer's last
+    bytes; returns the buffer and the payload's size."""
+    word = word_bytes(bucket)
+    words = bucket.nbytes // word
+    kind, count = (wd.WHOLE, words) if not encoded else _header(group)[:2]
+    if kind not in (wd.SAME, wd.INDICES, wd.BITMAP, wd.WHOLE) or not 0 <= count <= words:
+        raise RuntimeError(f"a weight bucket header of kind {kind}, count {count}")
+    if kind != wd.WHOLE and not _holds(group, index, bucket.nbytes, on):
+        raise RuntimeError(f"a weight delta for bucket {index}, which this member does not hold")
+    base = group.buffer(index, bucket.nbytes, on)
+    size = wd.payload_nbytes(kind, count, words, word)
+    payload = base if kind == wd.WHOLE else torch.empty(size, dtype=torch.uint8, device=on)
+    if route == MEMORY:
+        if offset + size > total:
+            raise RuntimeError(f"a weight update of {total} bytes, where its buckets need more")
+        if size:
+            group.memory.read_into(payload, offset)
+    elif size:
+        broadcast_bucket(group, payload)
+    if kind != wd.WHOLE:
+        wd.apply(base, kind, count, payload, word)
+    return base, size

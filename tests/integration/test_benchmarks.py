@@ -93,6 +93,20 @@ def test_weight_sync(tmp_path):
 
 
 @pytest.mark.bench
+def test_weight_delta(tmp_path, tiny_model):
+    out = _run(
+        "weight_delta.py",
+        ["--model", str(tiny_model), "--steps", "2", "--lr", "1e-5", "--bucket-mb", "1"]
+        + ["--tokens", "8", "--out", str(tmp_path)],
+    )
+    rows = json.loads((tmp_path / "weight_delta.json").read_text())["rows"]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[0]["delta_bytes"] == rows[0]["bf16_bytes"] == rows[0]["float32_bytes"] // 2
+    assert all(r["delta_bytes"] <= r["bf16_bytes"] for r in rows[1:])
+    assert "bf16 words changed" in out
+
+
+@pytest.mark.bench
 def test_pipeline(tmp_path):
     out = _run(
         "pipeline.py",
