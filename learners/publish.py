@@ -102,8 +102,7 @@ class WeightSync:
         self.broadcast = BackgroundBroadcast(self.timeout_s) if cfg.weights.overlap else None
         self.failed = False  # the last broadcast did not reach every member
         self.packed: list[torch.Tensor] = []  # the background broadcast's buffers, reused
-        w = cfg.weights
-        group.delta = DeltaPolicy(w.full_every, w.digest_every) if w.delta else None
+        group.delta = delta_policy(cfg.weights)
         self.sent: Sent | None = None  # the last update sent without overlap
         self.heals = 0  # buckets sent whole because a generator's digest differed
         self.client.request(P.SyncStatus(formed=group.epoch))
@@ -243,6 +242,13 @@ class WeightSync:
             "weight-sync group rebuilt (epoch %d, %d members) in %.1fs; sending version %d",
             epoch, self.group.world_size, time.monotonic() - t0, update.version,
         )  # fmt: skip
+
+
+def delta_policy(weights) -> DeltaPolicy | None:
+    """Rank 0's sparse-update policy from ``weights.*`` (None: whole updates)."""
+    if weights.delta is False:
+        return None
+    return DeltaPolicy(weights.full_every, weights.digest_every, memory=weights.delta is True)
 
 
 def wire_specs(state: dict[str, torch.Tensor], cfg) -> list[P.ParamSpec]:

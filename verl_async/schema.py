@@ -665,13 +665,15 @@ class WeightsConfig(_Section):
     overlap: bool = True
     """Broadcast in a background thread while the next step trains (holds one packed copy
     of the weights); false broadcasts bucket by bucket inside the step (one bucket)."""
-    delta: bool = True
+    delta: bool | Literal["network"] = "network"
     """Send only the weights whose value in the generator's dtype changed since the last
     update (indices or a bitmap plus the new values, per bucket; a bucket goes whole where
     that is smaller). A generator that joins, restarts or missed an update gets whole
-    buckets; every update is bit-identical to a whole one (docs/scaling.md). false: every
-    update sends every weight (a CUDA IPC group always does, and so does a float32
-    ``model.dtype``: a step changes nearly every float32 word)."""
+    buckets; every update is bit-identical to a whole one (docs/scaling.md). network: only
+    updates that cross the network (through the same-host memory file a whole copy costs
+    less than finding what changed); true: every route; false: every update sends every
+    weight. A CUDA IPC group always sends whole updates, and a float32 ``model.dtype`` in
+    effect does too (a step changes nearly every float32 word)."""
     full_every: NonNegInt = 50
     """With ``delta``: every this many updates of a weight-sync group go whole (0: only
     when a generator needs it)."""

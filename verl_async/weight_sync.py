@@ -111,6 +111,9 @@ class DeltaPolicy:
 
     full_every: int  # every this many updates of an epoch go whole (0: only when needed)
     digest_every: int  # members' copies are checked every this many updates (0: never)
+    # Deltas through the same-host memory file too. Copying whole buckets there costs less
+    # than finding the changed words (BENCHMARKS.md section 24), so runs keep it off.
+    memory: bool = True
 
 
 @dataclass(frozen=True)
@@ -408,6 +411,7 @@ def send_update(
     elif not group.memory_agreed:  # nothing offered: the network, with nothing to agree
         _settled(group)
     sparse = group.delta is not None and plan is not None
+    sparse = sparse and (group.memory is None or group.delta.memory)
     sparse = sparse and not isinstance(group.memory, DeviceMemory)
     heads: list[tuple[int, int]] = []  # each bucket's (kind, count), as sent
 

@@ -17,7 +17,7 @@ import msgspec
 import pytest
 import torch
 
-from learners.publish import wire_specs
+from learners.publish import delta_policy, wire_specs
 from verl_async import protocol as P
 from verl_async.config import load_config
 from verl_async.protocol import MemoryOffer, ParamSpec
@@ -235,6 +235,32 @@ def test_float32_updates_go_whole_without_being_compared(run):
     assert all(wrong == [] for wrong in reports.values()), reports
     assert all(s.forms == (0, 0, 0, len(run.plan)) and s.nbytes == run.total for s in sent)
     assert sum(s.healed for s in sent) == 0 and not run.group.sent
+
+
+@pytest.mark.parametrize(
+    "run", [(True, DeltaPolicy(full_every=0, digest_every=2, memory=False))], indirect=True,
+    ids=["memory"],
+)  # fmt: skip
+def test_the_default_policy_sends_whole_buckets_through_the_memory_file(run):
+    """``weights.delta: network`` (the default): through the same-host memory file every
+    bucket goes whole, uncompared, and the members still hold the exact cast."""
+    versions = list(range(4))
+    run.start_member(1, 2, 0, [(0, v) for v in versions])
+    run.join(2)
+    sent = [run.send(v) for v in versions]
+    reports = run.reports(len(versions))
+    assert all(wrong == [] for wrong in reports.values()), reports
+    assert {s.route for s in sent} == {"memory"}
+    assert all(s.whole == len(run.plan) and s.nbytes == run.total for s in sent), sent
+
+
+def test_weights_delta_network_is_the_default_and_spares_the_memory_file():
+    cfg = load_config(ROOT / "configs" / "tiny.yaml")
+    assert cfg.weights.delta == "network" and delta_policy(cfg.weights).memory is False
+    on = load_config(ROOT / "configs" / "tiny.yaml", ["weights.delta=true"])
+    assert delta_policy(on.weights).memory is True
+    off = load_config(ROOT / "configs" / "tiny.yaml", ["weights.delta=false"])
+    assert delta_policy(off.weights) is None
 
 
 @pytest.mark.parametrize(
