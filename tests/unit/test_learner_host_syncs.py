@@ -1,0 +1,87 @@
+"""Nothing in the learner's update waits for the device but the one read of its metrics
+at its end: real ``policy_update`` steps on the tiny model (GRPO-shaped batches, fused
+AdamW, the gradient clip the learner runs), with every call that makes the host wait
+for a CUDA device counted while the update runs (``benchmarks.learner_ops.HostSyncs``:
+scalar reads, ``nonzero``, boolean-mask indexing, ``tolist``/``numpy``/``cpu``,
+``torch.cuda.synchronize``). The step's shapes are planned from the host copy of the
+batch before the update (``plan_step``), as the learner does before its copy to the
+device."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+
+from benchmarks.learner_ops import HostSyncs, Step, grpo_batch
+from verl_async.launch.tiny_model import build_tiny_model
+from verl_async.schema import AlgoConfig, LearnerConfig, TinyModelConfig
+
+ONE_READ = {"Tensor.tolist": 1}  # the metrics, read once at the end of the update
+
+CASES = {
+    "default": {},
+    "one minibatch": {"minibatches": 1},
+    "tis, entropy bonus": {"correction": "tis", "entropy_coeff": 0.01},
+    "no correction, gpg": {"correction": "none", "loss_mode": "gpg"},
+    "gspo": {"loss_mode": "gspo"},
+    "cispo, seq-mean-token-mean": {"loss_mode": "cispo", "loss_agg_mode": "seq-mean-token-mean"},
+    "dual clip": {"clip_ratio_c": 3.0},
+}
+LEARNERS = {
+    "default": {},
+    "padded, micro-batches": {"share_prefix": False, "max_tokens_per_microbatch": 256},
+    "padding-free": {"padding_free": True},
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    path = build_tiny_model(tmp_path_factory.mktemp("m"), TinyModelConfig())
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def _syncs(model, algo: AlgoConfig, learner: LearnerConfig) -> dict:
+    batch, adv = grpo_batch(groups=3, samples=4, prompt=12, vocab=model.config.vocab_size)
+    step = Step(model, batch, adv, algo, learner)
+    plan = step.plan()  # on the host, before the update
+    with HostSyncs() as syncs:
+        stats = step.run(plan)
+    assert stats.optimizer_steps == algo.minibatches  # real steps were taken
+    return dict(syncs.calls)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_update_reads_the_device_once(tiny, case):
+    algo = msgspec.structs.replace(AlgoConfig(), **CASES[case])
+    assert _syncs(tiny, algo, LearnerConfig()) == ONE_READ
+
+
+@pytest.mark.parametrize("case", LEARNERS)
+def test_every_pass_layout_reads_the_device_once(tiny, case):
+    learner = msgspec.structs.replace(LearnerConfig(), **LEARNERS[case])
+    assert _syncs(tiny, AlgoConfig(), learner) == ONE_READ
+
+
+def test_the_counter_sees_what_makes_the_host_wait():
+    """The harness itself: each kind of call it must see is seen."""
+    x = torch.arange(6.0).reshape(2, 3)
+    with HostSyncs() as syncs:
+        x.sum().item()
+        float(x.max())
+        bool((x > 1).any())
+        x[x > 2]
+        x.nonzero()
+        x.tolist()
+        x.cpu()
+        torch.where(x > 2, x, 0.0)  # fixed shape: not a wait
+        x[torch.tensor([0, 1])]  # an index tensor: not a wait
+    assert syncs.calls == {
+        "aten._local_scalar_dense.default": 3,
+        "aten.index.Tensor": 1,
+        "aten.nonzero.default": 1,
+        "Tensor.tolist": 1,
+        "Tensor.cpu": 1,
+    }
