@@ -12,6 +12,8 @@ Rank 0 owns the weight-sync group; every rank takes part in gathering full tenso
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import logging
 import time
@@ -51,7 +53,7 @@ from learners.step_metrics import (
     note_new_graphs,
     step_row,
 )
-from learners.update import StepStats, UpdateHooks, policy_update, prox_pass
+from learners.update import StepStats, UpdateHooks, plan_step, policy_update, prox_pass
 from learners.whole_step_correction import metric_names
 from verl_async import lora
 from verl_async import protocol as P
@@ -147,23 +149,10 @@ class Learner:
         # have sampled the round (Generator.finish_eval_first).
         self.maybe_evaluate()
         try:
-            for step in steps:
-                t0 = time.monotonic()
-                batch, local = self.collect(batches)
-                self.mark_start_up(step == steps.start, "first batch")
-                advantages = self.compute_advantages(batch, local)
-                stats, critic_stats = self.update(batch, local, advantages)
-                sync_s = self.publish_weights()
-                self.steps_done = step + 1
-                self.record_trail(step, batch)
-                self.maybe_evaluate()
-                ckpt_s = self.checkpoint()
-                step_s = time.monotonic() - t0
-                if self.metrics is not None:  # rank 0
-                    update = (stats, critic_stats, advantages)
-                    row = self.metrics_row(step, batch, update, sync_s, step_s, ckpt_s)
-                    self.log_metrics(step, row)
-                self.mark_start_up(step == steps.start, "first step")
+            with collector_between_steps() as between_steps:
+                for step in steps:
+                    self.step(step, steps.start, batches)
+                    between_steps()
             batches.close()
         except KeyboardInterrupt:  # SIGTERM from the launcher (Ctrl-C) lands here too
             batches.close()
@@ -171,6 +160,25 @@ class Learner:
             self.checkpoints.interrupted()
             raise
         self.finish()
+
+    def step(self, step: int, first: int, batches: Prefetcher) -> None:
+        """One step of the loop (``first``: the first step of this launch)."""
+        t0 = time.monotonic()
+        batch, local = self.collect(batches)
+        self.mark_start_up(step == first, "first batch")
+        advantages = self.compute_advantages(batch, local)
+        stats, critic_stats = self.update(batch, local, advantages)
+        sync_s = self.publish_weights()
+        self.steps_done = step + 1
+        self.record_trail(step, batch)
+        self.maybe_evaluate()
+        ckpt_s = self.checkpoint()
+        step_s = time.monotonic() - t0
+        if self.metrics is not None:  # rank 0
+            update = (stats, critic_stats, advantages)
+            row = self.metrics_row(step, batch, update, sync_s, step_s, ckpt_s)
+            self.log_metrics(step, row)
+        self.mark_start_up(step == first, "first step")
 
     def mark_start_up(self, first: bool, event: str) -> None:
         if first and self.metrics is not None:  # rank 0, first step of this launch
@@ -258,11 +266,19 @@ class Learner:
         ``critic.warmup_steps`` the actor's losses are computed but its weights stay.
         Statistics are averaged over ranks."""
         cfg, critic_stats, dp = self.cfg, None, self.dp
+        host = batch.host or batch  # as it came, before its copy to the device
         plan = plan_update(
-            batch.loss_mask, batch.attention_mask, batch.shard_sizes, dp.rank,
+            host.loss_mask, host.attention_mask, batch.shard_sizes, dp.rank,
             self.algo.minibatches, cfg.learner.max_tokens_per_microbatch,
         )  # fmt: skip
-        weight = float(local.loss_mask.sum())
+        local_host = dp.local(host)
+        weight = float(local_host.loss_mask.sum())
+        # Every pass's shapes from the host copy: the actor's update then never waits for
+        # the device until it reads its metrics (learners/update.py)
+        given = local.logp_prox is not None
+        step_plan = plan_step(
+            self.model, local_host, plan, self.algo, cfg.learner, given, local.loss_mask.device
+        )
         if self.critic is not None:
             self.critic.train()
             critic_stats = critic_update(
@@ -288,7 +304,7 @@ class Learner:
             dp.local_part(adv.advantages, batch, local),
             self.algo,
             self.actor_hooks,
-            plan=plan,
+            plan=step_plan,
             version=self.version,
             step=not warming,
             temperature=cfg.generators.temperature,
@@ -313,13 +329,14 @@ class Learner:
         clip = lambda: self.clip_grad(model, max_norm)  # noqa: E731
         return UpdateHooks(self.acc.backward, clip, self.dp.any_rank, self.dp.all_sum)
 
-    def clip_grad(self, model, max_norm: float) -> float:
-        """Clip the gradient norm (over all ranks' shards under FSDP2); returns it."""
+    def clip_grad(self, model, max_norm: float) -> torch.Tensor:
+        """Clip the gradient norm (over all ranks' shards under FSDP2); returns it, on the
+        device (not read: ``step_unless_nonfinite`` decides there)."""
         if self.dp.world == 1:  # a DTensor too when one rank is sharded (cpu_offload)
             norm = self.acc.clip_grad_norm_(model.parameters(), max_norm)
         else:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def publish_weights(self, new_version: bool = True) -> float:
         """Gather full tensors bucket by bucket on every rank; rank 0 announces the version
@@ -502,6 +519,26 @@ class Learner:
                 self.sync.close()
             except Exception as exc:  # a peer already gone; never mask the loop's own error
                 log.warning("weight-sync group shutdown failed: %s", exc)
+
+
+@contextlib.contextmanager
+def collector_between_steps():
+    """Python's garbage collector kept out of the steps: what exists now (model,
+    optimizer, clients: long-lived) is frozen out of every later collection, automatic
+    collection is off, and the caller runs the young generations' collection (what it is
+    handed) between steps, where its pause delays no kernel launch. A collection that
+    starts inside a step stalls the host while the device's queue drains, and a full one
+    walks every object the model and its libraries hold. Restored on exit."""
+    gc.collect()
+    gc.freeze()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield lambda: gc.collect(1)
+    finally:
+        if enabled:
+            gc.enable()
+        gc.unfreeze()
 
 
 def longest_response(cfg) -> int:
