@@ -44,7 +44,7 @@ from learners.distributed import DataParallel
 from learners.evaluation import EvalTracker
 from learners.finite import SkipLog, require_finite
 from learners.logprobs import PassOptions
-from learners.plan import plan_update
+from learners.plan import Minibatch, plan_update
 from learners.publish import WeightSync, gathered_buckets
 from learners.step_metrics import (
     GeneratorTiming,
@@ -53,7 +53,14 @@ from learners.step_metrics import (
     note_new_graphs,
     step_row,
 )
-from learners.update import StepStats, UpdateHooks, plan_step, policy_update, prox_pass
+from learners.update import (
+    StepPlan,
+    StepStats,
+    UpdateHooks,
+    plan_step,
+    policy_update,
+    prox_pass,
+)
 from learners.whole_step_correction import metric_names
 from verl_async import lora
 from verl_async import protocol as P
@@ -166,8 +173,9 @@ class Learner:
         t0 = time.monotonic()
         batch, local = self.collect(batches)
         self.mark_start_up(step == first, "first batch")
+        plan = self.plan(batch)
         advantages = self.compute_advantages(batch, local)
-        stats, critic_stats = self.update(batch, local, advantages)
+        stats, critic_stats = self.update(batch, local, advantages, plan)
         sync_s = self.publish_weights()
         self.steps_done = step + 1
         self.record_trail(step, batch)
@@ -213,6 +221,23 @@ class Learner:
         """The step's batch (every rank gets all of it) and this rank's rows of it."""
         batch = batches.get()
         return batch, self.dp.local(batch)
+
+    def plan(self, batch: TrainBatch) -> tuple[list[Minibatch], StepPlan]:
+        """The update's minibatches (every rank's, learners/plan.py) and this rank's passes'
+        shapes (``plan_step``), from the batch's host copy and before any of the step's
+        work is queued on the device: the update then never waits for the device until
+        it reads its metrics (learners/update.py), and the plan's few index tensors reach
+        the device while it is idle."""
+        host, dp = batch.host or batch, self.dp  # as it came, before its copy to the device
+        plan = plan_update(
+            host.loss_mask, host.attention_mask, batch.shard_sizes, dp.rank,
+            self.algo.minibatches, self.cfg.learner.max_tokens_per_microbatch,
+        )  # fmt: skip
+        given = self.algo.kl.in_reward  # compute_advantages computes pi_prox
+        device = batch.loss_mask.device
+        return plan, plan_step(
+            self.model, dp.local(host), plan, self.algo, self.cfg.learner, given, device
+        )
 
     def compute_advantages(self, batch: TrainBatch, local: TrainBatch) -> Advantages:
         """Combine the reward sources into one outcome reward per sample, then the
@@ -260,25 +285,14 @@ class Learner:
         )
 
     def update(
-        self, batch: TrainBatch, local: TrainBatch, adv: Advantages
+        self, batch: TrainBatch, local: TrainBatch, adv: Advantages, planned: tuple
     ) -> tuple[StepStats, CriticStats | None]:
-        """The critic's steps (gae), then the actor's, on this rank's rows; during
-        ``critic.warmup_steps`` the actor's losses are computed but its weights stay.
-        Statistics are averaged over ranks."""
+        """The critic's steps (gae), then the actor's, on this rank's rows as ``planned``
+        (``plan``); during ``critic.warmup_steps`` the actor's losses are computed but its
+        weights stay. Statistics are averaged over ranks."""
         cfg, critic_stats, dp = self.cfg, None, self.dp
-        host = batch.host or batch  # as it came, before its copy to the device
-        plan = plan_update(
-            host.loss_mask, host.attention_mask, batch.shard_sizes, dp.rank,
-            self.algo.minibatches, cfg.learner.max_tokens_per_microbatch,
-        )  # fmt: skip
-        local_host = dp.local(host)
-        weight = float(local_host.loss_mask.sum())
-        # Every pass's shapes from the host copy: the actor's update then never waits for
-        # the device until it reads its metrics (learners/update.py)
-        given = local.logp_prox is not None
-        step_plan = plan_step(
-            self.model, local_host, plan, self.algo, cfg.learner, given, local.loss_mask.device
-        )
+        plan, step_plan = planned
+        weight = float(dp.local(batch.host or batch).loss_mask.sum())  # read on the host
         if self.critic is not None:
             self.critic.train()
             critic_stats = critic_update(

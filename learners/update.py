@@ -63,7 +63,8 @@ class StepStats:
     # log space) shows a weight push gone wrong; the fraction says how many were compared.
     rollout_logp_diff_max: float = 0.0
     rollout_fresh_fraction: float = 0.0
-    # Seconds of this update by part (the device synchronised at each boundary), and the
+    # Seconds of this update by part (CUDA: between events recorded at each boundary,
+    # read after the update; elsewhere the host's clock), and the
     # share of the computed [rows x width] positions that were padding.
     prox_s: float = 0.0  # the no-grad pi_prox pass
     forward_s: float = 0.0  # gradient passes: model, log-probs, losses
