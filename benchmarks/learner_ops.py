@@ -14,9 +14,11 @@ samples sharing a prompt), fused AdamW:
 - ``ops_per_layer``: aten operators dispatched by one update (``torch.profiler`` on the
   CPU), divided by the decoder layers: each is a kernel launch (or several) on a GPU,
   where a small model's step is bound by launches.
-- ``step_s``: median and spread (min, max) of the update's wall time over ``--steps``
-  updates after two warm-up ones (this machine's threads; a ratio against another
-  commit measured in the same run is what to read).
+- ``step_s`` and ``cpu_s``: median and spread (min, max) of the update's wall time and
+  of the CPU time the process spent in it, over ``--steps`` updates after two warm-up
+  ones, on ``--threads`` threads (1 by default: on a machine shared with other jobs the
+  CPU time of one thread is the steadier figure; a ratio against another commit
+  measured in the same run is what to read).
 
 Run it against another commit's code by putting that checkout first on the path:
 ``PYTHONPATH=/path/to/checkout python benchmarks/learner_ops.py``. It prints one JSON
@@ -203,11 +205,12 @@ def measure(model, batch, adv, steps: int, algo=None, learner=None) -> dict:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         step.run(step.plan())
     ops = sum(1 for e in prof.events() if e.name.startswith("aten::"))
-    times = []
+    times, cpu = [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step.run(step.plan())
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     layers = len(decoder_layers(model))
     return {
         "host_syncs": syncs.total,
@@ -216,6 +219,9 @@ def measure(model, batch, adv, steps: int, algo=None, learner=None) -> dict:
         "step_s_median": round(statistics.median(times), 5),
         "step_s_min": round(min(times), 5),
         "step_s_max": round(max(times), 5),
+        "cpu_s_median": round(statistics.median(cpu), 5),
+        "cpu_s_min": round(min(cpu), 5),
+        "cpu_s_max": round(max(cpu), 5),
         "steps": steps,
     }
 
@@ -226,8 +232,10 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=4)
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--prompt", type=int, default=40)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--model", default=None, help="a model directory besides the tiny model")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
     import learners.update
