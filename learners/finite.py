@@ -89,7 +89,8 @@ def step_unless_nonfinite(
     ``learners.setup.adamw`` makes) takes a ``found_inf`` flag, the way a gradient
     scaler skips a step: where it is set the kernel leaves weights and moments as they
     were and the step count is taken back, so the verdict stays on the device. Any other
-    optimizer: the verdict is read on the host (one read per minibatch).
+    optimizer, or one under a gradient scaler (fp16, which sets that flag itself): the
+    verdict is read on the host (one read per minibatch).
 
     The loss's verdict is every rank's through ``reduce`` (a sum over ranks, on the
     device: ``DataParallel.all_sum``), else through ``any_rank`` (read on the host);
@@ -110,12 +111,14 @@ def step_unless_nonfinite(
     code = torch.where(
         bad_loss, NONFINITE_LOSS, torch.where(torch.isfinite(norm), 0, NONFINITE_GRAD)
     )
-    if getattr(inner, "_step_supports_amp_scaling", False):
+    # A gradient scaler (Accelerate's, fp16) sets and removes found_inf itself.
+    scaled = getattr(optimizer, "scaler", None) is not None
+    if getattr(inner, "_step_supports_amp_scaling", False) and not scaled:
         inner.found_inf = (code != STEPPED).float()
         try:
             optimizer.step()
         finally:
-            del inner.found_inf
+            vars(inner).pop("found_inf", None)
     elif int(code) == STEPPED:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -85,3 +85,36 @@ def test_the_counter_sees_what_makes_the_host_wait():
         "Tensor.tolist": 1,
         "Tensor.cpu": 1,
     }
+
+
+@pytest.mark.parametrize("bad", ["loss", "grad"])
+def test_the_guard_skips_a_nonfinite_step_without_reading_the_device(bad):
+    """Fused AdamW skips the step itself (``found_inf``): weights, moments and step count
+    stay, and nothing is read on the host; a finite step after it moves the weights."""
+    from learners.finite import NONFINITE_GRAD, NONFINITE_LOSS, step_unless_nonfinite
+    from learners.setup import adamw
+
+    model = torch.nn.Linear(3, 2)
+    opt = adamw(model, lr=0.1, weight_decay=0.1)
+
+    def step(scale: float, grad_scale: float = 1.0):
+        loss = model(torch.ones(4, 3)).sum()
+        (loss * grad_scale).backward()
+        clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # noqa: E731
+        return step_unless_nonfinite(opt, clip, loss.detach() * scale)
+
+    step(1.0)  # moments to keep
+    weights = [p.detach().clone() for p in model.parameters()]
+    state = [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()]
+    with HostSyncs() as syncs:
+        if bad == "loss":
+            norm, code = step(float("nan"))
+        else:
+            norm, code = step(1.0, grad_scale=float("inf"))
+    assert syncs.total == 0, syncs.calls
+    assert int(code) == (NONFINITE_LOSS if bad == "loss" else NONFINITE_GRAD)
+    for p, w, s in zip(model.parameters(), weights, state, strict=True):
+        assert torch.equal(p, w)
+        assert all(torch.equal(opt.state[p][k], v) for k, v in s.items())
+    assert int(step(1.0)[1]) == 0
+    assert not torch.equal(next(model.parameters()), weights[0])
