@@ -9,7 +9,7 @@ samples sharing a prompt), fused AdamW:
 - ``host_syncs``: the calls inside one update that make the host wait for the device on
   CUDA (``HostSyncs``): a scalar read (``.item()``, ``float(t)``, ``bool(t)``...),
   ``nonzero``, a boolean-mask index, ``.tolist()``, ``.numpy()``, ``.cpu()``,
-  ``torch.cuda.synchronize``. On a GPU each one stalls the launch queue until every
+  ``torch.cuda.synchronize``, a tensor made from Python numbers (copied to the device). On a GPU each one stalls the launch queue until every
   kernel before it has run.
 - ``ops_per_layer``: aten operators dispatched by one update (``torch.profiler`` on the
   CPU), divided by the decoder layers: each is a kernel launch (or several) on a GPU,
@@ -57,6 +57,9 @@ _SYNC_OPS = {
     aten._unique2.default,
     aten.unique_consecutive.default,
     aten.unique_dim.default,
+    # A tensor made from Python data (torch.tensor, as_tensor of a number or list): on
+    # CUDA it is copied to the device, and a copy from pageable memory waits for the stream.
+    aten.lift_fresh.default,
 }
 _INDEX_OPS = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
               aten._index_put_impl_.default}  # fmt: skip

@@ -318,7 +318,10 @@ def _sliced(model, input_ids, select: Selection, temperature, entropy, chunk_tok
     cols = select.cols[select.at]  # [M] each position's column among the targets
     targets = input_ids[:, 1:][select.rows, cols]
     kept = _Kept((select.rows, select.at), targets, temperature, entropy)
-    forward = partial(model, input_ids=input_ids, logits_to_keep=select.cols, **inputs)
+    # use_cache off: a learner's pass never decodes, so no KV cache is built
+    forward = partial(
+        model, input_ids=input_ids, logits_to_keep=select.cols, use_cache=False, **inputs
+    )
     if chunk_tokens > 0:
         values = _chunked_values(_inner(model), forward, kept, chunk_tokens)
     else:

@@ -3,9 +3,9 @@ at its end: real ``policy_update`` steps on the tiny model (GRPO-shaped batches,
 AdamW, the gradient clip the learner runs), with every call that makes the host wait
 for a CUDA device counted while the update runs (``benchmarks.learner_ops.HostSyncs``:
 scalar reads, ``nonzero``, boolean-mask indexing, ``tolist``/``numpy``/``cpu``,
-``torch.cuda.synchronize``). The step's shapes are planned from the host copy of the
-batch before the update (``plan_step``), as the learner does before its copy to the
-device."""
+``torch.cuda.synchronize``, tensors made from Python numbers). The step's shapes are
+planned from the host copy of the batch before the update (``plan_step``), as the
+learner does before its copy to the device."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def test_every_pass_layout_reads_the_device_once(tiny, case):
 
 def test_the_counter_sees_what_makes_the_host_wait():
     """The harness itself: each kind of call it must see is seen."""
-    x = torch.arange(6.0).reshape(2, 3)
+    x, index = torch.arange(6.0).reshape(2, 3), torch.tensor([0, 1])
     with HostSyncs() as syncs:
         x.sum().item()
         float(x.max())
@@ -76,14 +76,16 @@ def test_the_counter_sees_what_makes_the_host_wait():
         x.nonzero()
         x.tolist()
         x.cpu()
+        x + torch.tensor(2.0)  # made from a number: a copy to the device on CUDA
         torch.where(x > 2, x, 0.0)  # fixed shape: not a wait
-        x[torch.tensor([0, 1])]  # an index tensor: not a wait
+        x[index]  # an index tensor: not a wait
     assert syncs.calls == {
         "aten._local_scalar_dense.default": 3,
         "aten.index.Tensor": 1,
         "aten.nonzero.default": 1,
         "Tensor.tolist": 1,
         "Tensor.cpu": 1,
+        "aten.lift_fresh.default": 1,
     }
 
 
