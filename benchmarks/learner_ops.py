@@ -18,7 +18,8 @@ samples sharing a prompt), fused AdamW:
   of the CPU time the process spent in it, over ``--steps`` updates after two warm-up
   ones, on ``--threads`` threads (1 by default: on a machine shared with other jobs the
   CPU time of one thread is the steadier figure; a ratio against another commit
-  measured in the same run is what to read).
+  measured in the same run is what to read). The garbage collector runs as the
+  checkout's learner loop runs it.
 
 Run it against another commit's code by putting that checkout first on the path:
 ``PYTHONPATH=/path/to/checkout python benchmarks/learner_ops.py``. It prints one JSON
@@ -194,6 +195,16 @@ class Step:
         )  # fmt: skip
 
 
+def _collector():
+    """The garbage collector as the learner's loop runs it (``collector_between_steps``,
+    where the checkout has it: frozen, off during steps, young generations collected
+    between them); else as it is by default."""
+    from learners import trainer
+
+    hold_off = getattr(trainer, "collector_between_steps", None)
+    return hold_off() if hold_off is not None else contextlib.nullcontext(lambda: None)
+
+
 def measure(model, batch, adv, steps: int, algo=None, learner=None) -> dict:
     """Host syncs of one update, operators per decoder layer, and the step's times."""
     from learners.setup import decoder_layers
@@ -209,11 +220,13 @@ def measure(model, batch, adv, steps: int, algo=None, learner=None) -> dict:
         step.run(step.plan())
     ops = sum(1 for e in prof.events() if e.name.startswith("aten::"))
     times, cpu = [], []
-    for _ in range(steps):
-        t0, c0 = time.perf_counter(), time.process_time()
-        step.run(step.plan())
-        times.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
+    with _collector() as between_steps:
+        for _ in range(steps):
+            t0, c0 = time.perf_counter(), time.process_time()
+            step.run(step.plan())
+            times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+            between_steps()
     layers = len(decoder_layers(model))
     return {
         "host_syncs": syncs.total,
