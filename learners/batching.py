@@ -84,12 +84,17 @@ class TrainBatch:
     logp_ref: torch.Tensor | None = None  # [N, T-1] the reference policy (algo.kl; its KL loss)
     logp_teacher: torch.Tensor | None = None  # [N, T-1] the teachers' (distillation)
     values: torch.Tensor | None = None  # [N, T-1] the critic's, before its update (gae)
+    # This batch in host memory, when it was copied to a device (``to``): the learner
+    # decides its passes' shapes from it, without reading the device
+    host: TrainBatch | None = None
 
     def to(self, device: torch.device) -> TrainBatch:
         moved = {
             k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
             for k, v in vars(self).items()
         }
+        if self.host is None and self.input_ids.device.type == "cpu":
+            moved["host"] = self
         return TrainBatch(**moved)
 
 

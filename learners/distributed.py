@@ -77,6 +77,7 @@ class DataParallel:
         out["group_index"] = batch.group_index[start:stop]
         out["response_lengths"] = batch.response_lengths[start:stop]
         out["shard_sizes"] = [stop - start]
+        out["host"] = None if batch.host is None else self.local(batch.host)
         return TrainBatch(**out)
 
     def local_part(self, full: torch.Tensor, batch: TrainBatch, local: TrainBatch) -> torch.Tensor:

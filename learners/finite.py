@@ -28,7 +28,6 @@ it takes no step either, counted as ``skipped_steps/empty``.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Iterable
 
 import torch
@@ -47,6 +46,11 @@ class NonFiniteWeights(RuntimeError):
     """Weights or optimizer state hold a NaN or an infinity: not published, not saved."""
 
 
+# The outcome of a guarded step as ``step_unless_nonfinite`` codes it on the device.
+STEPPED, NONFINITE_LOSS, NONFINITE_GRAD, EMPTY = 0, 1, 2, 3
+OUTCOMES = (None, "nonfinite_loss", "nonfinite_grad", "empty")  # by code
+
+
 def guarded_step(
     optimizer,
     clip_grad: Callable[[], float],
@@ -58,7 +62,7 @@ def guarded_step(
     from on any rank: the caller's count is the whole minibatch's), or its ``loss`` (this
     rank's part of it) or the gradient norm is not finite; the gradients are zeroed either
     way. Returns (the norm, 0 when empty; None when the step was taken, else its kind of
-    skip in ``SKIPS``).
+    skip in ``SKIPS``): ``step_unless_nonfinite``'s verdict, read on the host.
 
     Every rank comes to the same verdict: the norm ``clip_grad`` returns is the global one
     (under FSDP2 it is reduced over every rank's DTensor shards, so a NaN on one rank is a
@@ -67,18 +71,58 @@ def guarded_step(
     the gradients are finite (a NaN in a term that carries no gradient), hence both.
     A skipped step leaves the weights and the optimizer state (moments, step count) as
     they were."""
+    norm, code = step_unless_nonfinite(optimizer, clip_grad, loss, any_rank=any_rank, empty=empty)
+    return float(norm), OUTCOMES[int(code)]
+
+
+def step_unless_nonfinite(
+    optimizer,
+    clip_grad: Callable[[], float | torch.Tensor],
+    loss: float | torch.Tensor,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    any_rank: Callable[[bool], bool] | None = None,
+    empty: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``guarded_step`` decided on the device: returns (the norm, the outcome's code in
+    ``OUTCOMES``) as tensors, and reads neither on the host when the optimizer can skip
+    a step by itself. A fused Adam, AdamW or SGD (``_step_supports_amp_scaling``, as
+    ``learners.setup.adamw`` makes) takes a ``found_inf`` flag, the way a gradient
+    scaler skips a step: where it is set the kernel leaves weights and moments as they
+    were and the step count is taken back, so the verdict stays on the device. Any other
+    optimizer, or one under a gradient scaler (fp16, which sets that flag itself): the
+    verdict is read on the host (one read per minibatch).
+
+    The loss's verdict is every rank's through ``reduce`` (a sum over ranks, on the
+    device: ``DataParallel.all_sum``), else through ``any_rank`` (read on the host);
+    neither: this rank's alone. ``empty``: the caller's count (host), no step, no clip."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # under Accelerate's wrapper
     if empty:  # every rank alike, so no rank waits in clip_grad's collective alone
         optimizer.zero_grad(set_to_none=True)
-        return 0.0, "empty"
-    norm = float(clip_grad())
-    bad_loss = not math.isfinite(loss)
-    if any_rank is not None:
-        bad_loss = any_rank(bad_loss)
-    skip = "nonfinite_loss" if bad_loss else None if math.isfinite(norm) else "nonfinite_grad"
-    if skip is None:
+        return torch.zeros(()), torch.tensor(EMPTY)
+    norm = clip_grad()
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else torch.as_tensor(norm)
+    loss = torch.as_tensor(loss, device=norm.device)
+    bad_loss = ~torch.isfinite(loss.detach())
+    if reduce is not None:
+        bad_loss = reduce(bad_loss.float()) > 0
+    elif any_rank is not None:
+        bad_loss = torch.tensor(any_rank(bool(bad_loss)))
+    bad_loss = bad_loss.to(norm.device)
+    code = torch.where(
+        bad_loss, NONFINITE_LOSS, torch.where(torch.isfinite(norm), 0, NONFINITE_GRAD)
+    )
+    # A gradient scaler (Accelerate's, fp16) sets and removes found_inf itself.
+    scaled = getattr(optimizer, "scaler", None) is not None
+    if getattr(inner, "_step_supports_amp_scaling", False) and not scaled:
+        inner.found_inf = (code != STEPPED).float()
+        try:
+            optimizer.step()
+        finally:
+            vars(inner).pop("found_inf", None)
+    elif int(code) == STEPPED:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return norm, skip
+    return norm, code
 
 
 class SkipLog:

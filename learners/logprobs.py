@@ -167,24 +167,27 @@ def token_stats(
     temperature: float = 1.0,
     entropy: bool = False,
     options: PassOptions | None = None,
+    plan: PassPlan | None = None,
 ) -> TokenStats:
     """Log-probs (and entropies) of ids [N, T] (right-padded) at the positions where
     ``mask`` [N, T-1] is non-zero; gradients flow when grad mode is on. ``options``
     (None: the defaults) choose the chunk size, prefix sharing and padding-free packing
-    (above).
+    (above). ``plan``: the pass's decisions made beforehand on the host (``pass_plan`` of
+    the same rows), so the pass reads nothing back from the device; None: made here from
+    the tensors given (which reads them on the host).
 
     One forward pass always runs, even for a mask with no token (a placeholder row keeps
     FSDP2's collectives in step): its last column is computed then, and left in the
     outputs at a position every reader masks, so the loss stays connected to the graph."""
     options = options or PassOptions()
-    n, t = input_ids.shape
-    tokens = int(attention_mask.sum())
-    keep = mask > 0
-    placeholder = not keep.any()
-    if placeholder:
-        keep = torch.zeros_like(keep)
-        keep[:, -1] = True
-    if not _sliceable(model):
+    if plan is None:
+        plan = pass_plan(model, input_ids, attention_mask, mask, options)
+    counts = {"computed": plan.computed, "real": plan.real, "tokens": plan.tokens}
+    if plan.select is None:  # a model whose head cannot be sliced: the full computation
+        keep = mask > 0
+        if plan.placeholder:
+            keep = torch.zeros_like(keep)
+            keep[:, -1] = True
         logp, ent = _stats(
             logits_of(model, input_ids, attention_mask)[:, :-1], input_ids[:, 1:], temperature,
             entropy,
@@ -192,38 +195,148 @@ def token_stats(
         zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
         return TokenStats(
             torch.where(keep, logp, zero), None if ent is None else torch.where(keep, ent, zero),
-            computed=n * t, real=tokens, tokens=tokens,
+            **counts,
         )  # fmt: skip
+    if plan.pack is not None:
+        return _packed_stats(model, input_ids, plan, temperature, entropy, options, counts)
+    inputs = {"attention_mask": _padded_mask(attention_mask, plan.masking)}
+    logp, ent = _sliced(model, input_ids, plan.select, temperature, entropy, options, **inputs)
+    return TokenStats(logp, ent, **counts)
+
+
+def _padded_mask(attention_mask: torch.Tensor, masking: str) -> torch.Tensor | None:
+    """The attention mask a padded pass gives the model (``PassPlan.masking``): none for
+    rows without padding (plain causal attention), or the [N, 1, T, T] causal mask over
+    the real keys built here with fixed-shape operations, in the form sdpa (bool) or
+    eager (additive float) attention takes. From a [N, T] mask, transformers would first
+    ask whether it has any padding at all, a read of the device on the host."""
+    if masking == "given":
+        return attention_mask
+    if masking == "causal":
+        return None
+    width = attention_mask.shape[1]
+    causal = torch.ones((width, width), dtype=torch.bool, device=attention_mask.device).tril()
+    attend = causal[None, None] & (attention_mask[:, None, None, :] > 0)  # [N, 1, T, T]
+    if masking == "eager":
+        zero = torch.zeros((), device=attend.device)
+        attend = torch.where(attend, zero, torch.finfo(torch.float32).min)
+    return attend
+
+
+@dataclass
+class Selection:
+    """The masked positions of a pass's [N, T-1] targets, as index tensors on the pass's
+    device: the columns that hold at least one (the hidden states kept before the head),
+    and each position's row and place among those columns, in row-major order."""
+
+    cols: torch.Tensor  # [K] long
+    rows: torch.Tensor  # [M] long
+    at: torch.Tensor  # [M] long, into ``cols``
+
+    @classmethod
+    def of(cls, keep: torch.Tensor, device) -> Selection:
+        """From a host mask ``keep`` [N, T-1] (bool)."""
+        cols = keep.any(dim=0).nonzero().flatten()
+        rows, at = keep[:, cols].nonzero(as_tuple=True)
+        return cls(*(x.to(device) for x in (cols, rows, at)))
+
+
+@dataclass
+class PassPlan:
+    """What one pass computes, decided from host copies of its ids and masks
+    (``pass_plan``): which positions, whether its rows are packed and how, and what it
+    computes and holds (``TokenStats``' counts)."""
+
+    placeholder: bool  # no masked position: the last column is computed instead
+    select: Selection | None  # None: the model's head cannot be sliced (full computation)
+    pack: Packing | None = None  # the packed rows, or None for the padded pass
+    # Packed: each masked position's row and column in the batch, and its packed row and
+    # column there ([M] long each).
+    place: tuple[torch.Tensor, ...] | None = None
+    # The padded pass's attention mask (``_padded_mask``): "causal" (no padding: none),
+    # "sdpa" or "eager" (a [N, 1, T, T] mask of that form), "given" (the [N, T] mask)
+    masking: str = "given"
+    computed: int = 0
+    real: int = 0
+    tokens: int = 0
+
+
+def pass_plan(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    mask: torch.Tensor,
+    options: PassOptions | None = None,
+    device: torch.device | None = None,
+) -> PassPlan:
+    """The plan of ``token_stats``' pass over ids [N, T] with ``mask`` [N, T-1], made from
+    host copies of them (they are read on the host: call it with the host copies before
+    the batch goes to the device, ``device`` being the pass's). Its tensors are on
+    ``device`` (None: the ids')."""
+    options = options or PassOptions()
+    device = input_ids.device if device is None else device
+    ids, attn, keep = input_ids.cpu(), attention_mask.cpu(), (mask > 0).cpu()
+    n, t = ids.shape
+    tokens = int(attn.sum())
+    placeholder = not bool(keep.any())
+    if placeholder:
+        keep = torch.zeros_like(keep)
+        keep[:, -1] = True
+    counts = {"computed": n * t, "real": tokens, "tokens": tokens}
+    if not _sliceable(model):
+        return PassPlan(placeholder, None, **counts)
     pack = None
     if (options.share_prefix or options.padding_free) and not placeholder:
-        pack = _packing(model, input_ids, attention_mask, keep, options)
-    if pack is not None:
-        return _packed_stats(model, input_ids, keep, pack, temperature, entropy, options, tokens)
-    logp, ent = _sliced(
-        model, input_ids, keep, temperature, entropy, options, attention_mask=attention_mask
-    )
-    return TokenStats(logp, ent, computed=n * t, real=tokens, tokens=tokens)
+        pack = _packing(model, ids, attn, keep, options)
+    if pack is None:
+        masking = _masking(model, attn)
+        return PassPlan(placeholder, Selection.of(keep, device), masking=masking, **counts)
+    place, packed_keep = _placing(pack, keep)
+    counts.update(computed=pack.ids.numel(), real=pack.real)
+    moved = {f: getattr(pack, f) for f in ("ids", "positions", "row", "start", "cut", "rest")}
+    attend = None if pack.attend is None else pack.attend.to(device)
+    pack = Packing(**{k: v.to(device) for k, v in moved.items()}, attend=attend, real=pack.real)
+    place = tuple(x.to(device) for x in place)
+    return PassPlan(False, Selection.of(packed_keep, device), pack, place, **counts)
 
 
-def _sliced(model, input_ids, keep, temperature, entropy, options: PassOptions, **inputs):
+def _masking(model, attention_mask: torch.Tensor) -> str:
+    """How a padded pass over rows with this host ``attention_mask`` [N, T] gives its mask
+    (``PassPlan.masking``): built here for sdpa and eager attention (not where a row is
+    longer than the model's sliding window, which a mask given replaces), else as is."""
+    if bool(attention_mask.all()):
+        return "causal"
+    config = getattr(_inner(model), "config", None)
+    attn_impl = str(getattr(config, "_attn_implementation", None))
+    window = getattr(config, "sliding_window", None)
+    if attn_impl in ("sdpa", "eager") and not (window and attention_mask.shape[1] > window):
+        return attn_impl
+    return "given"
+
+
+def _sliced(
+    model, input_ids, select: Selection, temperature, entropy, options: PassOptions, **inputs
+):
     """One forward pass of ids [N, T] (``inputs``: the model's other arguments) with the
-    hidden states sliced to the columns ``keep`` [N, T-1] needs and the log-softmax at the
+    hidden states sliced to the columns ``select`` keeps and the log-softmax at the
     targets computed from them: (log-probs, entropies or None), [N, T-1] each, 0 where
-    ``keep`` is False."""
+    ``select`` holds no position. Index tensors only: nothing is read back on the host."""
     n, t = input_ids.shape
-    cols = keep.any(dim=0).nonzero().flatten()  # columns with a masked position
-    kept = _Kept(keep[:, cols], input_ids[:, 1:][:, cols][keep[:, cols]], temperature, entropy)
-    forward = partial(model, input_ids=input_ids, logits_to_keep=cols, **inputs)
+    cols = select.cols[select.at]  # [M] each position's column among the targets
+    targets = input_ids[:, 1:][select.rows, cols]
+    kept = _Kept((select.rows, select.at), targets, temperature, entropy)
+    # use_cache off: a learner's pass never decodes, so no KV cache is built
+    forward = partial(
+        model, input_ids=input_ids, logits_to_keep=select.cols, use_cache=False, **inputs
+    )
     if options.chunk_tokens > 0 or options.fused_head:
         values = _chunked_values(_inner(model), forward, kept, options)
     else:
         values = _full_values(forward, kept)
 
     def place(flat: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros((n, len(cols)), dtype=flat.dtype, device=flat.device)
-        out = out.masked_scatter(kept.keep, flat)
         full = torch.zeros((n, t - 1), dtype=flat.dtype, device=flat.device)
-        return full.index_copy(1, cols, out)
+        return full.index_put((select.rows, cols), flat)
 
     return place(values[:, 0]), place(values[:, 1]) if entropy else None
 
@@ -232,8 +345,11 @@ def _sliced(model, input_ids, keep, temperature, entropy, options: PassOptions, 
 class _Kept:
     """The masked positions among a pass's kept columns, and what to compute there."""
 
-    keep: torch.Tensor  # [N, K] bool
-    targets: torch.Tensor  # [M] long: the target of each, in row-major order
+    # The masked positions of the [N, K] kept columns: (rows [M], columns [M]) long, in
+    # row-major order, so ``hidden[keep]`` [N, K, H] -> [M, H] (an index, not a boolean
+    # mask: selecting by a mask would read its count back on the host)
+    keep: tuple[torch.Tensor, torch.Tensor]
+    targets: torch.Tensor  # [M] long: the target of each, in the same order
     temperature: float
     entropy: bool
 
@@ -457,36 +573,38 @@ def _attend(segment: torch.Tensor, piece_of: torch.Tensor, attn_impl: str) -> to
     return attend[:, None]
 
 
-def _packed_stats(
-    model, input_ids, keep, pack: Packing, temperature, entropy, options: PassOptions, tokens
-) -> TokenStats:
-    """One pass over the packed rows; outputs as ``token_stats``'s, [N, T-1]."""
-    n, t = input_ids.shape
-    device = input_ids.device
+def _placing(pack: Packing, keep: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """On the host: where each masked position of ``keep`` [N, T-1] is computed among the
+    packed rows. Returns ((rows, columns, packed rows, packed columns), [M] long each, in
+    the packed targets' row-major order) and the packed rows' mask [B, S-1]."""
     b, width = pack.ids.shape
     # Row i's remainder offset s (a target inside the remainder) <-> packed column
     # start + s <-> the row's column cut + s.
-    offsets = torch.arange(width - 1, device=device)
+    offsets = torch.arange(width - 1)
     inside = offsets[None, :] < (pack.rest - 1)[:, None]  # [N, S-1]
     rows, offs = inside.nonzero(as_tuple=True)
     orig = pack.cut[rows] + offs
     packed_row, packed_col = pack.row[rows], pack.start[rows] + offs
     wanted = keep[rows, orig]
-    rows, orig, packed_row, packed_col = (
-        x[wanted] for x in (rows, orig, packed_row, packed_col)
-    )  # fmt: skip
-    packed_keep = torch.zeros((b, width - 1), dtype=torch.bool, device=device)
-    packed_keep[packed_row, packed_col] = True
+    place = tuple(x[wanted] for x in (rows, orig, packed_row, packed_col))
+    packed_keep = torch.zeros((b, width - 1), dtype=torch.bool)
+    packed_keep[place[2], place[3]] = True
+    return place, packed_keep
+
+
+def _packed_stats(
+    model, input_ids, plan: PassPlan, temperature, entropy, options: PassOptions, counts: dict
+) -> TokenStats:
+    """One pass over the packed rows of ``plan``; outputs as ``token_stats``'s, [N, T-1]."""
+    n, t = input_ids.shape
+    pack, (rows, orig, packed_row, packed_col) = plan.pack, plan.place
     inputs = {"position_ids": pack.positions}
     if pack.attend is not None:
         inputs["attention_mask"] = pack.attend
-    logp, ent = _sliced(model, pack.ids, packed_keep, temperature, entropy, options, **inputs)
+    logp, ent = _sliced(model, pack.ids, plan.select, temperature, entropy, options, **inputs)
 
     def place(values: torch.Tensor) -> torch.Tensor:  # [B, S-1] -> [N, T-1]
-        full = torch.zeros((n, t - 1), dtype=values.dtype, device=device)
+        full = torch.zeros((n, t - 1), dtype=values.dtype, device=values.device)
         return full.index_put((rows, orig), values[packed_row, packed_col])
 
-    return TokenStats(
-        place(logp), None if ent is None else place(ent),
-        computed=b * width, real=pack.real, tokens=tokens,
-    )  # fmt: skip
+    return TokenStats(place(logp), None if ent is None else place(ent), **counts)

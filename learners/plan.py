@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from learners.logprobs import PassOptions, PassPlan, pass_plan
 from verl_async.algos.losses import GlobalBatch
 
 
@@ -115,6 +116,7 @@ class MicroRows:
     idx: torch.Tensor
     width: int
     placeholder: bool
+    plan: PassPlan | None = None  # the pass's positions and packing, decided on the host
 
     def take(self, t: torch.Tensor) -> torch.Tensor:
         t = t[self.idx]
@@ -138,3 +140,15 @@ def micro_rows(idx: torch.Tensor, attention_mask: torch.Tensor) -> MicroRows:
     idx = idx.to(attention_mask.device)
     width = max(2, int(attention_mask[idx].sum(dim=1).max()))
     return MicroRows(idx, min(width, attention_mask.shape[1]), placeholder)
+
+
+def planned_rows(
+    model, idx: torch.Tensor, host, options: PassOptions, device: torch.device
+) -> MicroRows:
+    """``micro_rows`` of rows ``idx`` with the pass's plan (``logprobs.pass_plan``), both
+    made from ``host`` (a ``TrainBatch`` in host memory: the step's batch before its copy
+    to the device), their tensors on ``device``: the pass then reads nothing back."""
+    rows = micro_rows(idx, host.attention_mask)
+    ids, attn = rows.inputs(host.input_ids, host.attention_mask)
+    plan = pass_plan(model, ids, attn, rows.mask(host.loss_mask), options, device)
+    return MicroRows(rows.idx.to(device), rows.width, rows.placeholder, plan)

@@ -12,6 +12,8 @@ Rank 0 owns the weight-sync group; every rank takes part in gathering full tenso
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import logging
 import time
@@ -42,7 +44,7 @@ from learners.distributed import DataParallel
 from learners.evaluation import EvalTracker
 from learners.finite import SkipLog, require_finite
 from learners.logprobs import PassOptions
-from learners.plan import plan_update
+from learners.plan import Minibatch, plan_update
 from learners.publish import WeightSync, gathered_buckets, wire_specs
 from learners.step_metrics import (
     GeneratorTiming,
@@ -52,7 +54,14 @@ from learners.step_metrics import (
     step_row,
 )
 from learners.teacher import score_step
-from learners.update import StepStats, UpdateHooks, policy_update, prox_pass
+from learners.update import (
+    StepPlan,
+    StepStats,
+    UpdateHooks,
+    plan_step,
+    policy_update,
+    prox_pass,
+)
 from learners.whole_step_correction import metric_names
 from verl_async import lora
 from verl_async import protocol as P
@@ -151,24 +160,10 @@ class Learner:
         # have sampled the round (Generator.finish_eval_first).
         self.maybe_evaluate()
         try:
-            for step in steps:
-                t0 = time.monotonic()
-                batch, local = self.collect(batches)
-                self.mark_start_up(step == steps.start, "first batch")
-                self.score_teachers(batch, local)
-                advantages = self.compute_advantages(batch, local)
-                stats, critic_stats = self.update(batch, local, advantages)
-                sync_s = self.publish_weights()
-                self.steps_done = step + 1
-                self.record_trail(step, batch)
-                self.maybe_evaluate()
-                ckpt_s = self.checkpoint()
-                step_s = time.monotonic() - t0
-                if self.metrics is not None:  # rank 0
-                    update = (stats, critic_stats, advantages)
-                    row = self.metrics_row(step, batch, update, sync_s, step_s, ckpt_s)
-                    self.log_metrics(step, row)
-                self.mark_start_up(step == steps.start, "first step")
+            with collector_between_steps() as between_steps:
+                for step in steps:
+                    self.step(step, steps.start, batches)
+                    between_steps()
             batches.close()
         except KeyboardInterrupt:  # SIGTERM from the launcher (Ctrl-C) lands here too
             batches.close()
@@ -176,6 +171,27 @@ class Learner:
             self.checkpoints.interrupted()
             raise
         self.finish()
+
+    def step(self, step: int, first: int, batches: Prefetcher) -> None:
+        """One step of the loop (``first``: the first step of this launch)."""
+        t0 = time.monotonic()
+        batch, local = self.collect(batches)
+        self.mark_start_up(step == first, "first batch")
+        plan = self.plan(batch)
+        self.score_teachers(batch, local)
+        advantages = self.compute_advantages(batch, local)
+        stats, critic_stats = self.update(batch, local, advantages, plan)
+        sync_s = self.publish_weights()
+        self.steps_done = step + 1
+        self.record_trail(step, batch)
+        self.maybe_evaluate()
+        ckpt_s = self.checkpoint()
+        step_s = time.monotonic() - t0
+        if self.metrics is not None:  # rank 0
+            update = (stats, critic_stats, advantages)
+            row = self.metrics_row(step, batch, update, sync_s, step_s, ckpt_s)
+            self.log_metrics(step, row)
+        self.mark_start_up(step == first, "first step")
 
     def mark_start_up(self, first: bool, event: str) -> None:
         if first and self.metrics is not None:  # rank 0, first step of this launch
@@ -218,6 +234,23 @@ class Learner:
             self.distill_row = score_step(
                 self.teachers, batch, local, self.dp, self.cfg.distillation
             )
+
+    def plan(self, batch: TrainBatch) -> tuple[list[Minibatch], StepPlan]:
+        """The update's minibatches (every rank's, learners/plan.py) and this rank's passes'
+        shapes (``plan_step``), from the batch's host copy and before any of the step's
+        work is queued on the device: the update then never waits for the device until
+        it reads its metrics (learners/update.py), and the plan's few index tensors reach
+        the device while it is idle."""
+        host, dp = batch.host or batch, self.dp  # as it came, before its copy to the device
+        plan = plan_update(
+            host.loss_mask, host.attention_mask, batch.shard_sizes, dp.rank,
+            self.algo.minibatches, self.cfg.learner.max_tokens_per_microbatch,
+        )  # fmt: skip
+        given = self.algo.kl.in_reward  # compute_advantages computes pi_prox
+        device = batch.loss_mask.device
+        return plan, plan_step(
+            self.model, dp.local(host), plan, self.algo, self.cfg.learner, given, device
+        )
 
     def compute_advantages(self, batch: TrainBatch, local: TrainBatch) -> Advantages:
         """Combine the reward sources into one outcome reward per sample, then the
@@ -265,17 +298,14 @@ class Learner:
         )
 
     def update(
-        self, batch: TrainBatch, local: TrainBatch, adv: Advantages
+        self, batch: TrainBatch, local: TrainBatch, adv: Advantages, planned: tuple
     ) -> tuple[StepStats, CriticStats | None]:
-        """The critic's steps (gae), then the actor's, on this rank's rows; during
-        ``critic.warmup_steps`` the actor's losses are computed but its weights stay.
-        Statistics are averaged over ranks."""
+        """The critic's steps (gae), then the actor's, on this rank's rows as ``planned``
+        (``plan``); during ``critic.warmup_steps`` the actor's losses are computed but its
+        weights stay. Statistics are averaged over ranks."""
         cfg, critic_stats, dp = self.cfg, None, self.dp
-        plan = plan_update(
-            batch.loss_mask, batch.attention_mask, batch.shard_sizes, dp.rank,
-            self.algo.minibatches, cfg.learner.max_tokens_per_microbatch,
-        )  # fmt: skip
-        weight = float(local.loss_mask.sum())
+        plan, step_plan = planned
+        weight = float(dp.local(batch.host or batch).loss_mask.sum())  # read on the host
         if self.critic is not None:
             self.critic.train()
             critic_stats = critic_update(
@@ -301,7 +331,7 @@ class Learner:
             dp.local_part(adv.advantages, batch, local),
             self.algo,
             self.actor_hooks,
-            plan=plan,
+            plan=step_plan,
             version=self.version,
             step=not warming,
             temperature=cfg.generators.temperature,
@@ -327,13 +357,14 @@ class Learner:
         clip = lambda: self.clip_grad(model, max_norm)  # noqa: E731
         return UpdateHooks(self.acc.backward, clip, self.dp.any_rank, self.dp.all_sum)
 
-    def clip_grad(self, model, max_norm: float) -> float:
-        """Clip the gradient norm (over all ranks' shards under FSDP2); returns it."""
+    def clip_grad(self, model, max_norm: float) -> torch.Tensor:
+        """Clip the gradient norm (over all ranks' shards under FSDP2); returns it, on the
+        device (not read: ``step_unless_nonfinite`` decides there)."""
         if self.dp.world == 1:  # a DTensor too when one rank is sharded (cpu_offload)
             norm = self.acc.clip_grad_norm_(model.parameters(), max_norm)
         else:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def publish_weights(self, new_version: bool = True) -> float:
         """Gather full tensors bucket by bucket on every rank; rank 0 announces the version
@@ -516,6 +547,26 @@ class Learner:
                 self.sync.close()
             except Exception as exc:  # a peer already gone; never mask the loop's own error
                 log.warning("weight-sync group shutdown failed: %s", exc)
+
+
+@contextlib.contextmanager
+def collector_between_steps():
+    """Python's garbage collector kept out of the steps: what exists now (model,
+    optimizer, clients: long-lived) is frozen out of every later collection, automatic
+    collection is off, and the caller runs the young generations' collection (what it is
+    handed) between steps, where its pause delays no kernel launch. A collection that
+    starts inside a step stalls the host while the device's queue drains, and a full one
+    walks every object the model and its libraries hold. Restored on exit."""
+    gc.collect()
+    gc.freeze()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield lambda: gc.collect(1)
+    finally:
+        if enabled:
+            gc.enable()
+        gc.unfreeze()
 
 
 def longest_response(cfg) -> int:

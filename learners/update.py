@@ -13,9 +13,16 @@ from dataclasses import dataclass
 import torch
 
 from learners.batching import TrainBatch
-from learners.finite import guarded_step
+from learners.finite import (
+    EMPTY,
+    NONFINITE_GRAD,
+    NONFINITE_LOSS,
+    SKIPS,
+    STEPPED,
+    step_unless_nonfinite,
+)
 from learners.logprobs import PassOptions, token_stats
-from learners.plan import Minibatch, micro_rows, plan_update
+from learners.plan import MicroRows, Minibatch, micro_rows, plan_update, planned_rows
 from learners.whole_step_correction import (
     WholeStep,
     combine,
@@ -58,7 +65,8 @@ class StepStats:
     # log space) shows a weight push gone wrong; the fraction says how many were compared.
     rollout_logp_diff_max: float = 0.0
     rollout_fresh_fraction: float = 0.0
-    # Seconds of this update by part (the device synchronised at each boundary), and the
+    # Seconds of this update by part (CUDA: between events recorded at each boundary,
+    # read after the update; elsewhere the host's clock), and the
     # share of the computed [rows x width] positions that were padding.
     prox_s: float = 0.0  # the no-grad pi_prox pass
     forward_s: float = 0.0  # gradient passes: model, log-probs, losses
@@ -109,7 +117,7 @@ def policy_update(
     algo: AlgoConfig,
     hooks: UpdateHooks,
     *,
-    plan: list[Minibatch] | None = None,
+    plan: StepPlan | list[Minibatch] | None = None,
     version: int | None = None,
     step: bool = True,
     temperature: float = 1.0,
@@ -118,6 +126,11 @@ def policy_update(
 ) -> StepStats:
     """pi_prox, then one optimizer step per minibatch of ``plan`` (learners/plan.py; by
     default ``algo.minibatches`` chunks of this batch on one rank, no micro-batching).
+    A ``StepPlan`` (``plan_step``, made from the batch's host copy before it went to the
+    device) carries every pass's shapes, and then nothing in the update waits for the
+    device (no value is read back on the host) until its metrics are read, once, at its
+    end; with fused AdamW even the non-finite guard decides on the device
+    (``step_unless_nonfinite``). Without one it is made here from ``batch``.
 
     ``advantages`` is [N] (one per sample) or [N, T-1] (per token). ``hooks`` backpropagate,
     clip and agree over ranks the way the caller's setup does. The batch's optional
@@ -148,15 +161,60 @@ def policy_update(
     sampled tokens (a multi-turn sample's observation tokens are 0 there, and ``collate``
     has already replaced their placeholder log-probs and versions).
     """
+    settings = learner or LearnerConfig()
     if plan is None:
         mask = batch.loss_mask
         plan = plan_update(mask, batch.attention_mask, [len(mask)], 0, algo.minibatches)
-    settings = learner or LearnerConfig()
+    if not isinstance(plan, StepPlan):
+        plan = plan_step(model, batch, plan, algo, settings, batch.logp_prox is not None)
     update = _Update(model, batch, advantages, algo, hooks, temperature, settings, version, step)
     update.distill = distill
-    plan = update.prox_first(plan)
-    grads = [update.minibatch(k, mb, optimizer) for k, mb in enumerate(plan)]
+    minibatches = update.prox_first(plan)
+    grads = [
+        update.minibatch(k, mb, rows, optimizer)
+        for k, (mb, rows) in enumerate(zip(minibatches, plan.rows, strict=True))
+    ]
     return update.stats(grads)
+
+
+@dataclass
+class StepPlan:
+    """An update's shapes, decided on the host before its batch is on the device: the
+    minibatches (learners/plan.py), each pass's rows, width and positions
+    (``MicroRows`` with its ``PassPlan``), and the pi_prox pass's, if the update runs one."""
+
+    minibatches: list[Minibatch]
+    rows: list[list[MicroRows]]  # [minibatch][micro-batch]
+    prox: MicroRows | None
+
+
+def plan_step(
+    model,
+    host: TrainBatch,
+    plan: list[Minibatch],
+    algo: AlgoConfig,
+    learner: LearnerConfig,
+    prox_given: bool = False,
+    device: torch.device | None = None,
+) -> StepPlan:
+    """The ``StepPlan`` of ``plan`` over ``host`` (this rank's rows, in host memory: the
+    step's batch before its copy to the device, whose tensors are read here), its index
+    tensors on ``device`` (None: ``host``'s). ``prox_given``: the update gets pi_prox
+    with the batch (``batch.logp_prox``), so it runs no pi_prox pass."""
+    device = host.loss_mask.device if device is None else device
+    options = PassOptions.of(learner)
+
+    def rows_of(idx: torch.Tensor) -> MicroRows:
+        return planned_rows(model, idx, host, options, device)
+
+    passes = [[rows_of(idx) for idx in mb.micro] for mb in plan]
+    prox = None
+    if not prox_given and needs_every_prox(rollout_settings(algo)):
+        prox = rows_of(torch.arange(len(host.loss_mask)))
+    elif not prox_given and len(plan) > 1:  # the later minibatches' rows
+        later = [idx for mb in plan[1:] for idx in mb.micro if len(idx)]
+        prox = rows_of(torch.cat(later) if later else torch.zeros(0, dtype=torch.long))
+    return StepPlan(plan, passes, prox)
 
 
 class _Update:
@@ -182,20 +240,19 @@ class _Update:
         self.parts: list = []  # (pg LossOutput, correction, tokens) of each real pass
         self.distill = None  # the distillation section, read when batch.logp_teacher is set
 
-    def prox_first(self, plan: list[Minibatch]) -> list[Minibatch]:
+    def prox_first(self, step_plan: StepPlan) -> list[Minibatch]:
         """What the update needs before its first step: pi_prox of the rows the first
         minibatch's gradient passes will not give (all of them when the rollout correction
-        needs them first), and the step-wide rollout correction. Returns the plan, its
-        token counts recounted when rejection sampling masked tokens."""
-        mask = self.batch.loss_mask
-        if self.have_prox and not self.given:
-            self.logp_prox, self.entropy = self._prox_pass(None)
-        if not self.have_prox:
+        needs them first: ``step_plan.prox``), and the step-wide rollout correction.
+        Returns the minibatches, their token counts recounted when rejection sampling
+        masked tokens."""
+        mask, plan = self.batch.loss_mask, step_plan.minibatches
+        if not self.given:
+            if self.have_prox and step_plan.prox is None:
+                raise ValueError("the rollout correction needs a pi_prox pass the plan lacks")
             self.logp_prox = torch.zeros_like(mask)
-            later = [idx for mb in plan[1:] for idx in mb.micro if len(idx)]
-            if len(plan) > 1:
-                rows = torch.cat(later) if later else torch.zeros(0, dtype=torch.long)
-                self.logp_prox, self.entropy = self._prox_pass(rows)
+            if step_plan.prox is not None:
+                self.logp_prox, self.entropy = self._prox_pass(step_plan.prox)
         rollout, reduce = self.rollout, self.hooks.reduce
         if self.have_prox and rollout is not None and not rollout.bypass_mode:
             behav = self.batch.behav_logprobs
@@ -204,53 +261,56 @@ class _Update:
                 plan = recount(plan, self.whole.mask, reduce)
         return plan
 
-    def _prox_pass(self, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        out = prox_pass(self.model, self.batch, self.temperature, rows, self.passes)
+    def _prox_pass(self, part: MicroRows) -> tuple[torch.Tensor, torch.Tensor]:
+        out = prox_pass(self.model, self.batch, self.temperature, options=self.passes, part=part)
         self.clock.lap("prox_s")
         return out
 
-    def minibatch(self, k: int, mb: Minibatch, optimizer) -> dict:
-        """Minibatch ``k``: a gradient pass per micro-batch, then (``step``) one guarded
-        optimizer step. Returns its losses summed over its micro-batches and its step's
-        outcome."""
+    def minibatch(self, k: int, mb: Minibatch, passes: list[MicroRows], optimizer) -> dict:
+        """Minibatch ``k``: a gradient pass per micro-batch (``passes``, planned), then
+        (``step``) one guarded optimizer step. Returns its losses summed over its
+        micro-batches and its step's outcome, as device tensors."""
         agg = mb.global_batch(self.algo.loss_scale_factor)
-        sums = {"loss": 0.0, "pg_loss": 0.0, "kl_loss": 0.0, "distill_loss": 0.0}
+        zero = torch.zeros((), device=self.batch.loss_mask.device)
+        sums = {"loss": zero, "pg_loss": zero, "kl_loss": zero, "distill_loss": zero}
         at_prox = k == 0 and not self.have_prox  # this pass's log-probs are pi_prox's
-        for j, idx in enumerate(mb.micro):
-            out = self.micro(k, j, idx, agg, at_prox)
+        for j, rows in enumerate(passes):
+            out = self.micro(k, j, rows, agg, at_prox)
             if out is not None:
-                sums["loss"] += float(out.total.detach())
-                sums["pg_loss"] += float(out.pg.loss.detach())
-                sums["kl_loss"] += 0.0 if out.kl_loss is None else float(out.kl_loss.detach())
-                sums["distill_loss"] += 0.0 if out.distill is None else float(out.distill.detach())
-        grad, skip = 0.0, None
+                sums["loss"] = sums["loss"] + out.total.detach()
+                sums["pg_loss"] = sums["pg_loss"] + out.pg.loss.detach()
+                if out.kl_loss is not None:
+                    sums["kl_loss"] = sums["kl_loss"] + out.kl_loss.detach()
+                if out.distill is not None:
+                    sums["distill_loss"] = sums["distill_loss"] + out.distill.detach()
+        grad, code = zero, None  # code None: no step was to be taken (``step`` False)
         if self.step:
             hooks, empty = self.hooks, mb.tokens == 0  # the minibatch's, over every rank
-            grad, skip = guarded_step(
-                optimizer, hooks.clip_grad, sums["loss"], hooks.any_rank, empty
+            grad, code = step_unless_nonfinite(
+                optimizer, hooks.clip_grad, sums["loss"], hooks.reduce, hooks.any_rank, empty
             )
         self.clock.lap("optimizer_s")
         if self.batch.logp_ref is None or self.algo.kl.loss_coef == 0:
             sums["kl_loss"] = None
         if self.batch.logp_teacher is None:
             sums["distill_loss"] = None
-        return {**sums, "grad": grad, "stepped": self.step and skip is None, "skip": skip}
+        return {**sums, "grad": grad, "code": code}
 
     def micro(
-        self, k: int, j: int, idx: torch.Tensor, agg: GlobalBatch, at_prox: bool
+        self, k: int, j: int, rows: MicroRows, agg: GlobalBatch, at_prox: bool
     ) -> ActorLoss | None:
-        """Micro-batch ``j`` of minibatch ``k`` (rows ``idx``): its losses and backward.
-        Records its pi_prox (``at_prox``) and entropies, and its metrics; returns its
-        losses, or None for a placeholder row (it counts for nothing)."""
+        """Micro-batch ``j`` of minibatch ``k`` (``rows``, planned): its losses and
+        backward. Records its pi_prox (``at_prox``) and entropies, and its metrics;
+        returns its losses, or None for a placeholder row (it counts for nothing)."""
         batch, mask, algo = self.batch, self.batch.loss_mask, self.algo
-        rows = micro_rows(idx, batch.attention_mask)
         rows_mask = rows.mask(mask)
         ids, attn = rows.inputs(batch.input_ids, batch.attention_mask)
         entropy = self.bonus or at_prox or self.given
         with torch.enable_grad() if self.step else torch.no_grad():
             stats = token_stats(
-                self.model, ids, attn, rows_mask, self.temperature, entropy, self.passes
-            )
+                self.model, ids, attn, rows_mask, self.temperature, entropy, self.passes,
+                rows.plan,
+            )  # fmt: skip
             self.clock.count(stats)
             logp = stats.logp
             prox = logp.detach() if at_prox else rows.take(self.logp_prox)
@@ -273,7 +333,7 @@ class _Update:
             self.logp_prox[rows.idx, cols] = prox
         if at_prox or self.given:
             self.entropy[rows.idx, cols] = stats.entropy.detach()
-        self.parts.append((out.pg, corr, float(rows_mask.sum())))
+        self.parts.append((out.pg, corr, rows_mask.sum()))
         return out
 
     def stats(self, grads: list[dict]) -> StepStats:
@@ -306,23 +366,27 @@ def _rollout_metrics(rollout, whole, parts, logp_prox, batch) -> dict | None:
 
 
 class _Clock:
-    """Seconds spent in each part of an update, and the padding of what was computed."""
+    """Seconds spent in each part of an update, and the padding of what was computed.
+
+    On CUDA each boundary records an event on the current stream (nothing waits), and
+    the seconds between them are read in ``fill``, after the update's metrics were read
+    (every event has completed by then); elsewhere each boundary reads the host's clock."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self.seconds: dict[str, float] = {}
-        self.t = self._now()
+        self.laps: list[tuple[str, object]] = []
+        self.start = self._now()
         self.cells = self.real = self.tokens = 0
 
-    def _now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def lap(self, part: str) -> None:
-        now = self._now()
-        self.seconds[part] = self.seconds.get(part, 0.0) + now - self.t
-        self.t = now
+        self.laps.append((part, self._now()))
 
     def count(self, stats) -> None:
         """What one gradient pass computed (``TokenStats``)."""
@@ -331,8 +395,13 @@ class _Clock:
         self.tokens += stats.tokens
 
     def fill(self, stats: StepStats) -> StepStats:
-        for part, seconds in self.seconds.items():
-            setattr(stats, part, seconds)
+        before = self.start
+        if self.cuda and self.laps:
+            self.laps[-1][1].synchronize()  # done already: the metrics were read after it
+        for part, now in self.laps:
+            seconds = before.elapsed_time(now) / 1000 if self.cuda else now - before
+            setattr(stats, part, getattr(stats, part) + seconds)
+            before = now
         stats.padding_fraction = 1.0 - self.real / self.cells if self.cells else 0.0
         stats.shared_prefix_fraction = 1.0 - self.real / self.tokens if self.tokens else 0.0
         return stats
@@ -389,35 +458,55 @@ def _step_stats(
 ) -> StepStats:
     """Metrics of one update. Token means are weighted by each micro-batch's tokens; the
     loss (and KL loss) is each minibatch's sum over its micro-batches, averaged over
-    minibatches; the largest behaviour weight is the maximum."""
+    minibatches; the largest behaviour weight is the maximum. Computed on the device and
+    read on the host at once (``_read``)."""
     mask = batch.loss_mask
+    zero = torch.zeros((), dtype=torch.float32, device=mask.device)
     n_tok = mask.sum().clamp(min=1)
-    weight = sum(w for *_, w in parts) or 1.0
-    mean = lambda get: sum(float(get(*p[:2])) * p[2] for p in parts) / weight  # noqa: E731
-    per_mb = lambda key: sum(g[key] for g in grads) / len(grads)  # noqa: E731
+    weight = sum((w for *_, w in parts), zero).clamp(min=1)
+    mean = lambda get: sum((get(*p[:2]) * p[2] for p in parts), zero) / weight  # noqa: E731
+    per_mb = lambda key: sum((g[key] for g in grads), zero) / len(grads)  # noqa: E731
     fresh = (mask > 0) & (batch.token_versions == (-2 if version is None else version))
-    gap = (logp_prox - batch.behav_logprobs).abs()[fresh]
-    return StepStats(
-        rollout_logp_diff_max=float(gap.max()) if len(gap) else 0.0,
-        rollout_fresh_fraction=float(fresh.sum() / n_tok),
-        loss=per_mb("loss"),
-        pg_loss=per_mb("pg_loss"),
-        kl=float(masked_sum(kl_k3(logp_prox, batch.behav_logprobs), mask) / n_tok),
-        entropy=float(masked_sum(entropy, mask) / n_tok),
-        clip_fraction=mean(lambda o, c: o.pg_clipfrac),
-        clip_fraction_lower=mean(lambda o, c: o.pg_clipfrac_lower),
-        ppo_kl=mean(lambda o, c: o.ppo_kl),
-        is_weight_mean=mean(lambda o, c: c.is_weight_mean),
-        is_weight_max=max((float(c.is_weight_max) for _, c, _ in parts), default=0.0),
-        is_clipped_fraction=mean(lambda o, c: c.is_clipped_fraction),
-        grad_norm=per_mb("grad"),
-        kl_loss=None if grads[0]["kl_loss"] is None else per_mb("kl_loss"),
-        distill_loss=None if grads[0]["distill_loss"] is None else per_mb("distill_loss"),
-        optimizer_steps=sum(g["stepped"] for g in grads),
-        skipped_nonfinite_loss=sum(g["skip"] == "nonfinite_loss" for g in grads),
-        skipped_nonfinite_grad=sum(g["skip"] == "nonfinite_grad" for g in grads),
-        skipped_empty=sum(g["skip"] == "empty" for g in grads),
+    gap = torch.where(fresh, (logp_prox - batch.behav_logprobs).abs(), 0.0)
+    codes = [g["code"] for g in grads if g["code"] is not None]
+    outcome = lambda code: sum(((c == code).float() for c in codes), zero)  # noqa: E731
+    maxima = [c.is_weight_max for _, c, _ in parts]
+    device = {
+        "rollout_logp_diff_max": gap.max(),
+        "rollout_fresh_fraction": fresh.sum() / n_tok,
+        "loss": per_mb("loss"),
+        "pg_loss": per_mb("pg_loss"),
+        "kl": masked_sum(kl_k3(logp_prox, batch.behav_logprobs), mask) / n_tok,
+        "entropy": masked_sum(entropy, mask) / n_tok,
+        "clip_fraction": mean(lambda o, c: o.pg_clipfrac),
+        "clip_fraction_lower": mean(lambda o, c: o.pg_clipfrac_lower),
+        "ppo_kl": mean(lambda o, c: o.ppo_kl),
+        "is_weight_mean": mean(lambda o, c: c.is_weight_mean),
+        "is_weight_max": torch.stack(maxima).max() if maxima else zero,
+        "is_clipped_fraction": mean(lambda o, c: c.is_clipped_fraction),
+        "grad_norm": per_mb("grad"),
+        "optimizer_steps": outcome(STEPPED),
+        "skipped_nonfinite_loss": outcome(NONFINITE_LOSS),
+        "skipped_nonfinite_grad": outcome(NONFINITE_GRAD),
+        "skipped_empty": outcome(EMPTY),
+    }
+    if grads[0]["kl_loss"] is not None:
+        device["kl_loss"] = per_mb("kl_loss")
+    if grads[0]["distill_loss"] is not None:
+        device["distill_loss"] = per_mb("distill_loss")
+    read = _read(device)
+    counts = ("optimizer_steps", *(f"skipped_{kind}" for kind in SKIPS))
+    return StepStats(**{**read, **{k: round(read[k]) for k in counts}})
+
+
+def _read(values: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Scalar tensors read on the host in one transfer (the update's one wait for its
+    device), in float64."""
+    device = next(iter(values.values())).device
+    stacked = torch.stack(
+        [v.detach().to(device, torch.float64).reshape(()) for v in values.values()]
     )
+    return dict(zip(values, stacked.tolist(), strict=True))
 
 
 def prox_pass(
@@ -426,20 +515,24 @@ def prox_pass(
     temperature: float,
     rows: torch.Tensor | None = None,
     options: PassOptions | None = None,
+    part: MicroRows | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """pi_prox log-probs and token entropies [N, T-1] at the loss mask's positions, before
     any update (no grad, one forward pass run as ``options`` say; None: the defaults).
     ``rows``: only these rows, the others stay 0 (an empty set still runs the pass, on a
-    placeholder row, for FSDP2's collectives)."""
+    placeholder row, for FSDP2's collectives). ``part``: the pass planned beforehand
+    (``planned_rows``), instead of ``rows``."""
     mask = batch.loss_mask
     logp, entropy = torch.zeros_like(mask), torch.zeros_like(mask)
-    every = torch.arange(len(mask), device=mask.device)
-    part = micro_rows(every if rows is None else rows, batch.attention_mask)
+    if part is None:
+        every = torch.arange(len(mask), device=mask.device)
+        part = micro_rows(every if rows is None else rows, batch.attention_mask)
     ids, attn = part.inputs(batch.input_ids, batch.attention_mask)
     with torch.no_grad():
         stats = token_stats(
-            model, ids, attn, part.mask(mask), temperature, entropy=True, options=options
-        )
+            model, ids, attn, part.mask(mask), temperature, entropy=True, options=options,
+            plan=part.plan,
+        )  # fmt: skip
     if not part.placeholder:
         cols = slice(0, part.width - 1)
         logp[part.idx, cols], entropy[part.idx, cols] = stats.logp, stats.entropy

@@ -302,6 +302,13 @@ def test_learner_options_memory_and_compile():
     assert steady["steady_eager_s"] > 0 and steady["steady_compiled_s"] > 0
 
 
+@pytest.mark.bench
+def test_learner_ops():
+    (row,) = _json_lines("learner_ops.py", ["--steps", "2", "--groups", "2"])
+    assert row["model"] == "tiny" and row["host_syncs"] == 1  # the metrics, read once
+    assert row["ops_per_layer"] > 0 and row["step_s_max"] >= row["step_s_median"] > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(
     not __import__("torch").cuda.is_available(), reason="needs CUDA (benchmarks/gpu.py)"

@@ -45,8 +45,11 @@ EXPLAINED_VAR_EPS = 1e-5
 
 
 def _divide(num: torch.Tensor, den: torch.Tensor | float) -> torch.Tensor:
-    """num / den, with a zero denominator read as 1 (num is 0 there: nothing was kept)."""
-    den = torch.as_tensor(den, dtype=num.dtype, device=num.device)
+    """num / den, with a zero denominator read as 1 (num is 0 there: nothing was kept).
+    A number stays a number (a tensor made of it would be copied to num's device)."""
+    if not isinstance(den, torch.Tensor):
+        return num / (den if den != 0 else 1.0)
+    den = den.to(num.dtype)
     return num / torch.where(den != 0, den, torch.ones_like(den))
 
 
