@@ -153,7 +153,7 @@ def ipc_check(out: Path, dry: bool) -> int:
         sent = sum(_checksums(t.detach().reshape(-1).view(torch.uint8)) for t in tensors.values())
         for _ in range(REPEATS + 1):
             t0 = time.perf_counter()
-            routes.add(send_update(group, packed))  # returns once every member has read it
+            routes.add(send_update(group, packed).route)  # returns once every member has read it
             times.append(time.perf_counter() - t0)
             identical &= _get(sums, child, 120) == sent
         child.join(60)
