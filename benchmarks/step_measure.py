@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from learners.update import clock_mark, seconds_between
+
 
 @dataclass
 class ModelShape:
@@ -112,11 +114,7 @@ class PhaseTimer:
     _open: list = field(default_factory=list)
 
     def _mark(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+        return clock_mark(self.cuda)
 
     def start(self, phase: str) -> None:
         self._open.append((phase, self._mark()))
@@ -149,7 +147,7 @@ class PhaseTimer:
         """Seconds per phase since the last read (the device must be synchronised)."""
         out = dict.fromkeys(PHASES, 0.0)
         for phase, start, end in self.spans:
-            out[phase] += start.elapsed_time(end) / 1e3 if self.cuda else end - start
+            out[phase] += seconds_between(start, end)
         self.spans.clear()
         return out
 

@@ -379,11 +379,7 @@ class _Clock:
         self.cells = self.real = self.tokens = 0
 
     def _now(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+        return clock_mark(self.cuda)
 
     def lap(self, part: str) -> None:
         self.laps.append((part, self._now()))
@@ -399,12 +395,28 @@ class _Clock:
         if self.cuda and self.laps:
             self.laps[-1][1].synchronize()  # done already: the metrics were read after it
         for part, now in self.laps:
-            seconds = before.elapsed_time(now) / 1000 if self.cuda else now - before
-            setattr(stats, part, getattr(stats, part) + seconds)
+            setattr(stats, part, getattr(stats, part) + seconds_between(before, now))
             before = now
         stats.padding_fraction = 1.0 - self.real / self.cells if self.cells else 0.0
         stats.shared_prefix_fraction = 1.0 - self.real / self.tokens if self.tokens else 0.0
         return stats
+
+
+def clock_mark(cuda: bool):
+    """A point in time of the step: a recorded CUDA event on CUDA (read later, with no wait
+    now), the host clock on a CPU (where the work is synchronous)."""
+    if not cuda:
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def seconds_between(start, end) -> float:
+    """Seconds between two ``clock_mark``s (CUDA events: once the device has passed both)."""
+    if isinstance(start, float):
+        return end - start
+    return start.elapsed_time(end) / 1000
 
 
 def micro_seed(seed: int, version: int, minibatch: int, micro: int) -> int:
