@@ -147,6 +147,16 @@ class _Run:
         weights = _weights_at(version)
         return send_update(self.group, [pack_bucket(b, weights) for b in self.plan], self.plan)
 
+    def exact_to_one_member(self, versions: list[int]) -> list:
+        """Versions ``versions`` sent to one member (rank 1), which must hold every one of
+        them exactly; returns what each cost."""
+        self.start_member(1, 2, 0, [(0, v) for v in versions])
+        self.join(2)
+        sent = [self.send(v) for v in versions]
+        reports = self.reports(len(versions))
+        assert all(wrong == [] for wrong in reports.values()), reports
+        return sent
+
     def reports(self, count: int) -> dict[tuple[int, int], list[str]]:
         out = {}
         for _ in range(count):
@@ -227,12 +237,7 @@ def test_a_members_corrupted_copy_is_healed_at_the_next_digest(run):
 def test_float32_updates_go_whole_without_being_compared(run):
     """A float32 generator: every bucket goes whole at every update (a step changes nearly
     every float32 word), the learner keeps no copy, and a digest round heals nothing."""
-    versions = list(range(4))
-    run.start_member(1, 2, 0, [(0, v) for v in versions])
-    run.join(2)
-    sent = [run.send(v) for v in versions]
-    reports = run.reports(len(versions))
-    assert all(wrong == [] for wrong in reports.values()), reports
+    sent = run.exact_to_one_member(list(range(4)))
     assert all(s.forms == (0, 0, 0, len(run.plan)) and s.nbytes == run.total for s in sent)
     assert sum(s.healed for s in sent) == 0 and not run.group.sent
 
@@ -244,12 +249,7 @@ def test_float32_updates_go_whole_without_being_compared(run):
 def test_the_default_policy_sends_whole_buckets_through_the_memory_file(run):
     """``weights.delta: network`` (the default): through the same-host memory file every
     bucket goes whole, uncompared, and the members still hold the exact cast."""
-    versions = list(range(4))
-    run.start_member(1, 2, 0, [(0, v) for v in versions])
-    run.join(2)
-    sent = [run.send(v) for v in versions]
-    reports = run.reports(len(versions))
-    assert all(wrong == [] for wrong in reports.values()), reports
+    sent = run.exact_to_one_member(list(range(4)))
     assert {s.route for s in sent} == {"memory"}
     assert all(s.whole == len(run.plan) and s.nbytes == run.total for s in sent), sent
 
