@@ -72,6 +72,7 @@ def rollout_limits(cfg: RunConfig, model_path: str) -> RolloutLimits:
         vocab_size=AutoConfig.from_pretrained(model_path).vocab_size,
         max_response_tokens=max_response_tokens(cfg),
         max_samples_per_episode=max_samples_per_episode(cfg),
+        teacher_logprobs=bool(cfg.distillation.processes),
     )
 
 

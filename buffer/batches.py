@@ -122,15 +122,16 @@ def encode_step(step: StepBatch, num_sources: int, **counts: int) -> tuple[P.Bat
         filtered_total=step.filtered_total,
         past_bound=step.past_bound,
         past_bound_total=step.past_bound_total,
-        **_multiturn_fields(samples, frames),
+        **_optional_fields(samples, frames),
         **counts,
     )
     return body, frames
 
 
-def _multiturn_fields(samples: list[tuple[StoredGroup, int]], frames: P.Frames) -> dict:
-    """``Batch.loss_mask``, ``turn_rewards`` and ``episodes`` of ``samples``, each present
-    only when some sample has it: a step of single-turn samples sends none of them."""
+def _optional_fields(samples: list[tuple[StoredGroup, int]], frames: P.Frames) -> dict:
+    """``Batch.loss_mask``, ``turn_rewards``, ``episodes`` and ``teacher_logprobs`` of
+    ``samples``, each present only when some sample has it: a step of single-turn samples
+    sends none of the first three, a run without teacher processes not the last."""
 
     def column(attr: str, fill, dtype: type) -> P.TensorRef | None:
         """Per-sample arrays ``attr`` concatenated; ``fill`` stands in for samples without."""
@@ -146,6 +147,7 @@ def _multiturn_fields(samples: list[tuple[StoredGroup, int]], frames: P.Frames) 
     return {
         "loss_mask": column("loss_masks", np.ones, np.uint8),  # single-turn: all sampled
         "turn_rewards": column("turn_rewards", np.zeros, np.float32),
+        "teacher_logprobs": column("teacher_logprobs", np.zeros, np.float32),
         "episodes": [g.episodes[i] if g.episodes else None for g, i in samples]
         if multiturn
         else [],

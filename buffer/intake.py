@@ -39,7 +39,7 @@ import logging
 from buffer.filtering import GroupFilter, Verdict
 from buffer.ledger import MAX_REFUSALS, PromptLedger, StoredGroup, check_issued
 from buffer.rollouts import RolloutLimits, unpack_rollout
-from buffer.telemetry import TokenRate
+from buffer.telemetry import TeacherWaits, TokenRate
 from verl_async import protocol as P
 from verl_async.ratelimit import RateLimitedLog, short
 
@@ -60,6 +60,7 @@ class Intake:
         self.filter = group_filter  # dynamic sampling; None: every group is kept
         self.rate = rate  # generated tokens, for the generation rate
         self.rejections = rejections  # the server's rate-limited log of peers' mistakes
+        self.teacher_waits = TeacherWaits()  # what scoring by teacher processes cost
         self.dropped = 0  # rollouts under a lease that had ended
         self.refused = 0  # rollouts refused for what they held
         self.ended = 0  # groups refused MAX_REFUSALS times: done without training
@@ -86,6 +87,8 @@ class Intake:
             verdict = Verdict.KEEP if self.filter is None else self.filter.verdict(stored)
             lg.record_return(stored, verdict.value)
             self.rate.add(sum(len(r) for r in stored.responses))
+            if stored.teacher_logprobs is not None:
+                self.teacher_waits.add(g.teacher_s, g.teacher_busy_s)
         lapsed = [g.group_id for g, out in zip(groups, late, strict=True) if out]
         self.dropped += len(lapsed)
         if not lapsed and not refused:

@@ -65,6 +65,7 @@ class StoredGroup:
     loss_masks: list[np.ndarray] | None = None  # N x [T_i] uint8, 1 = sampled; None: all sampled
     turn_rewards: list[np.ndarray] | None = None  # N x [T_i] float32; None: all zero
     episodes: list[EpisodeStats] = field(default_factory=list)  # [N], or [] (single-turn)
+    teacher_logprobs: list[np.ndarray] | None = None  # N x [T_i] float32; None: not scored
 
     @property
     def num_tokens(self) -> int:
@@ -94,6 +95,7 @@ class StoredGroup:
             loss_masks=None if self.loss_masks is None else pick(self.loss_masks),
             turn_rewards=None if self.turn_rewards is None else pick(self.turn_rewards),
             episodes=pick(self.episodes) if self.episodes else [],
+            teacher_logprobs=None if self.teacher_logprobs is None else pick(self.teacher_logprobs),
         )
 
 

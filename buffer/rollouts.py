@@ -37,6 +37,7 @@ class RolloutLimits:
     vocab_size: int | None = None  # token ids are in [0, vocab_size)
     max_response_tokens: int | None = None  # see ``max_response_tokens``
     max_samples_per_episode: int | None = None  # see ``max_samples_per_episode``
+    teacher_logprobs: bool = False  # teacher processes score every group (distillation)
 
 
 def max_response_tokens(cfg: RunConfig) -> int:
@@ -103,6 +104,7 @@ def unpack_rollout(
     bounds = [0, *itertools.accumulate(g.lengths)]
     mask = _loss_mask(where, g, frames, bounds)
     rewards = _turn_rewards(where, g, frames, mask)
+    teacher = _teacher_logprobs(where, g, frames, mask, limits.teacher_logprobs)
     _check_episodes(where, g.episodes, len(g.lengths))
     lo, hi = versions
     sampled = ver if mask is None else ver[mask.view(bool)]
@@ -128,6 +130,7 @@ def unpack_rollout(
         loss_masks=None if mask is None else split(mask),
         turn_rewards=None if rewards is None else split(rewards),
         episodes=list(g.episodes),
+        teacher_logprobs=None if teacher is None else split(teacher),
     )
 
 
@@ -247,6 +250,34 @@ def _turn_rewards(
             f"{where}: turn_rewards holds a nonzero reward at an observation token (loss_mask 0)"
         )
     return rewards
+
+
+def _teacher_logprobs(
+    where: str, g: RolloutGroup, frames: list, mask: np.ndarray | None, required: bool
+) -> np.ndarray | None:
+    """The teacher's log-probs of the group's tokens, checked: present exactly when the run's
+    teachers score in processes, one per response token, finite and <= 0 on sampled tokens
+    and 0 on observation tokens."""
+    if g.teacher_logprobs is None:
+        if required:
+            raise ProtocolError(f"{where}: teacher_logprobs missing (a teacher scores every group)")
+        return None
+    if not required:
+        raise ProtocolError(f"{where}: teacher_logprobs sent, but no teacher process scores")
+    logp = vector(g.teacher_logprobs, frames, "float32", f"{where}: teacher_logprobs")
+    total = sum(g.lengths)
+    if len(logp) != total:
+        raise ProtocolError(
+            f"{where}: teacher_logprobs holds {len(logp)} values, lengths add up to {total} tokens"
+        )
+    sampled = logp if mask is None else logp[mask.view(bool)]
+    if sampled.size and not (sampled.max() <= 0 and sampled.min() > -np.inf):  # NaN fails both
+        raise ProtocolError(f"{where}: teacher_logprobs must be finite and <= 0")
+    if mask is not None and logp[~mask.view(bool)].any():
+        raise ProtocolError(f"{where}: teacher_logprobs is nonzero at an observation token")
+    if not 0 <= g.teacher_busy_s <= g.teacher_s < math.inf:  # NaN fails too
+        raise ProtocolError(f"{where}: teacher_s and teacher_busy_s must be 0 <= busy <= wait")
+    return logp
 
 
 def _episode_count(where: str, episodes: list[EpisodeStats], n: int, cap: int | None) -> int | None:

@@ -507,4 +507,7 @@ class BufferServer:
             gen_tokens_per_s=self.rate.rate(),
             gen_blocked_s=blocked_s,
             gen_idle_s=idle_s,
+            teacher_groups=self.intake.teacher_waits.groups,
+            teacher_s=self.intake.teacher_waits.seconds,
+            teacher_busy_s=self.intake.teacher_waits.busy_s,
         )

@@ -126,6 +126,7 @@ def rollouts_to_arrow(groups: list[StoredGroup]) -> bytes:
             "data_source": pa.array([g.data_source for g in groups], pa.string()),
             "loss_masks": _optional_nested(groups, "loss_masks", np.uint8),
             "turn_rewards": _optional_nested(groups, "turn_rewards", np.float32),
+            "teacher_logprobs": _optional_nested(groups, "teacher_logprobs", np.float32),
             "episodes": pa.array(
                 [msgspec.msgpack.encode(g.episodes) if g.episodes else None for g in groups],
                 pa.binary(),
@@ -155,7 +156,7 @@ def rollouts_from_arrow(data: bytes) -> list[StoredGroup]:
 
     def optional(name: str, dtype) -> list[list[np.ndarray] | None]:
         """``split`` of a nullable column, None for its null rows and for every row of a
-        snapshot written before the column existed (all single-turn)."""
+        snapshot written before the column existed (all single-turn, no teacher)."""
         if name not in table.column_names:
             return [None] * table.num_rows
         valid = table.column(name).is_valid().to_pylist()
@@ -185,6 +186,7 @@ def rollouts_from_arrow(data: bytes) -> list[StoredGroup]:
     )
     masks = optional("loss_masks", np.uint8)
     turn_rewards = optional("turn_rewards", np.float32)
+    teacher_logprobs = optional("teacher_logprobs", np.float32)
     stats = episodes()
     return [
         StoredGroup(
@@ -201,6 +203,7 @@ def rollouts_from_arrow(data: bytes) -> list[StoredGroup]:
             loss_masks=masks[i],
             turn_rewards=turn_rewards[i],
             episodes=stats[i],
+            teacher_logprobs=teacher_logprobs[i],
         )
         for i, (gid, pid, gen, scores, failed, source) in enumerate(
             zip(

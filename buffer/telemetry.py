@@ -1,7 +1,8 @@
 """What the buffer measures about the generators, kept off the data path.
 
 Gauges and running totals read by ``GetStats`` (``Stats``): the generation rate
-(``TokenRate``) and the seconds admission held generators back (``AdmissionClock``).
+(``TokenRate``), the seconds admission held generators back (``AdmissionClock``) and the
+seconds groups waited for their distillation teachers (``TeacherWaits``).
 They read the clock (the ledger does not) and live only as long as the buffer process:
 checkpoints do not carry them, so after a resume they count from zero again and the
 learner, which turns the totals into per-step values, treats a smaller total as a
@@ -98,3 +99,20 @@ class TokenRate:
         # (``now``) is not the monotonic one ``start`` was read from and puts it earlier.
         elapsed = now - min(self.start, self.first)
         return self.total / min(self.window_s, elapsed) if elapsed > 0 else 0.0
+
+
+class TeacherWaits:
+    """Running totals of the groups a teacher process scored, as their rollouts say: how
+    long their generators waited for the scores (``RolloutGroup.teacher_s``: queue,
+    transport, retries after a teacher died) and the part the teacher computed
+    (``teacher_busy_s``). The learner turns them into per-group means per step."""
+
+    def __init__(self) -> None:
+        self.groups = 0
+        self.seconds = 0.0
+        self.busy_s = 0.0
+
+    def add(self, seconds: float, busy_s: float) -> None:
+        self.groups += 1
+        self.seconds += seconds
+        self.busy_s += busy_s

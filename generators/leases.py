@@ -125,6 +125,9 @@ class Finished:
             loss_mask=frames.add(p.loss_mask) if multiturn else None,
             turn_rewards=frames.add(p.turn_rewards) if multiturn else None,
             episodes=p.episodes,
+            teacher_logprobs=None if p.teacher is None else frames.add(p.teacher.logprobs),
+            teacher_s=0.0 if p.teacher is None else p.teacher.wait_s,
+            teacher_busy_s=0.0 if p.teacher is None else p.teacher.busy_s,
         )
 
 

@@ -43,6 +43,7 @@ from verl_async import placement
 from verl_async import protocol as P
 from verl_async.rewards.scorer import GroupScores, Scorer
 from verl_async.runtime import RunContext, descendants_cpu, mark, mark_cpu
+from verl_async.teachers import Teachers
 from verl_async.transport import AsyncBufferClient
 from verl_async.weight_sync import failure_line
 
@@ -53,7 +54,13 @@ ADMISSION_POLL_S = 1.0  # ... when admission refused us: only a new version open
 
 class Generator:
     def __init__(
-        self, ctx: RunContext, index: int, engine: RolloutEngine, tokenizer, scorer: Scorer
+        self,
+        ctx: RunContext,
+        index: int,
+        engine: RolloutEngine,
+        tokenizer,
+        scorer: Scorer,
+        teachers: Teachers | None = None,
     ) -> None:
         self.ctx = ctx
         self.cfg = ctx.cfg
@@ -61,6 +68,7 @@ class Generator:
         self.engine = engine
         self.tokenizer = tokenizer
         self.scorer = scorer
+        self.teachers = teachers  # distillation.scoring: process (verl_async/teachers.py)
         self.train_sampling = Sampling.training(self.cfg)
         self.eval_sampling = Sampling.evaluation(self.cfg)
         self.buffer = AsyncBufferClient(
@@ -232,8 +240,15 @@ class Generator:
         self.held.hold(group, self._spawn(self.score_and_push(group, samples, t0), self.scoring))
 
     async def score_and_push(self, group: P.PromptGroup, samples: list, t0: float) -> None:
+        """Rewards, then (distillation by teacher processes) the teacher's log-probs of
+        the sampled tokens, asked until its process answers; then the push."""
         scored = await self.score(group, samples)
         packed = pack(list(group.prompt_ids), samples)
+        if self.teachers is not None:
+            packed.teacher = await self.teachers.score(
+                group.data_source, packed.prompt_ids, packed.tokens, packed.lengths,
+                packed.loss_mask,
+            )  # fmt: skip
         await self.pusher.push(group, packed, scored, time.perf_counter() - t0)
 
     async def evaluate_group(self, round_: int, group: P.PromptGroup) -> None:
@@ -396,6 +411,18 @@ def make_scorer(ctx: RunContext, index: int) -> Scorer:
     )
 
 
+def make_teachers(ctx: RunContext) -> Teachers | None:
+    """Clients of the run's teacher processes (None: no teacher scores here)."""
+    if not ctx.cfg.distillation.processes:
+        return None
+    return Teachers(
+        ctx.cfg.distillation,
+        ctx.endpoints.teachers,
+        ctx.cfg.generators.temperature,
+        credentials(ctx),
+    )
+
+
 async def run_generator(ctx: RunContext, index: int) -> None:
     """Start the engine, join the weight-sync group, generate until told to stop."""
     role = f"generator{index}"
@@ -412,10 +439,13 @@ async def run_generator(ctx: RunContext, index: int) -> None:
 
         tokenizer = AutoTokenizer.from_pretrained(ctx.endpoints.model_path)
         scorer = make_scorer(ctx, index)
+        teachers = make_teachers(ctx)
         try:
-            await Generator(ctx, index, engine, tokenizer, scorer).run()
+            await Generator(ctx, index, engine, tokenizer, scorer, teachers).run()
         finally:
             scorer.close()
+            if teachers is not None:
+                teachers.close()
     finally:
         live = descendants_cpu()  # the engine's processes, which shutdown does not wait for
         try:

@@ -34,6 +34,7 @@ import numpy as np
 
 from generators.interface import Sample
 from verl_async import protocol as P
+from verl_async.teachers import TeacherScore
 
 Message = dict[str, str]
 
@@ -129,6 +130,7 @@ class Packed:
     loss_mask: np.ndarray | None = None  # uint8, multi-turn only
     turn_rewards: np.ndarray | None = None  # float32, multi-turn only
     episodes: list[P.EpisodeStats] = field(default_factory=list)
+    teacher: TeacherScore | None = None  # distillation by teacher processes only
 
 
 def pack(prompt_ids: list[int], trajectories: list[Trajectory]) -> Packed:

@@ -82,7 +82,9 @@ class TrainBatch:
     # [N, T-1] pi_prox, when needed before the update (policy_update then takes it as given)
     logp_prox: torch.Tensor | None = None
     logp_ref: torch.Tensor | None = None  # [N, T-1] the reference policy (algo.kl; its KL loss)
-    logp_teacher: torch.Tensor | None = None  # [N, T-1] the teachers' (distillation)
+    # [N, T-1] the teachers' (distillation): from the batch when teacher processes scored
+    # it, else set by the learner's score_teachers
+    logp_teacher: torch.Tensor | None = None
     values: torch.Tensor | None = None  # [N, T-1] the critic's, before its update (gae)
     # This batch in host memory, when it was copied to a device (``to``): the learner
     # decides its passes' shapes from it, without reading the device
@@ -109,6 +111,7 @@ def collate(msg: P.Batch, frames: list, pad_id: int, pin: bool = False) -> Train
     vers = P.tensor(msg.token_versions, frames)
     sampled = None if msg.loss_mask is None else P.tensor(msg.loss_mask, frames)
     turn = None if msg.turn_rewards is None else P.tensor(msg.turn_rewards, frames)
+    teacher = None if msg.teacher_logprobs is None else P.tensor(msg.teacher_logprobs, frames)
     n = len(msg.response_lengths)
     total = [p + r for p, r in zip(msg.prompt_lengths, msg.response_lengths, strict=True)]
     width = max(total, default=1)
@@ -118,6 +121,7 @@ def collate(msg: P.Batch, frames: list, pad_id: int, pin: bool = False) -> Train
     behav_pad = np.zeros((n, width - 1), np.float32)
     vers_pad = np.full((n, width - 1), -1, np.int64)
     turn_pad = None if turn is None else np.zeros((n, width - 1), np.float32)
+    teacher_pad = None if teacher is None else np.zeros((n, width - 1), np.float32)
     po = ro = 0
     digests = []
     seen: dict[int, int] = {}  # without sample_index: samples come in group order
@@ -148,6 +152,8 @@ def collate(msg: P.Batch, frames: list, pad_id: int, pin: bool = False) -> Train
             vers_pad[i, cols] = np.where(keep, vers[own], -1)
         if turn_pad is not None:
             turn_pad[i, cols] = turn[own] if sampled is None else np.where(keep, turn[own], 0.0)
+        if teacher_pad is not None:  # the buffer checked: 0 on observation tokens
+            teacher_pad[i, cols] = teacher[own]
         po += p
         ro += r
     source_of = dict(zip(msg.group_ids, msg.data_sources, strict=True))
@@ -175,6 +181,7 @@ def collate(msg: P.Batch, frames: list, pad_id: int, pin: bool = False) -> Train
         shard_sizes=list(msg.shard_sizes) or [n],
         turn_rewards=None if turn_pad is None else t(turn_pad),
         episodes=list(msg.episodes),
+        logp_teacher=None if teacher_pad is None else t(teacher_pad),
         filtered=Filtered(
             [[k, p] for k, p in zip(msg.filtered_groups, msg.filtered_prompts, strict=True)],
             msg.filtered_total,

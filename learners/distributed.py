@@ -28,7 +28,7 @@ from learners.batching import TrainBatch
 from learners.plan import shard_bounds
 
 # Per-row tensors of a TrainBatch (width-trimmed): input_ids and attention_mask are [N, T],
-# the others [N, T-1]; turn_rewards may be None.
+# the others [N, T-1]; turn_rewards and logp_teacher may be None.
 _ROW_TENSORS = (
     "input_ids",
     "attention_mask",
@@ -36,6 +36,7 @@ _ROW_TENSORS = (
     "behav_logprobs",
     "token_versions",
     "turn_rewards",
+    "logp_teacher",
 )
 
 

@@ -19,7 +19,7 @@ import torch
 
 from learners.critic import load_critic, load_reference
 from learners.logprobs import PassOptions
-from learners.teacher import LocalTeachers
+from learners.teacher import FromBatch, LocalTeachers
 from learners.trainer import Learner
 from verl_async import lora
 from verl_async.algos import get_policy_loss
@@ -84,7 +84,9 @@ def run_learner(ctx: RunContext) -> None:
             cfg.algo.kl.ref_path or ep.model_path, accelerator.device, frozen
         )
     teachers = None
-    if cfg.distillation.enabled:  # each checked against the student's tokenizer first
+    if cfg.distillation.processes:
+        teachers = FromBatch(cfg.distillation)
+    elif cfg.distillation.enabled:  # each checked against the student's tokenizer first
         teachers = LocalTeachers.load(
             cfg.distillation, ep.model_path, accelerator.device, frozen,
             cfg.generators.temperature, PassOptions.of(cfg.learner),

@@ -193,6 +193,7 @@ class GeneratorTiming:
 
     def __init__(self) -> None:
         self.last = (0.0, 0.0)  # (blocked, idle) totals at the previous batch
+        self.last_teacher = (0, 0.0, 0.0)  # (groups, wait, busy) totals at the previous batch
 
     def row(self, stats: P.Stats) -> dict:
         """gen_tokens_per_s, gen_blocked_s, gen_idle_s and the lease counters of this step's
@@ -211,6 +212,23 @@ class GeneratorTiming:
             "rollouts_dropped": stats.rollouts_dropped,
             "rollouts_refused": stats.rollouts_refused,
             "groups_ended": stats.groups_ended,
+            **self.teacher_row(stats),
+        }
+
+    def teacher_row(self, stats: P.Stats) -> dict:
+        """distill/teacher_wait_s and distill/teacher_busy_s: per group a teacher process
+        scored since the previous batch, the generator's wait for the scores (queue,
+        transport, retries) and the teacher's compute in it; nothing when none was."""
+        totals = (stats.teacher_groups, stats.teacher_s, stats.teacher_busy_s)
+        if totals[0] < self.last_teacher[0]:
+            self.last_teacher = (0, 0.0, 0.0)  # the buffer started again
+        groups, wait, busy = (t - last for t, last in zip(totals, self.last_teacher, strict=True))
+        self.last_teacher = totals
+        if groups <= 0:
+            return {}
+        return {
+            "distill/teacher_wait_s": round(max(wait, 0.0) / groups, 4),
+            "distill/teacher_busy_s": round(max(busy, 0.0) / groups, 4),
         }
 
 

@@ -7,8 +7,10 @@ positions only (prompt, tool and observation tokens stay 0 and are never read). 
 sample goes to the teacher serving its ``data_source`` (``DistillationConfig.teacher_of``).
 
 ``TeacherScores`` is what the learner asks of its teachers. ``LocalTeachers`` answers in
-this process; a teacher in a process of its own (placed beside the reward models, restarted
-when it dies) answers the same call from there.
+this process (``distillation.scoring: learner``). With ``scoring: process`` each teacher
+runs in a process of its own (teacher/, placed on ``placement.teachers``, restarted when it
+dies) that the generators ask before they push a group, so the scores come with the batch
+and ``FromBatch`` only reads them: no teacher pass on the learner's critical path.
 
 A teacher must use the student's tokenizer, since it scores the student's token ids:
 ``check_tokenizer`` compares the two vocabularies (every token string and its id) and the
@@ -27,8 +29,8 @@ import torch
 from learners.batching import TrainBatch
 from learners.critic import load_reference, reference_logprobs
 from learners.logprobs import PassOptions
-from verl_async.config_base import ConfigError
 from verl_async.schema import DistillationConfig
+from verl_async.teachers import check_tokenizer
 
 
 @dataclass
@@ -38,7 +40,7 @@ class Scored:
     logp: torch.Tensor  # [N, T-1] the teacher's log-prob of each sampled token; 0 elsewhere
     scored: torch.Tensor  # [N, T-1] float 0/1: the positions a teacher scored
     teacher: list[int]  # [N] index (in distillation.teachers) of each row's teacher
-    seconds: float  # wall time of the scoring
+    seconds: float | None  # wall time of the scoring here (None: scored elsewhere)
 
 
 class TeacherScores(Protocol):
@@ -95,39 +97,34 @@ class LocalTeachers:
         return Scored(logp, scored, route, time.perf_counter() - t0)
 
 
-def check_tokenizer(student_path: str, teacher_path: str, name: str) -> None:
-    """Refuse a teacher whose tokenizer is not the student's: the same vocabulary (each
-    token string with the same id, added tokens included) and the same special tokens.
-    A teacher with another tokenizer would score other words under the same ids."""
-    from transformers import AutoTokenizer
+class FromBatch:
+    """The teachers' log-probs that came with the batch: teacher processes scored every
+    group before its generator pushed it (the buffer refuses a group without them)."""
 
-    student = AutoTokenizer.from_pretrained(student_path)
-    teacher = AutoTokenizer.from_pretrained(teacher_path)
-    differs = None
-    if student.get_vocab() != teacher.get_vocab():
-        only = set(teacher.get_vocab().items()) ^ set(student.get_vocab().items())
-        differs = f"{len(only)} (token, id) pairs are in one vocabulary only"
-    elif student.all_special_tokens != teacher.all_special_tokens:
-        differs = (
-            f"special tokens {student.all_special_tokens} against {teacher.all_special_tokens}"
-        )
-    if differs is not None:
-        raise ConfigError(
-            f"bad value for 'distillation.teachers': teacher '{name}' ({teacher_path}) does not "
-            f"use the student's tokenizer ({student_path}): {differs}; a teacher must share the "
-            "student's tokenizer"
-        )
+    def __init__(self, cfg: DistillationConfig) -> None:
+        self.cfg = cfg
+
+    def score(self, batch: TrainBatch, sources: list[str]) -> Scored:
+        if batch.logp_teacher is None:
+            raise RuntimeError(
+                f"step {batch.step} came without teacher log-probs, but distillation.scoring "
+                "is 'process': the buffer was started with another configuration"
+            )
+        route = [self.cfg.teacher_of(source) for source in sources]
+        return Scored(batch.logp_teacher, (batch.loss_mask > 0).float(), route, None)
 
 
 def distill_metrics(scored: Scored, batch: TrainBatch, cfg: DistillationConfig) -> dict:
     """distill/<teacher>/reverse_kl: the mean over the teacher's scored tokens of the
     sampling policy's log-prob minus the teacher's (the plain estimate of KL(student ||
-    teacher) on the student's own samples); distill/<teacher>/tokens; distill/score_s;
+    teacher) on the student's own samples); distill/<teacher>/tokens; distill/score_s (scored here);
     distill/scored_fraction: the sampled tokens a teacher scored."""
     mask = batch.loss_mask > 0
     row_teacher = torch.tensor(scored.teacher, device=mask.device)
     gap = batch.behav_logprobs - scored.logp
-    row: dict = {"distill/score_s": round(scored.seconds, 4)}
+    row: dict = {}
+    if scored.seconds is not None:
+        row["distill/score_s"] = round(scored.seconds, 4)
     for i, teacher in enumerate(cfg.teachers):
         mine = mask & (scored.scored > 0) & (row_teacher == i)[:, None]
         n = int(mine.sum())
@@ -144,6 +141,8 @@ def score_step(teachers: TeacherScores, batch: TrainBatch, local: TrainBatch, dp
     """Score this rank's rows (``local``) and gather the log-probs to every rank: sets
     ``local.logp_teacher`` and ``batch.logp_teacher``. Returns the step's distill/* metrics
     (``distill_metrics``, over the whole step; the time is this rank's)."""
+    if isinstance(teachers, FromBatch):  # every rank holds the whole step's already
+        return distill_metrics(teachers.score(batch, batch.sample_sources), batch, cfg)
     start, stop = dp.bounds(batch) if dp.world > 1 else (0, len(batch.sample_sources))
     scored = teachers.score(local, batch.sample_sources[start:stop])
     local.logp_teacher = scored.logp

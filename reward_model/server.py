@@ -17,7 +17,8 @@ is not ``ScoreConversations`` gets an ``Error`` reply and a log line, so does a 
 with a conversation that has no messages or a message without a role or a content
 (``Error("rejected")``); a request whose scoring raises gets an ``Error`` reply of its
 own; the loop goes on. Shutdown: SIGTERM sets
-``terminated`` (checked at least every ``POLL_MS``); the socket closes with linger=0.
+``terminated`` (checked at least every ``transport.server.POLL_MS``); the socket closes
+with linger=0.
 
 The ROUTER admits only the run's generators (a key set's, or holders of the run's
 generator token: verl_async/auth.py); each refused one is a line in this process's log.
@@ -29,7 +30,6 @@ client provokes are rate-limited.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,12 +38,9 @@ import zmq
 from reward_model.scoring import score_requests
 from verl_async import protocol as P
 from verl_async.auth import GENERATOR
-from verl_async.transport.server import RouterSocket, ServerOptions
+from verl_async.transport.server import RouterSocket, ServerOptions, serve_drained
 
 log = logging.getLogger("verl_async.reward_model")
-POLL_MS = 200  # longest sleep before the loop looks at ``terminated`` again
-LOAD_LOG_S = 30.0  # a load line (busy share, conversations scored) this often while serving
-MAX_DRAIN = 1024  # messages taken per wake-up, so one flood cannot starve the replies
 ROLES = {P.ScoreConversations: (GENERATOR,)}  # generators score; nobody else may
 
 
@@ -101,34 +98,24 @@ class RewardModelServer:
         )
 
     def serve(self) -> None:
-        """Sleep until readable, drain what is queued, score it together, reply; repeat."""
+        """Sleep until readable, drain what is queued, score it together, reply; repeat
+        (``serve_drained``)."""
         log.info("serving on %s (batch_size %d)", self.endpoint, self.batch_size)
-        since, busy, scored = time.monotonic(), 0.0, 0
-        try:
-            while not self.terminated:
-                self.router.rejections.flush()  # the summary of a flood, when its window ends
-                if self.router.sock.poll(POLL_MS):
-                    t0 = time.monotonic()
-                    requests = self.drain()
-                    self.score_and_reply(requests)
-                    busy += time.monotonic() - t0
-                    scored += sum(len(r.conversations) for r in requests)
-                if (elapsed := time.monotonic() - since) >= LOAD_LOG_S:
-                    if scored:
-                        log.info(
-                            "busy %.0f%% of the last %.0fs: %d conversations (%.1f/s busy)",
-                            100 * busy / elapsed, elapsed, scored, scored / max(busy, 1e-9),
-                        )  # fmt: skip
-                    since, busy, scored = time.monotonic(), 0.0, 0
-        finally:
-            self.router.close()
+        serve_drained(self.router, self.handle, lambda: self.terminated, log, "conversations")
 
-    def drain(self) -> list[Request]:
-        """Every ready request that can be scored; bad messages (those that do not decode,
-        or are not ``ScoreConversations``) are answered with ``Error`` by the router, a
-        conversation that cannot be rendered (``malformed``) with ``Error("rejected")`` here."""
+    def handle(self, messages: list) -> int:
+        """Score and answer the drained ``messages``; the conversations scored."""
+        requests = self.take(messages)
+        self.score_and_reply(requests)
+        return sum(len(r.conversations) for r in requests)
+
+    def take(self, messages: list) -> list[Request]:
+        """Every request of ``messages`` that can be scored; bad messages (those that do
+        not decode, or are not ``ScoreConversations``) were answered with ``Error`` by the
+        router, a conversation that cannot be rendered (``malformed``) is answered with
+        ``Error("rejected")`` here."""
         requests: list[Request] = []
-        for m in self.router.drain(MAX_DRAIN):
+        for m in messages:
             conversations = m.envelope.body.conversations
             problem = malformed(conversations)
             if problem is None:

@@ -10,6 +10,7 @@ The one place that interprets ``placement.*`` (``config.PlacementConfig``):
   them when there is more than one).
 - ``placement.reward_models``: the device of each ``model`` reward source's process,
   reused round-robin.
+- ``placement.teachers``: the device of each distillation teacher's process, likewise.
 
 Every vLLM worker is a member of the weight-sync group (it receives the broadcast into
 its own shard), so the group has 1 (learner rank 0) + the sum of the generators'
@@ -106,6 +107,12 @@ def reward_model_device(cfg: RunConfig, index: int) -> str:
     return devices[index % len(devices)]
 
 
+def teacher_device(cfg: RunConfig, index: int) -> str:
+    """Device of the ``index``-th distillation teacher's process (round-robin)."""
+    devices = cfg.placement.teachers
+    return devices[index % len(devices)]
+
+
 # --------------------------------------------------------------------- validation
 
 
@@ -119,21 +126,22 @@ def _generator_entries(cfg: RunConfig) -> Iterator[tuple[str, str]]:
                 yield f"placement.generators.{i}.{j}", device
 
 
-def _entries(cfg: RunConfig, with_reward_models: bool = True) -> Iterator[tuple[str, str]]:
+def _entries(cfg: RunConfig, with_model_servers: bool = True) -> Iterator[tuple[str, str]]:
     """(exact config key, device) of every device named, generators then learners."""
     yield from _generator_entries(cfg)
     for i, device in enumerate(cfg.placement.learners):
         yield f"placement.learners.{i}", device
-    if with_reward_models:
-        for i, device in enumerate(cfg.placement.reward_models):
-            yield f"placement.reward_models.{i}", device
+    if with_model_servers:
+        for name in ("reward_models", "teachers"):
+            for i, device in enumerate(getattr(cfg.placement, name)):
+                yield f"placement.{name}.{i}", device
 
 
 def validate(cfg: RunConfig) -> None:
     """Config-only placement rules (``config.check_consistency`` calls this); the first
     broken one raises a ConfigError naming its exact key."""
     p = cfg.placement
-    for name in ("generators", "learners", "reward_models"):
+    for name in ("generators", "learners", "reward_models", "teachers"):
         if not getattr(p, name):
             raise ConfigError(f"bad value for 'placement.{name}': must not be empty")
     for key, device in _entries(cfg):
@@ -205,11 +213,11 @@ def _colocated_gpu(cfg: RunConfig) -> str | None:
 def _check_no_sharing(cfg: RunConfig) -> None:
     """A pinned core or a GPU serves one generator or learner process (the placement's
     point is that they do not compete); unpinned 'cpu' may be shared, and with
-    ``placement.colocate`` the learner's GPU by generators. Reward models may share: their
-    list is reused round-robin by design."""
+    ``placement.colocate`` the learner's GPU by generators. Reward models and teachers may
+    share: their lists are reused round-robin by design."""
     owner: dict[str, str] = {}
     shared = _colocated_gpu(cfg)
-    for key, device in _entries(cfg, with_reward_models=False):
+    for key, device in _entries(cfg, with_model_servers=False):
         if device == "cpu" or device == shared and key.startswith("placement.generators"):
             continue
         if device in owner:

@@ -125,6 +125,11 @@ class RolloutGroup(msgspec.Struct, frozen=True, kw_only=True):
     # multiturn.env_reward_weight) at the turn's last sampled token, 0 elsewhere; None: none
     turn_rewards: TensorRef | None = None
     episodes: list[EpisodeStats] = []  # [N] multi-turn samples only
+    # [sum(lengths)] float32: the distillation teacher's log-prob of each sampled token (0 on
+    # observation tokens); None: no teacher process scored the group (TokenLogprobs)
+    teacher_logprobs: TensorRef | None = None
+    teacher_s: float = 0.0  # the generator's wait for those, from first request to reply
+    teacher_busy_s: float = 0.0  # the part the teacher spent computing them
 
 
 class EvalResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -317,6 +322,18 @@ class ScoreConversations(_Msg):
     conversations: list[list[Message]]
 
 
+class ScoreTokens(_Msg):
+    """To a teacher's process: its log-prob of each sampled token of one group, at the
+    sampling ``temperature``; reply ``TokenLogprobs``. The arrays are a ``RolloutGroup``'s:
+    every sample is ``prompt_ids`` followed by its slice of ``response_ids``."""
+
+    prompt_ids: TensorRef  # [P] int32
+    response_ids: TensorRef  # [sum(lengths)] int32
+    lengths: list[int]
+    temperature: float
+    loss_mask: TensorRef | None = None  # [sum(lengths)] uint8, 1 = sampled; None: all sampled
+
+
 class SnapshotBuffer(_Msg):
     """Checkpoint barrier: ``step`` learner steps are done and version ``version`` is
     published. The buffer takes its cut as of step ``step`` now (groups already handed
@@ -432,6 +449,8 @@ class Batch(_Msg):
     shard_sizes: list[int] = []  # [world_size] samples of each rank's shard, in order
     loss_mask: TensorRef | None = None  # [sum response_lengths] uint8; None: all sampled
     turn_rewards: TensorRef | None = None  # [sum response_lengths] float32; None: all zero
+    # [sum response_lengths] float32, the teacher processes' log-probs; None: not scored there
+    teacher_logprobs: TensorRef | None = None
     episodes: list[EpisodeStats | None] = []  # [N] or empty (no multi-turn sample in the step)
     # Dynamic sampling (buffer/filtering.py): the groups dropped between this step's first
     # and last group, their prompts, and the counts so far (this step included).
@@ -455,6 +474,13 @@ class Scores(_Msg):
 
     scores: list[float]
     errors: list[str] = []
+
+
+class TokenLogprobs(_Msg):
+    """A teacher's answer to ``ScoreTokens``."""
+
+    logprobs: TensorRef  # [sum(lengths)] float32; 0 where loss_mask is 0
+    busy_s: float  # the teacher's compute time for this request (its batch's, shared out)
 
 
 class EvalReport(_Msg):
@@ -492,6 +518,9 @@ class Stats(_Msg):
     gen_tokens_per_s: float = 0.0  # generation rate over the last 20 s (buffer/telemetry.py)
     gen_blocked_s: float = 0.0  # generators' seconds refused by admission so far (all generators)
     gen_idle_s: float = 0.0  # the part of it with nothing in flight (engine idle)
+    teacher_groups: int = 0  # groups taken that a teacher process scored
+    teacher_s: float = 0.0  # their generators' waits for the scores, summed (RolloutGroup)
+    teacher_busy_s: float = 0.0  # the part of those the teachers computed
 
 
 class Error(_Msg):
@@ -521,7 +550,9 @@ Body = Union[  # noqa: UP007 (msgspec needs a runtime Union of tagged Structs)
     PushEval,
     ScoreRules,
     ScoreConversations,
+    ScoreTokens,
     Scores,
+    TokenLogprobs,
     EvalReport,
     SnapshotBuffer,
     FetchSnapshot,

@@ -38,6 +38,8 @@ class Endpoints(msgspec.Struct, frozen=True, kw_only=True):
     """Checkpoint directory the buffer and learner restore from; empty for a fresh run."""
     reward_models: dict[str, str] = {}
     """ZMQ endpoint of each ``model`` reward source's process, by source name."""
+    teachers: dict[str, str] = {}
+    """ZMQ endpoint of each distillation teacher's process, by teacher name."""
 
 
 class RunContext(msgspec.Struct, frozen=True, kw_only=True):

@@ -417,6 +417,8 @@ class TeacherConfig(_Section):
     data_sources: list[str] = []
     """The prompts' ``data_source`` values this teacher scores (verl's ``key``); empty: every
     source no other teacher names."""
+    batch_size: PosInt = 8
+    """Samples per forward pass of the teacher's process (``distillation.scoring: process``)."""
 
 
 class DistillationConfig(_Section):
@@ -425,6 +427,14 @@ class DistillationConfig(_Section):
 
     enabled: bool = False
     """Score every sampled token with a teacher and add the distillation term."""
+    scoring: Literal["process", "learner"] = "process"
+    """Where teachers score: ``process``, each teacher in a process of its own (on
+    ``placement.teachers``, restarted when it dies) that a generator asks before it pushes a
+    group, off the learner's critical path; ``learner``, in every learner rank beside the
+    reference model (one no-grad pass per step; for a teacher small enough to share it)."""
+    timeout_s: PosFloat = 120.0
+    """A generator's wait for one teacher reply; past it the request is dropped and sent
+    again (a teacher that died is restarted meanwhile), the group held until scored."""
     loss_mode: DistillLossMode = "k3"
     """Per-token divergence: kl/k1, abs, mse/k2, low_var_kl/k3 (reverse-KL estimators on the
     sampled token); forward_kl_topk (forward KL over the teacher's top-k tokens) is refused:
@@ -448,6 +458,12 @@ class DistillationConfig(_Section):
     teachers: list[TeacherConfig] = []
     """The teachers, each serving its data sources; every prompt's source must be served by
     exactly one, and each must use the student's tokenizer."""
+
+    @property
+    def processes(self) -> list[TeacherConfig]:
+        """The teachers that run in processes of their own (none unless enabled and
+        ``scoring`` is ``process``)."""
+        return list(self.teachers) if self.enabled and self.scoring == "process" else []
 
     def teacher_of(self, data_source: str) -> int:
         """Index of the teacher scoring ``data_source``: the one naming it, else the one
@@ -714,6 +730,9 @@ class PlacementConfig(_Section):
     """One learner rank per device; several ranks must be all CPU or all CUDA."""
     reward_models: list[str] = msgspec.field(default_factory=lambda: ["cpu"])
     """Device of each ``model`` reward source's process, reused round-robin."""
+    teachers: list[str] = msgspec.field(default_factory=lambda: ["cpu"])
+    """Device of each distillation teacher's process (``distillation.scoring: process``),
+    reused round-robin."""
     colocate: bool = False
     """Let the generators share learner rank 0's GPU (a one-GPU machine: e.g. both on
     'cuda:0'; one learner rank). Weight updates then go by CUDA IPC over a gloo group

@@ -57,7 +57,7 @@ def _multiturn(g: StoredGroup, masks: bool = True, rewards: bool = True) -> Stor
 
 def _same(a: StoredGroup, b: StoredGroup) -> bool:
     arrays = ("responses", "behav_logprobs", "token_versions")
-    optional = ("loss_masks", "turn_rewards")
+    optional = ("loss_masks", "turn_rewards", "teacher_logprobs")
     return (
         (a.group_id, a.prompt_id, a.generator_id, a.failed, a.data_source, a.episodes)
         == (b.group_id, b.prompt_id, b.generator_id, b.failed, b.data_source, b.episodes)
@@ -82,6 +82,19 @@ def test_rollouts_survive_the_arrow_round_trip_bit_for_bit():
     assert len(back) == len(groups)
     assert all(_same(a, b) for a, b in zip(groups, back, strict=True))
     assert rollouts_from_arrow(rollouts_to_arrow([])) == []
+
+
+def test_teacher_logprobs_survive_the_arrow_round_trip_bit_for_bit():
+    """A checkpoint keeps the stored groups' teacher log-probs (distillation by teacher
+    processes): a resumed run trains them as scored, without asking a teacher again."""
+    rng = np.random.default_rng(2)
+    groups = [_group(k, 1, rng) for k in range(4)]
+    for g in groups[1:]:
+        g.teacher_logprobs = [-rng.random(len(r)).astype(np.float32) for r in g.responses]
+    _multiturn(groups[3])
+    back = rollouts_from_arrow(rollouts_to_arrow(groups))
+    assert all(_same(a, b) for a, b in zip(groups, back, strict=True))
+    assert [g.teacher_logprobs is None for g in back] == [True, False, False, False]
 
 
 def test_multiturn_rollouts_survive_the_arrow_round_trip_bit_for_bit():

@@ -1030,3 +1030,39 @@ def test_an_episode_group_may_start_from_its_environment_s_prompt_and_no_other_g
     long_prompt = replace(long_prompt, episodes=[stats, stats])
     with pytest.raises(P.ProtocolError, match="an episode's prompt of 7 tokens, the run allows 6"):
         unpack_rollout(long_prompt, received(frames), limits, VERSIONS, issued=(0, record))
+
+
+# ----------------------------------------------------------------------------- teacher log-probs
+
+
+def test_teacher_logprobs_are_required_exactly_when_teacher_processes_score():
+    """With teacher processes (``RolloutLimits.teacher_logprobs``) a group must carry one
+    finite log-prob <= 0 per sampled token and 0 on observation tokens; without, none."""
+    import dataclasses
+
+    limits = dataclasses.replace(LIMITS, teacher_logprobs=True)
+    group, frames = make_group(0)
+    with pytest.raises(P.ProtocolError, match="teacher_logprobs missing"):
+        unpack(group, frames, limits)
+    good = np.full(6, -1.25, np.float32)
+    scored = replace(group, teacher_logprobs=frames.add(good), teacher_s=0.5, teacher_busy_s=0.1)
+    stored = unpack(scored, frames, limits)
+    assert [t.tolist() for t in stored.teacher_logprobs] == [[-1.25] * 3] * 2
+    with pytest.raises(P.ProtocolError, match="no teacher process scores"):
+        unpack(scored, frames)
+    bad_values = {
+        "holds 5 values, lengths add up to 6": np.full(5, -1.0, np.float32),
+        "must be finite and <= 0": np.array([-1, -1, 0.5, -1, -1, -1], np.float32),
+        "must be finite and <= 0 ": np.array([-1, np.nan, -1, -1, -1, -1], np.float32),
+    }
+    for message, values in bad_values.items():
+        with pytest.raises(P.ProtocolError, match=message.strip()):
+            unpack(replace(group, teacher_logprobs=frames.add(values)), frames, limits)
+    for wait, busy in ((float("nan"), 0.0), (0.1, 0.5), (-1.0, -2.0)):
+        late = replace(scored, teacher_s=wait, teacher_busy_s=busy)
+        with pytest.raises(P.ProtocolError, match="teacher_s and teacher_busy_s"):
+            unpack(late, frames, limits)
+    mask = np.array([1, 0, 1, 1, 1, 1], np.uint8)
+    at_observation = replace(scored, loss_mask=frames.add(mask), teacher_logprobs=frames.add(good))
+    with pytest.raises(P.ProtocolError, match="nonzero at an observation token"):
+        unpack(at_observation, frames, limits)

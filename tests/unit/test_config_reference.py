@@ -7,8 +7,9 @@ from verl_async.schema import RunConfig
 
 
 def _leaf_keys(struct: mi.StructType, prefix: str = "") -> list[str]:
-    """Every dotted key of a config (as YAML spells it): sections are walked into, and a list of tagged
-    structs (rewards.sources) contributes each kind's fields as ``KEY.N.field``."""
+    """Every dotted key of a config (as YAML spells it): sections are walked into, a list of tagged
+    structs (rewards.sources) contributes each kind's fields as ``KEY.N.field``, and a list
+    of one kind of struct (distillation.teachers) its fields likewise."""
     keys = []
     for field in struct.fields:
         key = f"{prefix}{field.encode_name}"
@@ -18,7 +19,9 @@ def _leaf_keys(struct: mi.StructType, prefix: str = "") -> list[str]:
             continue
         keys.append(key)
         items = t.item_type if isinstance(t, mi.ListType) else None
-        if isinstance(items, mi.UnionType) and all(
+        if isinstance(items, mi.StructType):
+            keys += _leaf_keys(items, f"{key}.N.")
+        elif isinstance(items, mi.UnionType) and all(
             isinstance(m, mi.StructType) for m in items.types
         ):
             for member in items.types:
@@ -48,6 +51,7 @@ def test_every_field_is_documented(repo_root):
     rows = _table_rows((repo_root / "docs/config.md").read_text())
     keys = _leaf_keys(mi.type_info(RunConfig))
     assert "rewards.sources.N.pattern" in keys and "learner.lr" in keys
+    assert "distillation.teachers.N.batch_size" in keys
     missing = [k for k in keys if k not in rows]
     assert not missing, f"fields missing from docs/config.md: {missing}"
     undocumented = [k for k in keys if not rows[k][-1]]

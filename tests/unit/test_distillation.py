@@ -217,8 +217,8 @@ def test_teacher_routing_by_data_source():
 
 
 def test_a_teacher_with_another_tokenizer_is_refused_naming_both(tmp_path):
-    from learners.teacher import check_tokenizer
     from verl_async.launch.tiny_model import VOCAB, build_tokenizer
+    from verl_async.teachers import check_tokenizer
 
     student, same, other = tmp_path / "student", tmp_path / "same", tmp_path / "other"
     build_tokenizer(student)

@@ -140,6 +140,12 @@ def _tagged_union(t: mi.Type) -> mi.UnionType | None:
     return None
 
 
+def _struct_items(t: mi.Type) -> mi.StructType | None:
+    """The struct a list field holds (``distillation.teachers``), if it holds one kind."""
+    items = t.item_type if isinstance(t, mi.ListType) else None
+    return items if isinstance(items, mi.StructType) else None
+
+
 def sections() -> list[Section]:
     """The reference as sections, depth first: a section's own fields, then its subsections."""
     docs = {**field_docs(schema), **field_docs(reward_config)}
@@ -162,6 +168,8 @@ def _sections(
         rows.append(_row(prefix, struct.cls, field, docs))
         if union is not None:
             subsections += _union_sections(key, union, docs)
+        elif (items := _struct_items(field.type)) is not None:
+            subsections += _sections(items, f"{key}.N.", _one_line(items.cls.__doc__), docs)
     title = prefix.rstrip(".") or "top level"
     return [Section(title, doc, tuple(rows)), *subsections]
 

@@ -45,7 +45,7 @@ class Role:
     restart_due: float | None = None  # time.monotonic() of a restart that waits (backoff_s)
 
 
-MAX_RESTARTS = 5  # per reward-model process; a model that keeps dying stops the run
+MAX_RESTARTS = 5  # per reward-model or teacher process; one that keeps dying stops the run
 BACKOFF_FIRST_S = 1.0  # the wait before the first restart of a role, or of the run
 BACKOFF_MAX_S = 30.0
 
@@ -106,7 +106,7 @@ class RolePlan:
 
 
 def plan_roles(cfg: RunConfig, run_dir: Path) -> list[RolePlan]:
-    """Buffer, reward models, learner, and one generator process per device group."""
+    """Buffer, reward models, teachers, learner, and one generator process per device group."""
     plans = [RolePlan("buffer", "buffer", {})]
     models = [s for s in cfg.rewards.sources if isinstance(s, ModelReward)]
     for i, src in enumerate(models):
@@ -115,6 +115,10 @@ def plan_roles(cfg: RunConfig, run_dir: Path) -> list[RolePlan]:
         plans.append(
             RolePlan(name, "reward_model", device_env(device), extra, [device], MAX_RESTARTS)
         )
+    for i, teacher in enumerate(cfg.distillation.processes):
+        device = placement.teacher_device(cfg, i)
+        name, extra = f"teacher_{teacher.name}", ["--name", teacher.name]
+        plans.append(RolePlan(name, "teacher", device_env(device), extra, [device], MAX_RESTARTS))
     argv, env = learner_launch(cfg, run_dir)
     plans.append(
         RolePlan("learner", "learners", env, [], placement.learner_devices(cfg), argv=argv)

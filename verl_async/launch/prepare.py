@@ -140,6 +140,7 @@ def prepare(
             for src in cfg.rewards.sources
             if isinstance(src, ModelReward)
         },
+        teachers={t.name: f"tcp://{host}:{free_port(host)}" for t in cfg.distillation.processes},
     )
     write_endpoints(run_dir, endpoints)
     return endpoints

@@ -10,8 +10,8 @@ group's first bundle (an actor fits in one bundle), starts the role's usual comm
 of its group's bundles. The launcher watches and stops the roles through ``RayProcess``,
 the same way it handles local processes.
 
-Which node: the buffer and the reward models run on the launcher's node (``prepare`` picked
-their ports on it); the learner on the node of ``weights.host`` when that is set, else on
+Which node: the buffer, the reward models and the teachers run on the launcher's node
+(``prepare`` picked their ports on it); the learner on the node of ``weights.host`` when that is set, else on
 the launcher's; generators anywhere, unless ``buffer.host`` is loopback, which keeps
 every role on the launcher's node. Every node must see the run directory at the same
 path (a shared filesystem): the actors write their logs there and the roles read

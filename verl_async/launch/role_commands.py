@@ -94,6 +94,11 @@ def buffer_command(cfg, run_dir_arg: str | None, resume: bool, console) -> None:
             "`verl-async buffer` does not start reward-model processes: run this config "
             "with `verl-async train`, or without its 'model' reward sources"
         )
+    if cfg.distillation.processes:
+        raise RoleFailed(
+            "`verl-async buffer` does not start teacher processes: run this config with "
+            "`verl-async train`, or with distillation.scoring=learner"
+        )
     check_data(cfg)
     run_dir_arg, lock = claim(cfg, run_dir_arg, resume)
     lock.keep_across_exec()  # the buffer process holds it for the run's life

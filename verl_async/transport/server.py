@@ -1,16 +1,18 @@
 """The server side of the kit: one ROUTER socket, the parts every server loop shares.
 
-The buffer (asyncio), a reward-model process (a blocking loop that scores what it
-drained together) and a generator's scoring process (one request at a time) run
-different loops over the same socket chores; ``RouterSocket`` does the chores (limits,
-admission, roles, decoding, refusing what the server does not serve, replies) and leaves
-the loop, and the handling of requests, to each server.
+The buffer (asyncio), a model process (a reward model's or a distillation teacher's: a
+blocking loop that handles what it drained together, ``serve_drained``) and a
+generator's scoring process (one request at a time) run different loops over the same
+socket chores; ``RouterSocket`` does the chores (limits, admission, roles, decoding,
+refusing what the server does not serve, replies) and leaves the handling of requests to
+each server.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Iterator, Mapping
+import time
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -175,3 +177,38 @@ class RouterSocket:
             self.guard.close()
         self.sock.close(linger=0)
         self.ctx.term()
+
+
+POLL_MS = 200  # longest sleep of ``serve_drained`` before it looks at ``stopped`` again
+LOAD_LOG_S = 30.0  # a load line (busy share, items handled) this often while serving
+MAX_DRAIN = 1024  # messages taken per wake-up, so one flood cannot starve the replies
+
+
+def serve_drained(
+    router: RouterSocket,
+    handle: Callable[[list[Request]], int],
+    stopped: Callable[[], bool],
+    logger: logging.Logger,
+    unit: str,
+) -> None:
+    """A model process's loop: sleep until the socket is readable (at most ``POLL_MS``),
+    drain every message queued (at most ``MAX_DRAIN``), ``handle`` them together (it
+    replies to each and returns how many ``unit`` it handled), repeat until ``stopped()``;
+    a load line every ``LOAD_LOG_S`` while busy. Closes ``router`` on the way out."""
+    since, busy, handled = time.monotonic(), 0.0, 0
+    try:
+        while not stopped():
+            router.rejections.flush()  # the summary of a flood, when its window ends
+            if router.sock.poll(POLL_MS):
+                t0 = time.monotonic()
+                handled += handle(list(router.drain(MAX_DRAIN)))
+                busy += time.monotonic() - t0
+            if (elapsed := time.monotonic() - since) >= LOAD_LOG_S:
+                if handled:
+                    logger.info(
+                        "busy %.0f%% of the last %.0fs: %d %s (%.1f/s busy)",
+                        100 * busy / elapsed, elapsed, handled, unit, handled / max(busy, 1e-9),
+                    )  # fmt: skip
+                since, busy, handled = time.monotonic(), 0.0, 0
+    finally:
+        router.close()
