@@ -1,6 +1,7 @@
 """Whole weight updates against deltas across two hosts: SmolLM2-135M with a bf16 generator.
 
-    python benchmarks/two_host_delta.py [--steps 6] [--slow] [--out runs/two_host_delta]
+    python benchmarks/two_host_delta.py [--steps 6] [--slow] [--arms whole delta]
+                                        [--out runs/two_host_delta] [--report]
 
 Two network namespaces joined by a veth pair stand for two hosts (the helpers of
 tests/integration/test_two_hosts.py: each namespace has one address on that link and
@@ -15,15 +16,18 @@ update sends every bf16 weight) and ``weights.delta=network`` (only the words th
 changed), with a digest check every second update. Reports per update, from each run's
 metrics.jsonl: MiB on the wire, rank 0's seconds for the update, the share of bf16 words
 that changed, and per step the reward; then the ratios and both arms' reward means
-against their step-to-step spread. Needs root and iproute2.
+against their step-to-step spread (``--report``: the last run's report again, from its
+summary.json). Needs root and iproute2.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -75,16 +79,23 @@ def run_arm(h: Hosts, out: Path, keys: Path, arm: str, steps: int) -> Path:
             f"trainer.total_steps={steps}", f"buffer.host={h.addr_a}", f"buffer.port={port}",
             f"buffer.keys_dir={keys}", f"weights.host={h.addr_a}", f"weights.port={port + 1}",
             "--run-dir", str(run_dir)]  # fmt: skip
-    procs = {"buffer": start(args, logs["buffer"], prefix=[*ns, h.a])}
-    time.sleep(5)  # the buffer listens before the others ask it for the run
-    procs["learner"] = start(
-        ["learner", *join, "--timeout-s", "600"], logs["learner"], prefix=[*ns, h.a]
-    )
-    procs["generator"] = start(
-        ["generator", *join, "--index", "0", "--run-dir", str(out / arm / "b")],
-        logs["generator"],
-        prefix=[*ns, h.b],
-    )
+    procs = {}
+    try:
+        procs["buffer"] = start(args, logs["buffer"], prefix=[*ns, h.a])
+        time.sleep(5)  # the buffer listens before the others ask it for the run
+        procs["learner"] = start(
+            ["learner", *join, "--timeout-s", "600"], logs["learner"], prefix=[*ns, h.a]
+        )
+        procs["generator"] = start(
+            ["generator", *join, "--index", "0", "--run-dir", str(out / arm / "b")],
+            logs["generator"],
+            prefix=[*ns, h.b],
+        )
+    except BaseException:  # Ctrl-C among the starts: stop what has started
+        for proc in procs.values():
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        raise
     wait_all(procs, logs, timeout=3600)
     return run_dir
 
@@ -174,6 +185,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "two_host_delta")
     ap.add_argument("--report", action="store_true", help="print the last run's report")
     args = ap.parse_args()
+    # SIGTERM ends the run as Ctrl-C does: the processes stopped, the namespaces removed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     out = args.out / ("20mbit" if args.slow else "plain")
     if args.report:
         report(json.loads((out / "summary.json").read_text()))
@@ -185,7 +198,7 @@ def main() -> None:
         subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=120)
     res = {}
     for arm in args.arms:
-        with _two_hosts() as h:
+        with _two_hosts() as h:  # no namespaces here: pytest's Skipped, with the reason
             if args.slow:
                 shape(h)
             t0 = time.monotonic()
