@@ -175,6 +175,8 @@ class WeightSync:
         if self.sent is not None:
             row["weight_sent_mb"] = round(self.sent.nbytes / 2**20, 3)
             row["weight_whole_buckets"] = self.sent.whole
+            if self.sent.changed >= 0 and self.sent.words:
+                row["weight_changed_frac"] = round(self.sent.changed / self.sent.words, 6)
         return row
 
     # ------------------------------------------------------------------ internals

@@ -125,6 +125,10 @@ class Sent:
     whole: int  # buckets that went whole
     healed: int  # of those, buckets a member's digest showed wrong
     forms: tuple[int, ...] = ()  # buckets sent as each kind: SAME, INDICES, BITMAP, WHOLE
+    # Of a sparse update's words (in the generators' dtype), how many changed since the
+    # last; -1 when some bucket went whole (its changed words were not all counted).
+    changed: int = -1
+    words: int = 0
 
 
 @dataclass
@@ -454,7 +458,9 @@ def send_update(
             "learner's (digest); they were sent whole", group.epoch, healed,
         )  # fmt: skip
     forms = tuple(sum(k == kind for k, _ in heads) for kind in range(wd.WHOLE + 1))
-    return Sent(route, nbytes, whole, healed, forms)
+    changed = sum(count for _, count in heads) if sparse and not whole else -1
+    words = sum(b.nbytes // word_bytes(b) for b in plan) if sparse else 0
+    return Sent(route, nbytes, whole, healed, forms, changed, words)
 
 
 _OK, _NO_BASE, _MISMATCH = 0, 1, 2  # why a bucket must go whole (the largest wins)

@@ -205,7 +205,20 @@ def test_sparse_updates_are_bit_identical_to_whole_ones_over_many_updates(run):
         assert sent[v].whole == 1 and sent[v].nbytes < run.total
     for v in (1, 2, 6, 7, 8, 9):  # 'sparse': a small share of the bytes
         assert sent[v].whole == 0 and 0 < sent[v].nbytes < run.total / 4, (v, sent[v])
+        # the share of words that changed (``weight_changed_frac``): counted exactly
+        assert (sent[v].changed, sent[v].words) == (_changed_words(v), run.total // 2)
+    assert all(sent[v].changed == -1 for v in (0, 4, 5, 10, 12))  # a bucket went whole
+    assert (sent[3].changed, sent[11].changed) == (0, 0)
     assert sum(s.healed for s in sent) == 0
+
+
+def _changed_words(version: int) -> int:
+    """bf16 words that differ between ``version - 1`` and ``version``."""
+    before, after = _weights_at(version - 1), _weights_at(version)
+    return sum(
+        int((before[n].bfloat16().view(torch.int16) != w.bfloat16().view(torch.int16)).sum())
+        for n, w in after.items()
+    )
 
 
 @pytest.mark.parametrize(
