@@ -15,7 +15,10 @@ sample's observations, not over padding. ``token_stats`` runs the model once wit
   [chunk_tokens, vocab] (and the few tensors of the same size its log softmax and its
   backward make). The model returns these per-token values as its "logits".
   ``chunk_tokens=0`` keeps the model's own head over every kept column instead, so the
-  [N, K, V] logits exist at once (the plain path, for comparison).
+  [N, K, V] logits exist at once (the plain path, for comparison). On request the same
+  chunks also give each position's ``top_k`` most likely tokens and their log-probs, or
+  the log-probs of ids given per position (``at_ids``, with their gradient): the two
+  sides of distillation's forward_kl_topk (``Asked`` lays out the columns).
 
 The replacement runs inside the model's own forward, so FSDP2 (which gathers the head's
 weight around that forward, and hooks the backward on the forward's outputs) and tied
