@@ -85,6 +85,10 @@ class TrainBatch:
     # [N, T-1] the teachers' (distillation): from the batch when teacher processes scored
     # it, else set by the learner's score_teachers
     logp_teacher: torch.Tensor | None = None
+    # [N, T-1, K] the teacher's K most likely tokens at each scored position: log-probs and
+    # ids (long); this rank's rows only (distillation.loss_mode forward_kl_topk)
+    teacher_topk_logp: torch.Tensor | None = None
+    teacher_topk_ids: torch.Tensor | None = None
     values: torch.Tensor | None = None  # [N, T-1] the critic's, before its update (gae)
     # This batch in host memory, when it was copied to a device (``to``): the learner
     # decides its passes' shapes from it, without reading the device

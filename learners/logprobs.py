@@ -15,7 +15,10 @@ sample's observations, not over padding. ``token_stats`` runs the model once wit
   [chunk_tokens, vocab] (and the few tensors of the same size its log softmax and its
   backward make). The model returns these per-token values as its "logits".
   ``chunk_tokens=0`` keeps the model's own head over every kept column instead, so the
-  [N, K, V] logits exist at once (the plain path, for comparison).
+  [N, K, V] logits exist at once (the plain path, for comparison). On request the same
+  chunks also give each position's ``top_k`` most likely tokens and their log-probs, or
+  the log-probs of ids given per position (``at_ids``, with their gradient): the two
+  sides of distillation's forward_kl_topk (``Asked`` lays out the columns).
 
 The replacement runs inside the model's own forward, so FSDP2 (which gathers the head's
 weight around that forward, and hooks the backward on the forward's outputs) and tied
@@ -107,6 +110,40 @@ class TokenStats:
     computed: int = 0
     real: int = 0
     tokens: int = 0
+    # With ``top_k``: the K most likely tokens' log-probs [N, T-1, K] (largest first) and
+    # their ids (long); with ``at_ids``: the log-probs of those ids [N, T-1, K]. 0 where
+    # not masked.
+    top_logp: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    ids_logp: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What a pass computes at each masked position, as columns of one [..., width]
+    tensor (a head's output is one tensor): the target's log-prob, its entropy, the
+    ``top_k`` largest log-probs and their ids (as floats: exact below 2^24, above any
+    vocabulary), and the log-probs of ``ids`` given ids."""
+
+    entropy: bool = False
+    top_k: int = 0
+    ids: int = 0  # K of the given ids (0: none)
+
+    @property
+    def width(self) -> int:
+        return 1 + self.entropy + 2 * self.top_k + self.ids
+
+    def split(self, values: torch.Tensor) -> dict[str, torch.Tensor | None]:
+        """``values`` [..., width] -> ``TokenStats``' fields (the ids as long)."""
+        cuts = [1, int(self.entropy), self.top_k, self.top_k, self.ids]
+        parts = dict(zip(("logp", "entropy", "top_logp", "top_ids", "ids_logp"),
+                         values.split(cuts, dim=-1), strict=True))  # fmt: skip
+        out: dict[str, torch.Tensor | None] = {"logp": parts["logp"][..., 0]}
+        out["entropy"] = parts["entropy"][..., 0] if self.entropy else None
+        out["top_logp"] = parts["top_logp"] if self.top_k else None
+        out["top_ids"] = parts["top_ids"].long() if self.top_k else None
+        out["ids_logp"] = parts["ids_logp"] if self.ids else None
+        return out
 
 
 def logits_of(
@@ -119,21 +156,32 @@ def logits_of(
     return logits if temperature == 1.0 else logits / temperature
 
 
-def _stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool):
-    """(log-prob of each target, entropy or None) of logits [M, V], in float32 (or the
-    logits' own dtype when wider)."""
+def _values(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    asked: Asked,
+    ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``asked``'s columns [..., width] of logits [..., V] at targets [...] (and ``ids``
+    [..., K] long), in float32 (or the logits' own dtype when wider)."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if temperature != 1.0:
         logits = logits / temperature
     logprobs = torch.log_softmax(logits, dim=-1)
-    logp = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    ent = -(logprobs.exp() * logprobs).sum(-1) if entropy else None
-    return logp, ent
+    columns = [logprobs.gather(-1, targets.unsqueeze(-1))]
+    if asked.entropy:
+        columns.append(-(logprobs.exp() * logprobs).sum(-1, keepdim=True))
+    if asked.top_k:
+        top = logprobs.topk(asked.top_k, dim=-1)
+        columns += [top.values, top.indices.to(logprobs.dtype)]
+    if asked.ids:
+        columns.append(logprobs.gather(-1, ids))
+    return torch.cat(columns, dim=-1)
 
 
-def _head_stats(hidden, weight, bias, targets, temperature: float, entropy: bool):
-    logp, ent = _stats(F.linear(hidden, weight, bias), targets, temperature, entropy)
-    return (logp, ent) if entropy else (logp,)
+def _head_values(hidden, weight, bias, targets, temperature: float, asked: Asked, ids):
+    return _values(F.linear(hidden, weight, bias), targets, temperature, asked, ids)
 
 
 def _inner(model):
@@ -168,13 +216,19 @@ def token_stats(
     entropy: bool = False,
     options: PassOptions | None = None,
     plan: PassPlan | None = None,
+    top_k: int = 0,
+    at_ids: torch.Tensor | None = None,
 ) -> TokenStats:
     """Log-probs (and entropies) of ids [N, T] (right-padded) at the positions where
     ``mask`` [N, T-1] is non-zero; gradients flow when grad mode is on. ``options``
     (None: the defaults) choose the chunk size, prefix sharing and padding-free packing
     (above). ``plan``: the pass's decisions made beforehand on the host (``pass_plan`` of
     the same rows), so the pass reads nothing back from the device; None: made here from
-    the tensors given (which reads them on the host).
+    the tensors given (which reads them on the host). ``top_k``: also the K most likely
+    tokens and their log-probs (a teacher's, for distillation's forward_kl_topk);
+    ``at_ids`` [N, T-1, K] long: also the log-probs of those ids (the student's of the
+    teacher's top k), with their gradient. Both are computed chunk by chunk like the
+    sampled token's, so no [tokens, vocab] tensor of the whole pass exists at once.
 
     One forward pass always runs, even for a mask with no token (a placeholder row keeps
     FSDP2's collectives in step): its last column is computed then, and left in the
@@ -183,25 +237,22 @@ def token_stats(
     if plan is None:
         plan = pass_plan(model, input_ids, attention_mask, mask, options)
     counts = {"computed": plan.computed, "real": plan.real, "tokens": plan.tokens}
+    asked = Asked(entropy, top_k, 0 if at_ids is None else at_ids.shape[-1])
     if plan.select is None:  # a model whose head cannot be sliced: the full computation
         keep = mask > 0
         if plan.placeholder:
             keep = torch.zeros_like(keep)
             keep[:, -1] = True
-        logp, ent = _stats(
-            logits_of(model, input_ids, attention_mask)[:, :-1], input_ids[:, 1:], temperature,
-            entropy,
-        )  # fmt: skip
-        zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-        return TokenStats(
-            torch.where(keep, logp, zero), None if ent is None else torch.where(keep, ent, zero),
-            **counts,
-        )  # fmt: skip
+        logits = logits_of(model, input_ids, attention_mask)[:, :-1]
+        values = _values(logits, input_ids[:, 1:], temperature, asked, at_ids)
+        zero = torch.zeros((), dtype=values.dtype, device=values.device)
+        values = torch.where(keep[..., None], values, zero)
+        return TokenStats(**asked.split(values), **counts)
     if plan.pack is not None:
-        return _packed_stats(model, input_ids, plan, temperature, entropy, options, counts)
+        return _packed_stats(model, input_ids, plan, temperature, asked, options, counts, at_ids)
     inputs = {"attention_mask": _padded_mask(attention_mask, plan.masking)}
-    logp, ent = _sliced(model, input_ids, plan.select, temperature, entropy, options, **inputs)
-    return TokenStats(logp, ent, **counts)
+    values = _sliced(model, input_ids, plan.select, temperature, asked, options, at_ids, **inputs)
+    return TokenStats(**asked.split(values), **counts)
 
 
 def _padded_mask(attention_mask: torch.Tensor, masking: str) -> torch.Tensor | None:
@@ -315,16 +366,19 @@ def _masking(model, attention_mask: torch.Tensor) -> str:
 
 
 def _sliced(
-    model, input_ids, select: Selection, temperature, entropy, options: PassOptions, **inputs
-):
+    model, input_ids, select: Selection, temperature, asked: Asked, options: PassOptions,
+    at_ids=None, **inputs,
+):  # fmt: skip
     """One forward pass of ids [N, T] (``inputs``: the model's other arguments) with the
     hidden states sliced to the columns ``select`` keeps and the log-softmax at the
-    targets computed from them: (log-probs, entropies or None), [N, T-1] each, 0 where
-    ``select`` holds no position. Index tensors only: nothing is read back on the host."""
+    targets computed from them: ``asked``'s columns [N, T-1, width], 0 where ``select``
+    holds no position (``at_ids`` [N, T-1, K]: the given ids). Index tensors only:
+    nothing is read back on the host."""
     n, t = input_ids.shape
     cols = select.cols[select.at]  # [M] each position's column among the targets
     targets = input_ids[:, 1:][select.rows, cols]
-    kept = _Kept((select.rows, select.at), targets, temperature, entropy)
+    ids = None if at_ids is None else at_ids[select.rows, cols]  # [M, K]
+    kept = _Kept((select.rows, select.at), targets, temperature, asked, ids)
     # use_cache off: a learner's pass never decodes, so no KV cache is built
     forward = partial(
         model, input_ids=input_ids, logits_to_keep=select.cols, use_cache=False, **inputs
@@ -334,11 +388,8 @@ def _sliced(
     else:
         values = _full_values(forward, kept)
 
-    def place(flat: torch.Tensor) -> torch.Tensor:
-        full = torch.zeros((n, t - 1), dtype=flat.dtype, device=flat.device)
-        return full.index_put((select.rows, cols), flat)
-
-    return place(values[:, 0]), place(values[:, 1]) if entropy else None
+    full = torch.zeros((n, t - 1, asked.width), dtype=values.dtype, device=values.device)
+    return full.index_put((select.rows, cols), values)
 
 
 @dataclass
@@ -351,11 +402,8 @@ class _Kept:
     keep: tuple[torch.Tensor, torch.Tensor]
     targets: torch.Tensor  # [M] long: the target of each, in the same order
     temperature: float
-    entropy: bool
-
-    @property
-    def width(self) -> int:
-        return 2 if self.entropy else 1
+    asked: Asked
+    ids: torch.Tensor | None = None  # [M, K] long: given ids (``Asked.ids``)
 
 
 def _chunked_values(inner, forward, kept: _Kept, options: PassOptions) -> torch.Tensor:
@@ -364,7 +412,12 @@ def _chunked_values(inner, forward, kept: _Kept, options: PassOptions) -> torch.
     the chunked log-softmax, or with ``options.fused_head`` by the fused head
     (learners/fused_head.py, chunks of ``chunk_tokens`` positions, 0: one)."""
     head = inner.get_output_embeddings()
-    chunk_tokens = options.chunk_tokens
+    chunk_tokens, asked = options.chunk_tokens, kept.asked
+    if options.fused_head and (asked.top_k or asked.ids):
+        raise ValueError(
+            "learner.fused_head computes the sampled token's log-prob and entropy only, not "
+            "the top-k log-probs distillation.loss_mode=forward_kl_topk needs"
+        )
     calls = []
 
     def head_forward(hidden: torch.Tensor) -> torch.Tensor:  # hidden: [N, K, H]
@@ -374,27 +427,28 @@ def _chunked_values(inner, forward, kept: _Kept, options: PassOptions) -> torch.
         chosen = hidden[kept.keep]  # [M, H]
         if options.fused_head:
             return head_values(
-                chosen, head.weight, head.bias, kept.targets, kept.temperature, kept.entropy,
+                chosen, head.weight, head.bias, kept.targets, kept.temperature, asked.entropy,
                 chunk_tokens,
             )  # fmt: skip
         parts = []
         for start in range(0, len(chosen), chunk_tokens):
+            part = slice(start, start + chunk_tokens)
             args = (
-                chosen[start : start + chunk_tokens], head.weight, head.bias,
-                kept.targets[start : start + chunk_tokens], kept.temperature, kept.entropy,
+                chosen[part], head.weight, head.bias, kept.targets[part], kept.temperature,
+                asked, None if kept.ids is None else kept.ids[part],
             )  # fmt: skip
             if start > 0 and torch.is_grad_enabled():
-                parts.append(checkpoint(_head_stats, *args, use_reentrant=False))
+                parts.append(checkpoint(_head_values, *args, use_reentrant=False))
             else:
-                parts.append(_head_stats(*args))
-        return torch.stack([torch.cat(column) for column in zip(*parts, strict=True)], dim=-1)
+                parts.append(_head_values(*args))
+        return torch.cat(parts)
 
     head.forward = head_forward  # an instance attribute: this call only
     try:
         values = forward().logits
     finally:
         del head.forward
-    if not calls or values.shape != (len(kept.targets), kept.width):
+    if not calls or values.shape != (len(kept.targets), asked.width):
         raise RuntimeError(f"{type(inner).__name__}'s forward did not return its head's output")
     return values
 
@@ -403,8 +457,7 @@ def _full_values(forward, kept: _Kept) -> torch.Tensor:
     """As ``_chunked_values``, through the model's own head: the [N, K, V] logits of every
     kept column at once (``chunk_tokens=0``)."""
     logits = forward().logits  # [N, K, V]
-    logp, ent = _stats(logits[kept.keep], kept.targets, kept.temperature, kept.entropy)
-    return torch.stack([logp, ent] if kept.entropy else [logp], dim=-1)
+    return _values(logits[kept.keep], kept.targets, kept.temperature, kept.asked, kept.ids)
 
 
 @dataclass
@@ -593,18 +646,21 @@ def _placing(pack: Packing, keep: torch.Tensor) -> tuple[tuple[torch.Tensor, ...
 
 
 def _packed_stats(
-    model, input_ids, plan: PassPlan, temperature, entropy, options: PassOptions, counts: dict
-) -> TokenStats:
-    """One pass over the packed rows of ``plan``; outputs as ``token_stats``'s, [N, T-1]."""
+    model, input_ids, plan: PassPlan, temperature, asked: Asked, options: PassOptions,
+    counts: dict, at_ids=None,
+) -> TokenStats:  # fmt: skip
+    """One pass over the packed rows of ``plan``; outputs as ``token_stats``'s, [N, T-1]
+    (``at_ids`` [N, T-1, K] moved to the packed rows' places first)."""
     n, t = input_ids.shape
     pack, (rows, orig, packed_row, packed_col) = plan.pack, plan.place
     inputs = {"position_ids": pack.positions}
     if pack.attend is not None:
         inputs["attention_mask"] = pack.attend
-    logp, ent = _sliced(model, pack.ids, plan.select, temperature, entropy, options, **inputs)
-
-    def place(values: torch.Tensor) -> torch.Tensor:  # [B, S-1] -> [N, T-1]
-        full = torch.zeros((n, t - 1), dtype=values.dtype, device=values.device)
-        return full.index_put((rows, orig), values[packed_row, packed_col])
-
-    return TokenStats(place(logp), None if ent is None else place(ent), **counts)
+    if at_ids is not None:
+        b, s = pack.ids.shape
+        packed = at_ids.new_zeros((b, s - 1, at_ids.shape[-1]))
+        at_ids = packed.index_put((packed_row, packed_col), at_ids[rows, orig])
+    values = _sliced(model, pack.ids, plan.select, temperature, asked, options, at_ids, **inputs)
+    full = torch.zeros((n, t - 1, asked.width), dtype=values.dtype, device=values.device)
+    full = full.index_put((rows, orig), values[packed_row, packed_col])  # [B, S-1] -> [N, T-1]
+    return TokenStats(**asked.split(full), **counts)

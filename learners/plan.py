@@ -119,8 +119,8 @@ class MicroRows:
     plan: PassPlan | None = None  # the pass's positions and packing, decided on the host
 
     def take(self, t: torch.Tensor) -> torch.Tensor:
-        t = t[self.idx]
-        return t[:, : self.width - 1] if t.dim() == 2 and t.shape[1] > 1 else t
+        t = t[self.idx]  # [n, T-1], [n, T-1, K]; [n] or [n, 1] (a value a row) kept whole
+        return t[:, : self.width - 1] if t.dim() == 3 or (t.dim() == 2 and t.shape[1] > 1) else t
 
     def inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
         return input_ids[self.idx, : self.width], attention_mask[self.idx, : self.width]

@@ -306,10 +306,11 @@ class _Update:
         rows_mask = rows.mask(mask)
         ids, attn = rows.inputs(batch.input_ids, batch.attention_mask)
         entropy = self.bonus or at_prox or self.given
+        top_ids = None if batch.teacher_topk_ids is None else rows.take(batch.teacher_topk_ids)
         with torch.enable_grad() if self.step else torch.no_grad():
             stats = token_stats(
                 self.model, ids, attn, rows_mask, self.temperature, entropy, self.passes,
-                rows.plan,
+                rows.plan, at_ids=top_ids,
             )  # fmt: skip
             self.clock.count(stats)
             logp = stats.logp
@@ -319,9 +320,11 @@ class _Update:
             inputs, corr = actor_inputs(logp, prox, behav, adv, rows_mask, algo, seed, given=given)
             ref = None if batch.logp_ref is None else rows.take(batch.logp_ref)
             teacher = None if batch.logp_teacher is None else rows.take(batch.logp_teacher)
+            topk = None if top_ids is None else (stats.ids_logp, rows.take(batch.teacher_topk_logp))
             out = actor_loss(
-                inputs, algo, stats.entropy if self.bonus else None, ref, agg, teacher, self.distill
-            )
+                inputs, algo, stats.entropy if self.bonus else None, ref, agg, teacher, self.distill,
+                topk,
+            )  # fmt: skip
         self.clock.lap("forward_s")
         if self.step:
             self.hooks.backward(out.total)
@@ -441,13 +444,15 @@ def actor_loss(
     batch: GlobalBatch | None = None,
     logp_teacher: torch.Tensor | None = None,
     distill=None,
+    topk: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> ActorLoss:
     """``algo.loss_mode``'s loss on ``inputs``, minus ``algo.entropy_coeff`` times the
     aggregated ``entropy``, plus ``algo.kl.loss_coef`` times the aggregated KL to
     ``logp_ref``: all aggregated with ``batch``'s denominators (``Minibatch.global_batch``;
     by default this batch's own and ``algo.loss_scale_factor``) and ``algo.loss_agg_mode``.
     With ``logp_teacher``, the distillation term joins as ``distill`` (the distillation
-    section) says (verl_async/algos/distillation.py)."""
+    section) says (verl_async/algos/distillation.py); with ``topk`` (the student's and the
+    teacher's log-probs [N, T-1, K] of the teacher's top-k tokens) it is forward_kl_topk's."""
     batch = batch or GlobalBatch(loss_scale_factor=algo.loss_scale_factor)
     pg = policy_loss(inputs, algo, batch)
     total = pg.loss
@@ -461,7 +466,10 @@ def actor_loss(
         total = total + algo.kl.loss_coef * kl_loss
     if logp_teacher is None:
         return ActorLoss(total, pg, kl_loss)
-    term = distillation.distillation_term(inputs, logp_teacher, distill, algo, batch)
+    if topk is not None:
+        term = distillation.topk_term(inputs, *topk, distill, algo, batch)
+    else:
+        term = distillation.distillation_term(inputs, logp_teacher, distill, algo, batch)
     return ActorLoss(distillation.combine(total, term.loss, distill), pg, kl_loss, term.loss)
 
 

@@ -8,7 +8,11 @@
   snapshots then hold finished rollouts, not only groups in flight);
 - ``--gate FILE``: update n (counted from 1) waits until FILE holds an integer >= n, so a
   test paces the run by what it has done itself (a fuzzer's messages, say) instead of by
-  the machine's speed.
+  the machine's speed;
+- ``--ahead``: the update of step s waits until the buffer has received a group of a step
+  after s, so the cut at the barrier after it holds a finished rollout on any machine (a
+  delay only makes that likely: a loaded machine can slow the generator more than the
+  learner).
 
 In a real run the learner role is started as this module (``benchmarks/custom_learner.py``)::
 
@@ -87,6 +91,35 @@ def gated_updates(path: str, timeout_s: float = GATE_TIMEOUT_S) -> None:
     Learner.update = gated
 
 
+def ahead_updates(poll_s: float = 0.02, timeout_s: float = GATE_TIMEOUT_S) -> None:
+    """Make the update of step s wait until the buffer has received a group of a step
+    after s (the last step: all of its own). Groups have consecutive ids and step s trains
+    ids sB .. sB + B - 1 (buffer/ledger.py, no dynamic sampling), and the buffer's
+    ``consumed`` is the first id not yet handed to a step while ``returned`` counts the
+    groups it holds, all at or past that id: so ``consumed + returned`` groups have come
+    back, and more than (s + 1) B of them means one of a step after s has. Such a group is
+    in the cut taken at step s + 1 (stored, or handed out for a later step and put back)."""
+    from learners.trainer import Learner
+    from verl_async import protocol as P
+
+    update = Learner.update
+
+    @functools.wraps(update)
+    def ahead(self, *args, **kwargs):
+        b, total = self.cfg.learner.groups_per_step, self.cfg.trainer.total_steps
+        want = min((self.steps_done + 1) * b + 1, total * b)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats, _ = self.client.request(P.GetStats())
+            if (got := stats.consumed + stats.returned) >= want:
+                return update(self, *args, **kwargs)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"--ahead: the buffer stayed at {got}/{want} groups back")
+            time.sleep(poll_s)
+
+    Learner.update = ahead
+
+
 def main() -> None:
     from benchmarks.custom_learner import run_learner
 
@@ -94,6 +127,7 @@ def main() -> None:
     parser.add_argument("--write-delay-s", type=float, default=0.0)
     parser.add_argument("--update-delay-s", type=float, default=0.0)
     parser.add_argument("--gate", default="")
+    parser.add_argument("--ahead", action="store_true")
     args, rest = parser.parse_known_args()
     if args.write_delay_s:
         # The learner's ``Checkpoints`` builds its writer as ``writer.Checkpointer(...)``.
@@ -102,6 +136,8 @@ def main() -> None:
         slow_updates(args.update_delay_s)
     if args.gate:
         gated_updates(args.gate)
+    if args.ahead:
+        ahead_updates()
     run_learner(rest)
 
 

@@ -304,11 +304,19 @@ def check_distillation(cfg: RunConfig) -> None:
             "that does not depend on the teacher; use k3 (or k2, abs), or set "
             "distillation.use_policy_gradient=true to use it as a per-token reward"
         )
-    if d.loss_mode == "forward_kl_topk":
+    if d.loss_mode == "forward_kl_topk" and cfg.learner.fused_head:
         raise ConfigError(
-            "bad value for 'distillation.loss_mode': forward_kl_topk is not run by the learner "
-            "yet (its loss functions exist, the learner's pass does not give the student's "
-            "log-probs of the teacher's top-k tokens); use a reverse-KL estimator such as k3"
+            "bad value for 'learner.fused_head': the fused head gives the sampled token's "
+            "log-prob only, and distillation.loss_mode=forward_kl_topk needs the student's "
+            "log-probs of the teacher's top-k tokens; set learner.fused_head=false or use a "
+            "reverse-KL estimator such as k3"
+        )
+    if d.loss_mode == "forward_kl_topk" and d.scoring == "process":
+        raise ConfigError(
+            "bad value for 'distillation.scoring': a teacher process sends the log-probs of "
+            "the sampled tokens only, and distillation.loss_mode=forward_kl_topk needs the "
+            "teacher's top-k tokens; set distillation.scoring=learner or use a reverse-KL "
+            "estimator such as k3"
         )
 
 

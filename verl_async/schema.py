@@ -437,8 +437,15 @@ class DistillationConfig(_Section):
     again (a teacher that died is restarted meanwhile), the group held until scored."""
     loss_mode: DistillLossMode = "k3"
     """Per-token divergence: kl/k1, abs, mse/k2, low_var_kl/k3 (reverse-KL estimators on the
-    sampled token); forward_kl_topk (forward KL over the teacher's top-k tokens) is refused:
-    the learner does not run it yet (docs/distillation.md)."""
+    sampled token); forward_kl_topk (forward KL over the teacher's ``topk`` most likely
+    tokens at each sampled position; teachers in the learner, not with learner.fused_head)."""
+    topk: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 32
+    """forward_kl_topk: how many of the teacher's most likely tokens each position compares
+    (at most the vocabulary's size); each adds a log-prob and a token id per scored token
+    to the step's batch."""
+    log_prob_min_clamp: Annotated[float, msgspec.Meta(lt=0)] | None = None
+    """forward_kl_topk: both models' top-k log-probs clamped below at this value before the
+    KL (null: not clamped)."""
     use_task_rewards: bool = True
     """Keep the task's policy loss (rewards, entropy bonus, KL term) beside the distillation
     term; false: the distillation term alone is the loss."""

@@ -65,17 +65,20 @@ def _overrides(data: Path) -> list[str]:
 
 
 def _launch(
-    args: list[str], write_delay_s: float = 0.0, gate: Path | None = None
+    args: list[str], write_delay_s: float = 0.0, gate: Path | None = None, ahead: bool = False
 ) -> subprocess.Popen:
     """``verl-async ARGS`` with the learner slowed down (tests/slow_learner.py): each update
-    by ``UPDATE_DELAY_S``, so the generator stays ahead of it on any machine and the
-    snapshots hold finished rollouts; with ``write_delay_s`` each checkpoint write by that
-    much, so a kill can land inside one; with ``gate`` each update waits for the file
-    ``gate`` to allow it (``--gate``), so the run stops where the test wants it."""
+    by ``UPDATE_DELAY_S``, so the generator usually runs ahead of it; with ``write_delay_s``
+    each checkpoint write by that much, so a kill can land inside one; with ``gate`` each
+    update waits for the file ``gate`` to allow it (``--gate``), so the run stops where the
+    test wants it; with ``ahead`` the update of step s waits until the buffer has a group
+    of a later step (``--ahead``), so every cut holds a finished rollout on any machine."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     slow = ["--update-delay-s", str(UPDATE_DELAY_S), "--write-delay-s", str(write_delay_s)]
     if gate is not None:
         slow += ["--gate", str(gate)]
+    if ahead:
+        slow.append("--ahead")
     return subprocess.Popen(
         command("tests.slow_learner", slow, args),
         cwd=ROOT,
@@ -257,10 +260,12 @@ def _crash_and_resume(
 
     # 1. Between checkpoints: step 6 committed, steps 7..8 trained, step 9 not reached.
     # The learner may take 8 updates and no more, so the step-6 write (in the background)
-    # has all the time it needs to commit before the kill, however slow the disk.
+    # has all the time it needs to commit before the kill, however slow the disk. With
+    # three crashes the cuts of this launch hold finished rollouts whatever the machine's
+    # speed (``ahead``): the two resumes from step 6 restore stored groups.
     gate = tmp / "gate"
     gate.write_text("8")
-    proc = _launch([*train, "--run-dir", str(run_dir)], gate=gate)
+    proc = _launch([*train, "--run-dir", str(run_dir)], gate=gate, ahead=crashes == 3)
     _kill_when(proc, lambda: 6 in committed_steps(run_dir) and steps_done(run_dir) == 8)
     _settle(run_dir)
     if crashes == 3:
@@ -318,6 +323,12 @@ def _resume_from_a_damaged_checkpoint(run_dir: Path, resume) -> None:
 
 def test_every_prompt_is_trained_exactly_once_across_three_crashes(crashed_and_resumed):
     _audit_exactly_once(crashed_and_resumed)
+    # The first launch ran ``ahead``: its step-6 cut holds stored groups, restored by the
+    # first two resumes (a resume from a cut of nothing but groups in flight is the
+    # weaker case, met by the other fixtures on a fast generator or a slow one).
+    restored = _restored(crashed_and_resumed)
+    assert [r[0] for r in restored[:2]] == [6, 6], restored
+    assert restored[0][1] > 0, "the step-6 cut held no stored rollout"
 
 
 def test_exactly_once_holds_with_a_critic_and_a_reference(crashed_and_resumed_with_critic):
@@ -402,18 +413,25 @@ def _audit_exactly_once(run_dir: Path, resumes: int = 3) -> None:
         assert row["staleness_max"] <= ETA and row["dropped_stale"] == 0, row
     log = (run_dir / "logs" / "learner.log").read_text()
     assert log.count("resumed from step_") == resumes
-    restored = [
-        line
-        for line in (run_dir / "logs" / "buffer.log").read_text().splitlines()
-        if "restored step" in line
-    ]
-    assert len(restored) == resumes
-    # Whether the buffer held finished groups at a cut depends on how far the generators
-    # ran ahead (the machine's speed): asked only of the three-crash run, where three cuts
-    # are restored (the buffer's own tests restore stored groups by construction).
-    assert resumes < 3 or any(" 0 groups stored" not in line for line in restored), (
-        "no stored rollout was restored"
-    )
+    assert len(_restored(run_dir)) == resumes
+
+
+def _restored(run_dir: Path) -> list[tuple[int, int]]:
+    """(step, groups stored) of each restore in buffer.log, in order; each must match the
+    cut the buffer took at that step (its last ``snapshot at step`` line before the
+    restore: a later launch that takes the same step again does so after the restore)."""
+    cuts: dict[int, int] = {}
+    restored = []
+    for line in (run_dir / "logs" / "buffer.log").read_text().splitlines():
+        if "snapshot at step " in line:
+            step, rest = line.split("snapshot at step ")[1].split(": ", 1)
+            cuts[int(step)] = int(rest.split(" groups stored")[0])
+        elif "restored step " in line:
+            step, rest = line.split("restored step ")[1].split(",", 1)
+            stored = int(rest.split(": ")[1].split(" groups stored")[0])
+            assert cuts.get(int(step)) == stored, (line, cuts)
+            restored.append((int(step), stored))
+    return restored
 
 
 def _kill_role(run_dir: Path, module: str, rng: random.Random = random) -> None:

@@ -190,8 +190,12 @@ def base(*extra: str) -> list[str]:
             "distillation.loss_mode",
         ),  # fmt: skip
         (
-            base("distillation.teachers=[{name: a}]", "distillation.loss_mode=forward_kl_topk"),
-            "distillation.loss_mode",
+            base(
+                "distillation.teachers=[{name: a}]",
+                "distillation.loss_mode=forward_kl_topk",
+                "learner.fused_head=true",
+            ),
+            "learner.fused_head",
         ),  # fmt: skip
         (
             base("distillation.teachers=[{name: a}]", "model.path=models/x"),

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from learners.fused_head import FusedHead, head_values
-from learners.logprobs import PassOptions, _head_stats, token_stats
+from learners.logprobs import Asked, PassOptions, _head_values, token_stats
 from tests.unit.test_logprobs import _batch, _model
 
 M, H, V = 13, 16, 97
@@ -25,17 +25,17 @@ def _inputs(dtype=torch.float32, bias=True):
 
 
 def _chunked(hidden, weight, bias, targets, temperature, entropy, chunk):
-    """The chunked head as learners/logprobs.py runs it: ``_head_stats`` per chunk,
+    """The chunked head as learners/logprobs.py runs it: ``_head_values`` per chunk,
     every chunk after the first under activation checkpointing."""
     from torch.utils.checkpoint import checkpoint
 
     parts = []
     for start in range(0, M, chunk):
         args = (hidden[start : start + chunk], weight, bias, targets[start : start + chunk],
-                temperature, entropy)  # fmt: skip
-        parts.append(checkpoint(_head_stats, *args, use_reentrant=False) if start else
-                     _head_stats(*args))  # fmt: skip
-    return torch.stack([torch.cat(column) for column in zip(*parts, strict=True)], dim=-1)
+                temperature, Asked(entropy), None)  # fmt: skip
+        parts.append(checkpoint(_head_values, *args, use_reentrant=False) if start else
+                     _head_values(*args))  # fmt: skip
+    return torch.cat(parts)
 
 
 def _grads(values, upstream, leaves):

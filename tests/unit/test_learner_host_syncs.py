@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from benchmarks.learner_ops import HostSyncs, Step, grpo_batch
+from learners.update import policy_update
 from verl_async.launch.tiny_model import build_tiny_model
 from verl_async.schema import AlgoConfig, LearnerConfig, TinyModelConfig
 
@@ -121,3 +122,34 @@ def test_the_guard_skips_a_nonfinite_step_without_reading_the_device(bad):
         assert all(torch.equal(opt.state[p][k], v) for k, v in s.items())
     assert int(step(1.0)[1]) == 0
     assert not torch.equal(next(model.parameters()), weights[0])
+
+
+@pytest.mark.parametrize("use_policy_gradient", [False, True], ids=["loss", "reward"])
+def test_forward_kl_topk_reads_the_device_once(tiny, use_policy_gradient):
+    """Distillation's forward_kl_topk: the teacher's top k (scored before the update, as
+    the learner does) joins the student's chunked pass as index tensors."""
+    from learners.logprobs import PassOptions
+    from learners.teacher import teacher_pass
+    from verl_async.schema import DistillationConfig, TeacherConfig
+
+    algo, learner = AlgoConfig(), LearnerConfig()
+    batch, adv = grpo_batch(groups=3, samples=4, prompt=12, vocab=tiny.config.vocab_size)
+    top = teacher_pass(tiny, batch, 1.0, PassOptions.of(learner), top_k=4)  # itself as teacher
+    batch.logp_teacher, batch.teacher_topk_logp, batch.teacher_topk_ids = (
+        top.logp,
+        top.top_logp,
+        top.top_ids,
+    )
+    distill = DistillationConfig(
+        enabled=True, loss_mode="forward_kl_topk", topk=4, teachers=[TeacherConfig(name="t")],
+        use_policy_gradient=use_policy_gradient,
+    )  # fmt: skip
+    step = Step(tiny, batch, adv, algo, learner)
+    plan = step.plan()
+    with HostSyncs() as syncs:
+        stats = policy_update(
+            tiny, step.optimizer, batch, adv, algo, step.hooks, plan=plan, version=0,
+            learner=learner, distill=distill,
+        )  # fmt: skip
+    assert stats.optimizer_steps == algo.minibatches and stats.distill_loss is not None
+    assert dict(syncs.calls) == ONE_READ

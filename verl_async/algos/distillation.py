@@ -29,9 +29,9 @@ order:
      loss, entropy bonus and KL term all dropped, as verl drops its whole ppo_loss).
 
 The masked positions never reach a value or a gradient: everything is aggregated over the
-mask. Pure torch; the learner's teacher pass (learners/teacher.py) supplies t. The learner
-does not run forward_kl_topk yet (the config refuses it): its functions here are verl's,
-tested, waiting for a log-prob pass that gives the student's s_k with their gradient.
+mask. Pure torch; the learner's teacher pass (learners/teacher.py) supplies t, and for
+forward_kl_topk the teacher's top k (t_k and the ids); the actor's log-prob pass
+(learners/logprobs.py, ``token_stats(at_ids=...)``) gives s_k with their gradient.
 """
 
 from __future__ import annotations
@@ -155,3 +155,19 @@ def distillation_term(
     ``distillation_loss``."""
     losses = estimator_losses(inputs.logp, teacher_logp, settings.loss_mode)
     return distillation_loss(losses, inputs, settings, algo, batch)
+
+
+def topk_term(
+    inputs: LossInputs,
+    student_topk: torch.Tensor,
+    teacher_topk: torch.Tensor,
+    settings,
+    algo,
+    batch: GlobalBatch,
+) -> DistillLoss:
+    """The distillation term of forward_kl_topk: the student's log-probs ``student_topk``
+    [N, T, K] (with their gradient) of the teacher's top-k tokens, whose log-probs are
+    ``teacher_topk`` [N, T, K], clamped below at ``settings.log_prob_min_clamp``, through
+    ``distillation_loss`` (as a loss, or as a reward on ``inputs.logp``)."""
+    top = forward_kl_topk(student_topk, teacher_topk, settings.log_prob_min_clamp)
+    return distillation_loss(top.loss, inputs, settings, algo, batch)
