@@ -231,6 +231,16 @@ def crashed_and_resumed_agents(tmp_path_factory) -> Path:
     )
 
 
+@pytest.fixture(scope="module")
+def crashed_and_resumed_distill(tmp_path_factory) -> Path:
+    return _crash_and_resume(
+        tmp_path_factory.mktemp("crash_distill"),
+        [],
+        config="configs/tiny_distill.yaml",
+        crashes=1,
+    )
+
+
 def _crash_and_resume(
     tmp: Path,
     extra: list[str],
@@ -396,6 +406,19 @@ def test_exactly_once_holds_with_agent_episodes_in_flight(crashed_and_resumed_ag
     rows = _rows(run_dir / "metrics.jsonl")
     assert all("multiturn/turns_mean" in r for r in rows)
     assert sum(r["multiturn/tool_calls"] for r in rows) > 0
+
+
+def test_exactly_once_holds_with_a_distillation_teacher_process(crashed_and_resumed_distill):
+    """A teacher in a process of its own dies with the tree and starts again with each
+    resume; groups in flight at a kill are sampled and scored again, stored ones keep the
+    teacher log-probs the cut holds, and every trained token has its teacher's score."""
+    run_dir = crashed_and_resumed_distill
+    _audit_exactly_once(run_dir, resumes=1)
+    rows = _rows(run_dir / "metrics.jsonl")
+    assert all(r["distill/scored_fraction"] == 1.0 for r in rows)
+    assert all(r["distill/tiny_seed1/tokens"] > 0 for r in rows)
+    log = (run_dir / "logs" / "teacher_tiny_seed1.log").read_text()
+    assert log.count("serving on") == 2  # the first launch and the resume
 
 
 def _audit_exactly_once(run_dir: Path, resumes: int = 3) -> None:
