@@ -4,7 +4,7 @@
                                       [--teacher RUN_DIR] [--val PATH] [--eval-every 10]
                                       [--eval-prompts 0] [--fraction 0.9]
                                       [--out runs/distillation]
-                                      [--plot PATH] [key=value ...]
+                                      [--plot PATH] [--replot JSON] [key=value ...]
 
 First the teacher: ``verl-async train configs/tiny.yaml`` for --teacher-steps steps with
 evaluation rounds on --val (greedy, every --eval-every steps), then ``verl-async export``.
@@ -28,6 +28,8 @@ made those weights), the held-out curve, ``distill/<teacher>/reverse_kl`` and
 ``reward_mean`` over the first and last 10 steps, the median step time and the machine's
 mean 1-minute load average while it ran (other work on the cores slows the wall-clock). Writes
 ``distillation.json``, ``distillation.md`` (the tables) and, with matplotlib, the plot.
+``--replot JSON`` draws the tables and the plot again from a saved ``distillation.json``
+(--fraction may differ), running nothing.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from common import (  # noqa: E402
     machine,
     mean,
     read_jsonl,
+    rolling,
     run_to_end,
     run_train,
     sampled_load,
@@ -186,11 +189,46 @@ def line(res: dict) -> str:
     )
 
 
+def faster(mine: float | None, rl: float | None) -> str:
+    """'yes' when ``mine`` got there and RL alone did later or not at all, else 'no'."""
+    return "yes" if mine is not None and (rl is None or mine < rl) else "no"
+
+
+def verdicts(results: list[dict], target: float) -> list[dict]:
+    """Each distillation run against RL alone of its seed: reached ``target`` in fewer
+    steps, and in less learner wall-clock?"""
+    rl = {r["seed"]: first_reaching(r["curve"], target) for r in results if r["arm"] == "rl"}
+    out = []
+    for r in results:
+        if r["arm"] == "rl" or r["seed"] not in rl:
+            continue
+        step, wall = first_reaching(r["curve"], target)
+        rl_step, rl_wall = rl[r["seed"]]
+        out.append(
+            {
+                "arm": r["arm"],
+                "seed": r["seed"],
+                "steps": faster(step, rl_step),
+                "wall": faster(wall, rl_wall),
+                "step": step,
+                "rl_step": rl_step,
+                "wall_s": wall,
+                "rl_wall_s": rl_wall,
+            }
+        )
+    return out
+
+
+def reach(r: dict, target: float) -> str:
+    step, wall = first_reaching(r["curve"], target)
+    return f"{fmt(step, 'd')} ({fmt(wall, '.0f')})"
+
+
 def markdown(results: list[dict], record: dict, args) -> str:
-    pct = f"{args.fraction:.0%}"
+    pct, score = f"{args.fraction:.0%}", record["score"]
     out = [
-        f"Teacher: {record['steps']} steps, held-out score {record['score']:.3f} "
-        f"(target); {pct} of it: {args.fraction * record['score']:.3f}.",
+        f"Teacher: {record['steps']} steps, held-out score {score:.3f} (target); "
+        f"{pct} of it: {args.fraction * score:.3f}.",
         "",
         f"| arm | seed | held-out first → last (best) | teacher's score at step (s) "
         f"| {pct} at step (s) | reverse KL first → last 10 | reward_mean first → last 10 "
@@ -198,13 +236,21 @@ def markdown(results: list[dict], record: dict, args) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
+        load = r.get("load_mean")
         out.append(
             f"| {r['arm']} | {r['seed']} | {fmt(r['eval_first'])} → {fmt(r['eval_final'])} "
-            f"({fmt(r['eval_best'])}) | {fmt(r['reach_step'], 'd')} "
-            f"({fmt(r['reach_wall_s'], '.0f')}) | {fmt(r['reach_frac_step'], 'd')} "
-            f"({fmt(r['reach_frac_wall_s'], '.0f')}) | {fmt(r['reverse_kl_first10'])} → "
-            f"{fmt(r['reverse_kl_last10'])} | {r['reward_first10']:.3f} → "
-            f"{r['reward_last10']:.3f} | {r['step_s_median']:.3f} | {r['load_mean']:.1f} |"
+            f"({fmt(r['eval_best'])}) | {reach(r, score)} | {reach(r, args.fraction * score)} "
+            f"| {fmt(r['reverse_kl_first10'])} → {fmt(r['reverse_kl_last10'])} "
+            f"| {r['reward_first10']:.3f} → {r['reward_last10']:.3f} "
+            f"| {r['step_s_median']:.3f} | {fmt(load, '.1f')} |"
+        )
+    out += ["", "| arm | seed | teacher's score sooner than RL alone: steps | wall-clock |"]
+    out.append("|---|---|---|---|")
+    for v in verdicts(results, score):
+        out.append(
+            f"| {v['arm']} | {v['seed']} | {v['steps']} ({fmt(v['step'], 'd')} vs "
+            f"{fmt(v['rl_step'], 'd')}) | {v['wall']} ({fmt(v['wall_s'], '.0f')} s vs "
+            f"{fmt(v['rl_wall_s'], '.0f')} s) |"
         )
     return "\n".join(out) + "\n"
 
@@ -228,14 +274,14 @@ def plot(results: list[dict], record: dict, path: Path, args) -> None:
         axes[0].plot([p["step"] for p in r["curve"]], [p["score"] for p in r["curve"]], **kw)
         axes[1].plot([p["wall_s"] for p in r["curve"]], [p["score"] for p in r["curve"]], **kw)
         if r["reverse_kl"]:
-            axes[2].plot(r["reverse_kl"], **kw)
+            axes[2].plot(rolling(r["reverse_kl"], 10), **kw)
     for ax in axes[:2]:
         ax.axhline(record["score"], color="black", linewidth=0.8, label="teacher")
         ax.set_ylabel("held-out score (greedy)")
     axes[0].set_xlabel("learner step")
     axes[1].set_xlabel("learner wall-clock (s)")
     axes[2].set_xlabel("learner step")
-    axes[2].set_ylabel(f"distill/{TEACHER}/reverse_kl")
+    axes[2].set_ylabel(f"distill/{TEACHER}/reverse_kl (trailing 10-step mean)")
     axes[2].set_yscale("log")
     axes[0].legend(fontsize=7)
     fig.suptitle(f"tiny student, teacher trained {record['steps']} steps by GRPO")
@@ -255,34 +301,33 @@ def main() -> None:
     parser.add_argument("--fraction", type=float, default=0.9)
     parser.add_argument("--out", type=Path, default=ROOT / "runs/distillation")
     parser.add_argument("--plot", type=Path, help="PNG path (default: OUT/distillation.png)")
+    parser.add_argument("--replot", type=Path, help="redraw tables and plot from this JSON")
     parser.add_argument("override", nargs="*", help="dotted.key=value for every student run")
     args = parser.parse_args()
     args.seeds = [int(x) for x in args.seeds.split(",")]
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
-    exported, target, record = teacher(args)
-    print(f"teacher: held-out {target:.3f} after {record['steps']} steps", flush=True)
-    results = run_arms(args, exported, target)
+    if args.replot:
+        summary = json.loads(args.replot.read_text())
+        record, results = summary["teacher"], summary["runs"]
+        args.seeds = list(dict.fromkeys(r["seed"] for r in results))
+        target = record["score"]
+    else:
+        exported, target, record = teacher(args)
+        print(f"teacher: held-out {target:.3f} after {record['steps']} steps", flush=True)
+        results = run_arms(args, exported, target)
+        summary = {"machine": machine(), "teacher": record, "runs": results}
+        (args.out / "distillation.json").write_text(json.dumps(summary, indent=1))
     table = markdown(results, record, args)
     (args.out / "distillation.md").write_text(table)
-    summary = {"machine": machine(), "teacher": record, "runs": results}
-    (args.out / "distillation.json").write_text(json.dumps(summary, indent=1))
     plot(results, record, args.plot or args.out / "distillation.png", args)
     print(table)
-    beat = sum(
-        1
-        for r in results
-        if r["arm"] != "rl"
-        and r["reach_step"] is not None
-        and all(
-            o["reach_step"] is None or r["reach_step"] < o["reach_step"]
-            for o in results
-            if o["arm"] == "rl" and o["seed"] == r["seed"]
-        )
-    )
+    vs = verdicts(results, target)
+    steps, wall = (sum(v[k] == "yes" for v in vs) for k in ("steps", "wall"))
     print(
-        f"summary: {beat} of {2 * len(args.seeds)} distillation runs reached the teacher's "
-        f"held-out {target:.3f} in fewer steps than RL alone of their seed ({machine()})"
+        f"summary: of {len(vs)} distillation runs, {steps} reached the teacher's held-out "
+        f"{target:.3f} in fewer steps than RL alone of their seed, {wall} in less "
+        f"wall-clock ({summary['machine']})"
     )
 
 
