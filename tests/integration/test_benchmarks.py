@@ -430,3 +430,58 @@ def test_agent_throughput(tmp_path):
     for path in ("env", "agent"):
         assert result[path]["samples_per_s"] > 0 and result[path]["turns_per_episode"] >= 1
     assert result["ratio_samples"] > 0 and "agent /" in out
+
+
+def test_distillation_replot_compares_each_arm_with_rl_alone_of_its_seed(tmp_path):
+    """The tables and verdicts from a saved distillation.json (--replot runs nothing)."""
+
+    def run(arm, seed, scores, walls, kl=()):
+        curve = [
+            {"step": 10 * i, "score": s, "wall_s": w}
+            for i, (s, w) in enumerate(zip(scores, walls, strict=True))
+        ]
+        kl = list(kl)
+        return {
+            "arm": arm,
+            "seed": seed,
+            "steps": 30,
+            "curve": curve,
+            "reverse_kl": kl,
+            "eval_first": scores[0],
+            "eval_final": scores[-1],
+            "eval_best": max(scores),
+            "reverse_kl_first10": kl[0] if kl else None,
+            "reverse_kl_last10": kl[-1] if kl else None,
+            "reward_first10": 0.1,
+            "reward_last10": 0.7,
+            "step_s_median": 0.2,
+            "load_mean": 2.0,
+        }
+
+    runs = [
+        run("rl", 1, [0.0, 0.5, 0.8, 0.8], [0, 5, 10, 15]),
+        run("distill", 1, [0.0, 0.8, 0.8, 0.8], [0, 12, 14, 16], [2.0, 0.5]),
+        run("distill+task", 1, [0.0, 0.5, 0.7, 0.7], [0, 4, 8, 12], [2.0, 1.0]),
+        run("rl", 2, [0.0, 0.4, 0.5, 0.6], [0, 5, 10, 15]),
+        run("distill", 2, [0.0, 0.4, 0.5, 0.8], [0, 3, 6, 9], [2.0, 0.1]),
+    ]
+    teacher = {"steps": 30, "score": 0.8}
+    saved = tmp_path / "saved.json"
+    saved.write_text(json.dumps({"machine": "test", "teacher": teacher, "runs": runs}))
+    out = _run(
+        "distillation.py",
+        ["--replot", str(saved), "--fraction", "0.6", "--out", str(tmp_path / "out")],
+        timeout=120,
+    )
+    assert "| distill | 1 | yes (10 vs 20) | no (12 s vs 10 s) |" in out
+    assert "| distill+task | 1 | no (— vs 20) | no (— s vs 10 s) |" in out
+    # RL alone of seed 2 never reached 0.8: the distillation run that did wins both ways.
+    assert "| distill | 2 | yes (30 vs —) | yes (9 s vs — s) |" in out
+    assert "| distill | 1 | 0.000 → 0.800 (0.800) | 10 (12) | 10 (12) | 2.000 → 0.500 |" in out
+    # --fraction 0.6 (a score of 0.48) is recomputed from the curves: 20 (10 s) for rl seed 2.
+    assert "| rl | 2 | 0.000 → 0.600 (0.600) | — (—) | 20 (10) |" in out
+    assert out.strip().endswith(
+        "summary: of 3 distillation runs, 2 reached the teacher's held-out 0.800 in fewer "
+        "steps than RL alone of their seed, 1 in less wall-clock (test)"
+    )
+    assert (tmp_path / "out/distillation.png").read_bytes()[:4] == b"\x89PNG"
