@@ -163,6 +163,9 @@ def run_arms(args, exported: Path, target: float) -> list[dict]:
                 *eval_overrides(args),
                 *seeded,
                 teachers,
+                # the teacher in the learner, as in the runs BENCHMARKS.md section 23
+                # records (a later key=value can say distillation.scoring=process)
+                "distillation.scoring=learner",
                 *arm_overrides,
                 *args.override,
             ]
