@@ -21,7 +21,7 @@ from verl_async.config import load_config, to_yaml
 from verl_async.launch import cli, local, train
 from verl_async.launch.local import LocalProcess
 from verl_async.launch.plan import Role, backoff_s
-from verl_async.launch.progress import ProgressReport, snapshot
+from verl_async.launch.progress import ProgressReport, numbers, snapshot
 from verl_async.launch.run_dir import RoleFailed
 from verl_async.launch.train import watch
 
@@ -114,6 +114,16 @@ def test_the_terminal_bar_keeps_elapsed_eta_and_numbers_whole_at_80_columns():
         assert field in final, final
     assert "…" not in final
     assert all(len(line) <= 80 for line in final.splitlines())
+
+
+def test_a_distillation_run_shows_the_reverse_kl_to_its_teachers():
+    rows = [_row(i, 2.0) for i in range(3)]
+    rows[-1] |= {"distill/a/reverse_kl": 0.5, "distill/b/reverse_kl": 0.25, "distill/a/tokens": 9}
+    snap = snapshot(rows, total=10, elapsed_s=6)
+    assert snap.teacher_kl == 0.375
+    assert numbers(snap).endswith("sync 3 ms  teacher KL 0.38")
+    assert snapshot(rows[:2], total=10, elapsed_s=4).teacher_kl is None
+    assert "teacher" not in numbers(snapshot(rows[:2], total=10, elapsed_s=4))
 
 
 # ---------------------------------------------------------------- 3: errors print verbatim

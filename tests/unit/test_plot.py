@@ -185,3 +185,18 @@ def test_trailing_mean_and_staleness_shares(tmp_path):
     run = load_runs([make_run(tmp_path / "run", steps=3, eta=2)])[0]
     # steps 0, 1, 2 at lag 0, 1, 2: 64 + (6 + 58) + (6 + 6 + 52) samples
     assert staleness_shares(run) == pytest.approx([76 / 192, 64 / 192, 52 / 192])
+
+
+def test_a_distillation_run_gets_its_figure(tmp_path):
+    """Rows with distill/* keys (teacher processes: the wait and busy seconds) add
+    distillation.png; runs without them skip it (the tests above)."""
+    run = make_run(tmp_path / "distill")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for i, row in enumerate(rows):
+        row.update({"distill/math/reverse_kl": 3.0 / (1 + i), "distill/math/tokens": 300,
+                    "distill/loss": 1.0 / (1 + i), "distill/scored_fraction": 1.0,
+                    "distill/teacher_wait_s": 0.3, "distill/teacher_busy_s": 0.1})  # fmt: skip
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    written = plot_runs([run], say=lambda line: None)
+    assert run / "plots/distillation.png" in written
+    _assert_png(run / "plots/distillation.png")

@@ -74,6 +74,27 @@ def test_per_step_generator_timing_takes_rounding_for_no_restart():
     assert row["gen_blocked_s"] == 0.0 and row["gen_idle_s"] == 0.0
 
 
+def test_teacher_waits_per_step_are_per_group_means_of_the_new_groups():
+    """distill/teacher_wait_s and teacher_busy_s: the totals' growth since the last batch
+    over the groups a teacher process scored meanwhile; none when no group was; a buffer
+    that started again counts from its new totals."""
+    import msgspec
+
+    timing = GeneratorTiming()
+    base = _stats(1.0, 0.0, 0.0)
+    at = lambda groups, wait, busy: msgspec.structs.replace(  # noqa: E731
+        base, teacher_groups=groups, teacher_s=wait, teacher_busy_s=busy
+    )
+    assert "distill/teacher_wait_s" not in timing.row(base)  # no teacher process
+    row = timing.row(at(4, 2.0, 0.4))
+    assert (row["distill/teacher_wait_s"], row["distill/teacher_busy_s"]) == (0.5, 0.1)
+    row = timing.row(at(6, 5.0, 0.6))
+    assert (row["distill/teacher_wait_s"], row["distill/teacher_busy_s"]) == (1.5, 0.1)
+    assert "distill/teacher_wait_s" not in timing.row(at(6, 5.0, 0.6))  # no new group
+    row = timing.row(at(2, 0.5, 0.25))  # the buffer started again
+    assert (row["distill/teacher_wait_s"], row["distill/teacher_busy_s"]) == (0.25, 0.125)
+
+
 def test_a_batch_carries_no_clocks_and_stats_carry_the_generator_timing():
     assert not CLOCK_FIELDS & set(P.Batch.__struct_fields__)
     assert {"gen_tokens_per_s", "gen_blocked_s", "gen_idle_s"} <= set(P.Stats.__struct_fields__)

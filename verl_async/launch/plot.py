@@ -12,6 +12,10 @@ figure; with several runs every panel overlays them, labelled by run directory n
   tokens and samples over its ``step_s``), seconds per step, learner wait, generator idle.
 - ``kl_entropy.png``: ``entropy``, ``kl``, ``actor/ppo_kl`` and the KL terms to the
   reference when they are on.
+- ``distillation.png`` (distillation runs): the reverse KL to each teacher, the
+  distillation loss, the share of sampled tokens scored, and what scoring cost (per group
+  a teacher process scored, the wait and the teacher's busy part; or the learner's
+  scoring seconds).
 
 Step series are drawn faint as they are and solid as a trailing mean over ``--window``
 steps. A figure whose data no run has is skipped, with one line saying so. Output:
@@ -151,6 +155,14 @@ def kl_entropy_series(runs: list[Run]) -> list[Series]:
     return [Series(k, _key(k)) for k in KL_ENTROPY]
 
 
+def distill_series(runs: list[Run]) -> list[Series]:
+    rows = [r for run in runs for r in run.rows]
+    teachers = [k for k in _keys(rows, "distill/") if k.endswith("/reverse_kl")]
+    rest = ("distill/loss", "distill/scored_fraction", "distill/teacher_wait_s",
+            "distill/teacher_busy_s", "distill/score_s")  # fmt: skip
+    return [Series(k, _key(k)) for k in (*teachers, *rest)]
+
+
 def lag_series(runs: list[Run]) -> list[Series]:
     return [
         Series("version lag per step, mean (staleness_mean)", _key("staleness_mean")),
@@ -196,6 +208,7 @@ FIGURES = (
     ("staleness", "staleness (version lag of trained samples)", lag_series),
     ("throughput", "stage throughput", throughput_series),
     ("kl_entropy", "KL and entropy", kl_entropy_series),
+    ("distillation", "on-policy distillation", distill_series),
 )
 
 

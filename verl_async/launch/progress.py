@@ -35,6 +35,7 @@ class Snapshot:
     samples_per_s: float | None = None
     sync_ms: float | None = None
     eta_s: float | None = None  # remaining steps x the mean step time so far
+    teacher_kl: float | None = None  # distillation: mean reverse KL to the teachers, last step
 
 
 def snapshot(rows: list[dict], total: int, elapsed_s: float) -> Snapshot:
@@ -59,7 +60,14 @@ def snapshot(rows: list[dict], total: int, elapsed_s: float) -> Snapshot:
         samples_per_s=sum(r["samples"] for r in timed) / seconds if seconds > 0 else None,
         sync_ms=last["weight_sync_s"] * 1000,
         eta_s=mean_step * max(total - len(rows), 0) if seconds > 0 else None,
+        teacher_kl=teacher_kl(last),
     )
+
+
+def teacher_kl(row: dict) -> float | None:
+    """The mean of a metrics row's ``distill/<teacher>/reverse_kl`` (None: no distillation)."""
+    values = [v for k, v in row.items() if k.startswith("distill/") and k.endswith("/reverse_kl")]
+    return sum(values) / len(values) if values else None
 
 
 def duration(seconds: float | None) -> str:
@@ -71,14 +79,16 @@ def duration(seconds: float | None) -> str:
 
 
 def numbers(snap: Snapshot) -> str:
-    """reward, version lag, generation rate, samples/s, sync time (at most ~75 characters)."""
+    """reward, version lag, generation rate, samples/s, sync time (at most ~75 characters),
+    and with distillation the reverse KL to the teachers."""
     if snap.reward is None:
         return STARTING
     samples = "-" if snap.samples_per_s is None else f"{snap.samples_per_s:.1f}"
-    return (
+    line = (
         f"reward {snap.reward:.2f}  lag {snap.lag_mean:.1f} (max {snap.lag_max})  "
         f"gen {snap.gen_tokens_per_s:.0f} tok/s  {samples} samples/s  sync {snap.sync_ms:.0f} ms"
     )
+    return line if snap.teacher_kl is None else f"{line}  teacher KL {snap.teacher_kl:.2f}"
 
 
 def plain_line(snap: Snapshot) -> str:
@@ -95,7 +105,8 @@ class _TwoLineProgress(Progress):
     def get_renderables(self):
         yield self.make_tasks_table(self.tasks)
         for task in self.tasks:
-            yield Text(task.fields.get("info", ""), no_wrap=True, overflow="ellipsis")
+            # wraps at a space: a distillation run's line is longer than 80 columns
+            yield Text(task.fields.get("info", ""))
 
 
 class ProgressReport:
