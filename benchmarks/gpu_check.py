@@ -24,6 +24,9 @@ order of what matters most (a lease cut short still leaves the first ones):
   its phases (pi_prox, forwards, backwards, optimizer) from CUDA events, the garbage
   collector's seconds; medians and spread, MFU (matrix weights and causal attention) with
   the former count beside it, peak memory.
+- ``delta-device``: a sparse weight update of one 64 MiB bf16 bucket with 4 % of its
+  words changed, on the GPU (``benchmarks/delta_device.py``): finding the changed words
+  and applying them against copying the bucket whole (why CUDA IPC sends whole updates).
 - ``profile``: one SmolLM2-shaped step under torch.profiler: kernel launches per step,
   wall and kernel seconds, the operators by device and by host time.
 - the other ``learner-*`` variants at both shapes: the fused head, full logits, each
@@ -160,10 +163,12 @@ def plan(args) -> list[Part]:
     dims = TINY_LEARNER if dry else SMOLLM2
     profile = [sys.executable, "benchmarks/gpu.py", *dims.split(), "--steps", "1", "--profile"]
     first, rest = learner_parts(out, dry)
+    delta = [sys.executable, "benchmarks/delta_device.py", "--out", str(out / "delta-device")]
     parts = [
         Part("ipc", ipc + (["--dry-run"] if dry else []), 60 if dry else 90, figures="ipc.json"),
         e2e_part("e2e-tiny", out, dry, 8 if dry else 100, [], 150 if dry else 120),
         *first,
+        Part("delta-device", delta + (["--dry-run"] if dry else []), 60, "delta_device.json"),
         Part("profile", profile + ["--out", str(out / "profile")], 60, figures="gpu.json"),
         *rest,
     ]
@@ -212,6 +217,7 @@ def read_figures(path: Path) -> dict:
             "device", "sharding", "params", "mfu", "old_mfu", "tflops_per_device", "peak_gib",
             "step_s_median", "step_s", "phases_median_s", "profile", "update_s", "bytes",
             "route", "identical", "member_died", "sender_error", "options", "warmup_s",
+            "kind", "changed", "encode_s", "apply_s", "copy_s", "delta_over_copy",
         )  # fmt: skip
         return {k: v for k, v in data.items() if k in keep}
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]

@@ -238,7 +238,8 @@ def test_gpu_check_dry_run(tmp_path):
     """The GPU lease's one script runs its whole plan at tiny sizes on the CPU: the
     same-device weight channel (a memory file here) delivers every byte, the one-device
     loop trains, every learner variant (the production path, FSDP2 at one rank, the fused
-    head among them) and the profile finish with their figures."""
+    head among them), the device-side delta check and the profile finish with their
+    figures."""
     out = _run("gpu_check.py", ["--dry-run", "--out", str(tmp_path)], timeout=1500)
     assert "parts passed" in out.splitlines()[-1]
     results = {r["part"]: r for r in json.loads((tmp_path / "results.json").read_text())}
@@ -260,6 +261,8 @@ def test_gpu_check_dry_run(tmp_path):
     assert results["learner-tiny-chunked"]["figures"]["sharding"].startswith("one rank")
     assert results["learner-tiny-fsdp2"]["figures"]["sharding"] == "FSDP2 at one rank"
     assert results["learner-tiny-fused-head"]["figures"]["options"]["fused_head"] is True
+    delta = results["delta-device"]["figures"]
+    assert delta["identical"] is True and delta["kind"] == "bitmap" and delta["copy_s"] > 0
     profile = results["profile"]["figures"]["profile"]
     assert profile["launches"] == 0 and profile["device_s"] is None and profile["host_s"] > 0
     summary = (tmp_path / "summary.md").read_text()
