@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from learners.fused_head import head_values
-from learners.logprobs import _head_stats
+from learners.logprobs import Asked, _head_values
 from verl_async.device_memory import DeviceMemory
 from verl_async.protocol import MemoryOffer
 
@@ -29,10 +29,10 @@ def _chunked(hidden, weight, targets):
     parts = []
     for start in range(0, M, CHUNK):
         args = (hidden[start : start + CHUNK], weight, None, targets[start : start + CHUNK],
-                0.7, True)  # fmt: skip
-        parts.append(checkpoint(_head_stats, *args, use_reentrant=False) if start else
-                     _head_stats(*args))  # fmt: skip
-    return torch.stack([torch.cat(column) for column in zip(*parts, strict=True)], dim=-1)
+                0.7, Asked(entropy=True), None)  # fmt: skip
+        parts.append(checkpoint(_head_values, *args, use_reentrant=False) if start else
+                     _head_values(*args))  # fmt: skip
+    return torch.cat(parts)  # [M, 2]: log-prob, entropy
 
 
 def _run(head):

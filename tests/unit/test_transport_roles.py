@@ -60,7 +60,9 @@ def test_every_request_but_the_run_s_description_belongs_to_one_role():
     assert set(LEARNER_ONLY) | set(GENERATOR_ONLY) == set(REQUESTS)
     replies = {P.Prompts, P.Ack, P.Dropped, P.Renewed, P.VersionStatus, P.Batch, P.BufferState}
     replies |= {P.NotReady, P.Stats, P.Error, P.RunInfo, P.SyncEpoch, P.Scores, P.EvalReport}
-    scoring = {P.ScoreRules, P.ScoreConversations}  # the reward processes' requests
+    replies |= {P.TokenLogprobs}
+    # the reward processes' and teachers' requests (their servers' own role tables)
+    scoring = {P.ScoreRules, P.ScoreConversations, P.ScoreTokens}
     requests = set(P.Body.__args__) - replies - scoring
     assert requests - set(REQUESTS) == {P.GetStats, P.GetRun}
 
