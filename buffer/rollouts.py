@@ -99,7 +99,7 @@ def unpack_rollout(
         prompt = _check_prompt(where, g, prompt, prompt_id, record, limits.max_response_tokens)
         data_source = record.data_source
     _check_token_ids(where, "response_ids", resp, limits.vocab_size)
-    if lp.size and not (lp.max() <= 0 and lp.min() > -np.inf):  # NaN fails both
+    if not _logprobs(lp):
         raise ProtocolError(f"{where}: behav_logprobs must be finite and <= 0")
     bounds = [0, *itertools.accumulate(g.lengths)]
     mask = _loss_mask(where, g, frames, bounds)
@@ -237,12 +237,7 @@ def _turn_rewards(
     and zero on observation tokens (a reward belongs to its turn's last sampled token)."""
     if g.turn_rewards is None:
         return None
-    rewards = vector(g.turn_rewards, frames, "float32", f"{where}: turn_rewards")
-    total = sum(g.lengths)
-    if len(rewards) != total:
-        raise ProtocolError(
-            f"{where}: turn_rewards holds {len(rewards)} values, lengths add up to {total} tokens"
-        )
+    rewards = _per_token(where, "turn_rewards", g.turn_rewards, frames, g.lengths)
     if not np.isfinite(rewards).all():
         raise ProtocolError(f"{where}: turn_rewards must be finite")
     if mask is not None and rewards[~mask.view(bool)].any():
@@ -250,6 +245,22 @@ def _turn_rewards(
             f"{where}: turn_rewards holds a nonzero reward at an observation token (loss_mask 0)"
         )
     return rewards
+
+
+def _per_token(where: str, name: str, ref, frames: list, lengths: list[int]) -> np.ndarray:
+    """A group's float32 field ``name`` of one value per response token, checked for size."""
+    values = vector(ref, frames, "float32", f"{where}: {name}")
+    total = sum(lengths)
+    if len(values) != total:
+        raise ProtocolError(
+            f"{where}: {name} holds {len(values)} values, lengths add up to {total} tokens"
+        )
+    return values
+
+
+def _logprobs(values: np.ndarray) -> bool:
+    """Every value a log-prob: finite and <= 0 (NaN fails both comparisons)."""
+    return not values.size or bool(values.max() <= 0 and values.min() > -np.inf)
 
 
 def _teacher_logprobs(
@@ -264,14 +275,8 @@ def _teacher_logprobs(
         return None
     if not required:
         raise ProtocolError(f"{where}: teacher_logprobs sent, but no teacher process scores")
-    logp = vector(g.teacher_logprobs, frames, "float32", f"{where}: teacher_logprobs")
-    total = sum(g.lengths)
-    if len(logp) != total:
-        raise ProtocolError(
-            f"{where}: teacher_logprobs holds {len(logp)} values, lengths add up to {total} tokens"
-        )
-    sampled = logp if mask is None else logp[mask.view(bool)]
-    if sampled.size and not (sampled.max() <= 0 and sampled.min() > -np.inf):  # NaN fails both
+    logp = _per_token(where, "teacher_logprobs", g.teacher_logprobs, frames, g.lengths)
+    if not _logprobs(logp if mask is None else logp[mask.view(bool)]):
         raise ProtocolError(f"{where}: teacher_logprobs must be finite and <= 0")
     if mask is not None and logp[~mask.view(bool)].any():
         raise ProtocolError(f"{where}: teacher_logprobs is nonzero at an observation token")

@@ -132,7 +132,8 @@ class Teachers:
                 logp, busy_s = await client.score(
                     prompt_ids, tokens, lengths, loss_mask, self.temperature
                 )
-                return TeacherScore(logp, time.monotonic() - t0, min(busy_s, time.monotonic() - t0))
+                waited = time.monotonic() - t0
+                return TeacherScore(logp, waited, min(busy_s, waited))
             except TeacherUnavailable as exc:
                 if attempt == MAX_ATTEMPTS:
                     break
